@@ -1,0 +1,173 @@
+"""The Python API: ``convert`` and ``audit``.
+
+::
+
+    conv = converter.convert(model, example_inputs, precision="bf16")
+    conv.module          # torch.fx.GraphModule with the casts inserted: runnable and trainable
+    conv.report.summary  # the report.json summary
+    conv.decisions       # node name -> Decision (precision, rule, reason)
+    conv.save("out/")    # the artifacts of DESIGN §7
+
+Stages (one module each, talking only through ``node.meta``): capture → decide → place → rewrite
+→ report. When a stage fails, the error names it and the stages that ran before it.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional, Union
+
+import torch
+import torch.fx
+
+from .capture import Captured, CaptureError, capture
+from .decide import BannedOpError, decide
+from .meta import Decision
+from .place import place
+from .report import Report, build_report
+from .rewrite import rewrite
+from .rules import Rules, RulesError, load_rules
+
+__all__ = ["convert", "audit", "Conversion", "PassError", "normalize_precision", "PRECISION_ALIASES"]
+
+PRECISION_ALIASES = {
+    "fp16": "fp16",
+    "float16": "fp16",
+    "16-mixed": "fp16",
+    "16": "fp16",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "bf16-mixed": "bf16",
+}
+
+
+def normalize_precision(precision: Union[str, torch.dtype]) -> str:
+    """``fp16``/``bf16`` and their aliases (``16-mixed``, ``bf16-mixed``, torch dtypes) -> fp16/bf16."""
+    if isinstance(precision, torch.dtype):
+        precision = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(precision, str(precision))
+    key = str(precision).lower()
+    if key not in PRECISION_ALIASES:
+        raise ValueError(f"unknown precision {precision!r}; use one of fp16, bf16, 16-mixed, bf16-mixed")
+    return PRECISION_ALIASES[key]
+
+
+class PassError(RuntimeError):
+    """A stage failed; the message names it and the stages that ran before it."""
+
+
+@dataclass
+class Conversion:
+    """The result of :func:`convert`."""
+
+    module: torch.fx.GraphModule
+    report: Report
+    precision: str
+    tracer: str
+    rules: Rules
+    original: torch.nn.Module
+    example_inputs: tuple
+    timings: dict = field(default_factory=dict)
+
+    @property
+    def decisions(self) -> Mapping[str, Decision]:
+        """Node name -> decision, for every compute node."""
+        return {n.name: n.meta["mp"] for n in self.module.graph.nodes if "mp" in n.meta and n.meta.get("mp_info") and n.meta["mp_info"].kind != "passive"}
+
+    def save(self, out_dir: Union[str, Path], *, force: bool = False, model_file: Optional[str] = None) -> Path:
+        """Write the artifacts of DESIGN §7 (model.py, weights, train.py, reports) atomically."""
+        from .emit import emit
+
+        return emit(self, Path(out_dir), force=force, model_file=model_file)
+
+    def export_onnx(self, path: Union[str, Path], **kwargs) -> Any:
+        from .onnx_export import export_onnx
+
+        return export_onnx(self, Path(path), **kwargs)
+
+
+def _run_stage(name: str, done: list[str], fn, *args, **kwargs):
+    try:
+        result = fn(*args, **kwargs)
+    except (RulesError, BannedOpError, CaptureError, ValueError, TypeError):
+        raise
+    except Exception as exc:
+        before = ", ".join(done) or "none"
+        raise PassError(f"stage {name!r} failed after [{before}]: {type(exc).__name__}: {exc}") from exc
+    done.append(name)
+    return result
+
+
+def _pipeline(model, example_inputs, *, precision, rules, tracer, keep_io_types, placement, calibration=None, calibration_options=None):
+    target = normalize_precision(precision)
+    rule_set = load_rules(rules)
+    done: list[str] = []
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    captured: Captured = capture(model, example_inputs, tracer=tracer)
+    done.append("capture")
+    timings["capture_s"] = time.perf_counter() - t0
+    gm = captured.gm
+    t1 = time.perf_counter()
+    _run_stage("decide", done, decide, gm, rule_set, precision=target)
+    _run_stage("place", done, place, gm, target=target, strategy=placement, keep_io_types=keep_io_types)
+    if calibration is not None:
+        from .calibrate import calibrate_and_redecide
+
+        _run_stage("calibrate", done, calibrate_and_redecide, gm, calibration, rules=rule_set, target=target,
+                   placement=placement, keep_io_types=keep_io_types, **(calibration_options or {}))
+    _run_stage("rewrite", done, rewrite, gm, keep_io_types=keep_io_types)
+    timings["pass_s"] = time.perf_counter() - t1
+    return captured, rule_set, target, timings
+
+
+def convert(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    *,
+    precision: Union[str, torch.dtype] = "bf16",
+    rules: Union[None, str, Path, Iterable, Rules] = None,
+    tracer: str = "auto",
+    calibration: Optional[Iterable] = None,
+    keep_io_types: bool = True,
+    placement: str = "mincut",
+    calibration_options: Optional[dict] = None,
+) -> Conversion:
+    """Convert ``model`` to mixed precision.
+
+    ``precision``: the half dtype that ``half`` rules mean (bf16 by default: it has fp32's range,
+    so it needs no loss scaling). ``rules``: rule files layered over the defaults. ``tracer``:
+    ``auto`` tries FX then torch.export. ``keep_io_types``: outputs keep their original dtype.
+    ``placement``: ``mincut`` (fewest cast bytes) or ``simple``. ``calibration``: an iterable of
+    inputs used to find and fix nodes that would overflow fp16.
+    """
+    captured, rule_set, target, timings = _pipeline(
+        model, example_inputs, precision=precision, rules=rules, tracer=tracer, keep_io_types=keep_io_types,
+        placement=placement, calibration=calibration, calibration_options=calibration_options,
+    )
+    gm = captured.gm
+    report = build_report(gm, precision=target, tracer=captured.tracer, rules=rule_set.to_dict(),
+                          extra={"capture_errors": captured.errors, "timings": timings})
+    return Conversion(
+        module=gm,
+        report=report,
+        precision=target,
+        tracer=captured.tracer,
+        rules=rule_set,
+        original=model,
+        example_inputs=(captured.args, captured.kwargs),
+        timings=timings,
+    )
+
+
+def audit(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    *,
+    precision: Union[str, torch.dtype] = "bf16",
+    rules: Union[None, str, Path, Iterable, Rules] = None,
+    tracer: str = "auto",
+    placement: str = "mincut",
+) -> Report:
+    """Decide and place only: the report of what :func:`convert` would do; the model is untouched."""
+    return convert(model, example_inputs, precision=precision, rules=rules, tracer=tracer, placement=placement).report

@@ -1,0 +1,104 @@
+"""Build the placement problem from an annotated graph and write the min-cut solution back.
+
+Model (exact for two labels, ``half`` and ``fp32``):
+
+* every tensor a node produces costs one cast of ``numel × (src bytes + dst bytes)`` if at least
+  one of its consumers runs in the other label — one cast per (producer, dtype), shared;
+* fixed labels: decided compute nodes, explicit casts, graph inputs and parameters (fp32 in O1,
+  so weight casts count), and the graph output when ``keep_io_types`` (it must get its dtype back);
+* free: ``follow`` nodes; ``promote`` nodes are free but must be fp32 when any input is fp32;
+* aliases (tuple elements, in-place ops) share their producer's label.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from .meta import HALF_NAMES
+from .place import alias_root, cast_cost, castable_inputs
+from .placement import PlacementProblem, Tensor, solve_mincut
+
+__all__ = ["place_mincut", "build_problem"]
+
+_OUT = "__output__"
+
+
+def _lab(precision: str) -> str:
+    return "half" if precision in HALF_NAMES else "fp32"
+
+
+def _consumer_label_node(node: torch.fx.Node) -> str:
+    return node.name
+
+
+def build_problem(gm: torch.fx.GraphModule, *, keep_io_types: bool = True) -> PlacementProblem:
+    fixed: dict[str, str] = {}
+    free: list[str] = []
+    promote: list[str] = []
+    tensors: list[Tensor] = []
+    for node in gm.graph.nodes:
+        info = node.meta.get("mp_info")
+        value = node.meta.get("mp_value")
+        if node.op in ("placeholder", "get_attr"):
+            if hasattr(value, "is_convertible") and value.is_convertible:
+                fixed[node.name] = _lab({torch.float32: "fp32"}.get(value.dtype, "half"))
+            continue
+        decision = node.meta.get("mp")
+        if decision is None or info is None:
+            continue
+        if decision.precision == "follow":
+            free.append(node.name)
+        elif decision.precision == "promote":
+            promote.append(node.name)
+        elif decision.precision != "alias":
+            fixed[node.name] = _lab(decision.precision)
+    fixed[_OUT + "fp32"] = "fp32"
+    fixed[_OUT + "half"] = "half"
+    known = set(fixed) | set(free) | set(promote)
+
+    for node in gm.graph.nodes:
+        value = node.meta.get("mp_value")
+        if not (hasattr(value, "is_convertible") and value.is_convertible):
+            continue
+        info = node.meta.get("mp_info")
+        if info is not None and info.kind == "alias" and info.inplace:
+            continue  # an in-place op's output is its input tensor: counted with the producer
+        root = alias_root(node)
+        if root.name not in known:
+            continue
+        consumers: list[str] = []
+        pending = list(node.users)
+        while pending:
+            user = pending.pop()
+            uinfo = user.meta.get("mp_info")
+            if user.op == "output":
+                if keep_io_types:
+                    consumers.append(_OUT + _lab({torch.float32: "fp32"}.get(value.dtype, "half")))
+                continue
+            if uinfo is not None and uinfo.kind == "alias" and uinfo.inplace and user.args and user.args[0] is node:
+                pending.extend(user.users)
+                continue
+            if user.name in known and node in castable_inputs(user):
+                consumers.append(user.name)
+        if consumers:
+            tensors.append(Tensor(producer=root.name, cost=cast_cost(value.numel), consumers=tuple(dict.fromkeys(consumers))))
+    return PlacementProblem(fixed=fixed, free=tuple(free), promote=tuple(promote), tensors=tuple(tensors))
+
+
+def place_mincut(gm: torch.fx.GraphModule, *, target: str, keep_io_types: bool = True) -> None:
+    problem = build_problem(gm, keep_io_types=keep_io_types)
+    if not problem.free and not problem.promote:
+        return
+    result = solve_mincut(problem, alternatives=True)
+    for node in gm.graph.nodes:
+        decision = node.meta.get("mp")
+        if decision is None or decision.precision not in ("follow", "promote"):
+            continue
+        label = result.labels[node.name]
+        precision = target if label == "half" else "fp32"
+        extra = result.alternative_cost.get(node.name)
+        alt = f"; the alternative costs +{extra} bytes" if extra is not None else ""
+        tie = " (a tie, broken towards half)" if extra == 0 and label == "half" else ""
+        node.meta["mp"] = decision.replace(
+            precision=precision, reason=f"{decision.reason}; placement: min-cut chose {precision}{alt}{tie}"
+        )

@@ -1,0 +1,133 @@
+"""Place: give every ``follow``, ``promote`` and alias node a concrete precision.
+
+Two strategies share one contract (read ``meta["mp"]``, write concrete precisions back):
+
+* ``"mincut"`` (default): the labelling that minimises the bytes moved by casts per forward,
+  solved exactly as a minimum s–t cut per independent region (:mod:`converter.placement`).
+  Ties go to half, which saves memory.
+* ``"simple"``: ``follow`` takes the precision of its first floating input and ``promote`` the
+  widest; a baseline and a fallback.
+
+Aliases (``getitem`` of a tuple output, in-place ops) always take the precision of the tensor they
+alias.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.fx
+
+from .capture import input_nodes
+from .meta import DTYPES, HALF_NAMES, Decision, name_of
+from .ops import castable_arg_positions
+
+__all__ = ["place", "STRATEGIES", "cast_cost", "alias_root", "castable_inputs"]
+
+STRATEGIES = ("mincut", "simple")
+_UNRESOLVED = ("follow", "promote", "alias")
+
+
+def cast_cost(numel: int, a: str = "fp32", b: str = "bf16") -> int:
+    """Bytes a cast moves: the source read plus the destination written."""
+    size = {"fp32": 4, "fp16": 2, "bf16": 2, "half": 2}
+    return numel * (size[a] + size[b])
+
+
+def alias_root(node: torch.fx.Node) -> torch.fx.Node:
+    """The node whose precision an alias node shares."""
+    seen = 0
+    while True:
+        info = node.meta.get("mp_info")
+        if info is None or info.kind != "alias" or not node.args or not isinstance(node.args[0], torch.fx.Node):
+            return node
+        node = node.args[0]
+        seen += 1
+        if seen > 10_000:  # pragma: no cover - malformed graph
+            return node
+
+
+def castable_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The producers of the floating tensors this node's precision applies to."""
+    info = node.meta["mp_info"]
+    positions = castable_arg_positions(info.op, len(node.args))
+    candidates: list[torch.fx.Node] = []
+    if positions is None:
+        candidates = input_nodes(node)
+    else:
+        for pos in positions:
+            if pos < len(node.args):
+                arg = node.args[pos]
+                if isinstance(arg, torch.fx.Node):
+                    candidates.append(arg)
+    out = []
+    for n in candidates:
+        value = n.meta.get("mp_value")
+        if hasattr(value, "is_convertible") and value.is_convertible:
+            out.append(n)
+    return out
+
+
+def _label(node: torch.fx.Node, current: dict[torch.fx.Node, str]) -> Optional[str]:
+    """Runtime dtype name of a producer after placement, as far as known."""
+    if node in current:
+        return current[node]
+    info = node.meta.get("mp_info")
+    if node.op in ("placeholder", "get_attr"):
+        value = node.meta.get("mp_value")
+        return name_of(value.dtype) if hasattr(value, "dtype") else None
+    decision = node.meta.get("mp")
+    if decision is not None and decision.precision not in _UNRESOLVED:
+        return decision.precision
+    if info is not None and info.kind == "alias":
+        root = alias_root(node)
+        return None if root is node else _label(root, current)
+    return None
+
+
+def _simple(gm: torch.fx.GraphModule, target: str) -> None:
+    current: dict[torch.fx.Node, str] = {}
+    for node in gm.graph.nodes:
+        decision = node.meta.get("mp")
+        if decision is None:
+            continue
+        if decision.precision not in _UNRESOLVED:
+            current[node] = decision.precision
+            continue
+        if decision.precision == "alias":
+            label = _label(alias_root(node), current) or "fp32"
+            node.meta["mp"] = decision.replace(precision=label, reason=f"{decision.reason} ({label})")
+            current[node] = label
+            continue
+        labels = [lab for lab in (_label(n, current) for n in castable_inputs(node)) if lab in DTYPES]
+        if decision.precision == "follow":
+            label = labels[0] if labels else "fp32"
+            why = "placement (simple): follows its first floating input"
+        else:
+            label = "fp32" if (not labels or "fp32" in labels) else labels[0]
+            why = "placement (simple): promotes to the widest floating input"
+        node.meta["mp"] = decision.replace(precision=label, reason=f"{decision.reason}; {why}")
+        current[node] = label
+
+
+def place(gm: torch.fx.GraphModule, *, target: str, strategy: str = "mincut", keep_io_types: bool = True) -> None:
+    """Resolve every unresolved precision in ``gm`` (see module docstring)."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"placement strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if target not in HALF_NAMES:
+        raise ValueError(f"target must be fp16 or bf16, got {target!r}")
+    if strategy == "mincut":
+        from .mincut_stage import place_mincut  # local: keeps the networkx import off the simple path
+
+        place_mincut(gm, target=target, keep_io_types=keep_io_types)
+    else:
+        _simple(gm, target)
+    _resolve_aliases(gm)
+
+
+def _resolve_aliases(gm: torch.fx.GraphModule) -> None:
+    for node in gm.graph.nodes:
+        decision: Optional[Decision] = node.meta.get("mp")
+        if decision is not None and decision.precision == "alias":
+            label = _label(alias_root(node), {}) or "fp32"
+            node.meta["mp"] = decision.replace(precision=label, reason=f"{decision.reason} ({label})")

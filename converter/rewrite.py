@@ -1,0 +1,207 @@
+"""Rewrite: insert the casts that the decisions require, reading only ``meta["mp"]``.
+
+* A node running in precision P gets each floating input in P; a cast is inserted only where the
+  producer's dtype differs, and there is one cast per (producer, dtype), shared by all consumers.
+* fp64, integer and bool tensors are never touched; normalisation ops only get their input cast
+  (weights and running statistics stay fp32).
+* Casts the model already performs (``x.float()``, ``softmax(..., dtype=)``) are respected; a
+  dtype computed at run time (``x.to(y.dtype)``) is folded to the dtype observed in fp32.
+* Parameters stay fp32 and are cast in the graph (O1); ``gm.meta["mp_param_dtypes"]`` records the
+  dtype each parameter may be stored in for O2 (half only if every consumer wants that half dtype).
+* Graph outputs get their original dtype back when ``keep_io_types``.
+
+Every inserted cast carries a :class:`~converter.meta.CastRecord` naming the rule that made it
+necessary.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.fx
+from torch.fx.node import map_arg
+
+from .meta import BUILTIN, DTYPES, CastRecord, NodeInfo, RuleRef, TensorSpec, name_of
+from .ops import CAST_OPS, castable_arg_positions, explicit_dtype
+
+__all__ = ["rewrite", "inserted_casts", "runtime_dtype"]
+
+
+def runtime_dtype(node: torch.fx.Node, cache: dict) -> Optional[torch.dtype]:
+    """The dtype a producer's tensor has after the rewrite (None for non-tensors)."""
+    if node in cache:
+        return cache[node]
+    value = node.meta.get("mp_value")
+    dtype = value.dtype if isinstance(value, TensorSpec) else None
+    decision = node.meta.get("mp")
+    info = node.meta.get("mp_info")
+    if decision is not None and dtype is not None and dtype.is_floating_point and decision.precision in DTYPES:
+        if info is not None and info.kind == "alias" and info.inplace and isinstance(node.args[0], torch.fx.Node):
+            dtype = runtime_dtype(node.args[0], cache)
+        else:
+            dtype = DTYPES[decision.precision]
+    cache[node] = dtype
+    return dtype
+
+
+def _casts_inputs(node: torch.fx.Node) -> bool:
+    """Whether the rewrite converts this node's inputs to its precision."""
+    info: NodeInfo = node.meta["mp_info"]
+    if info.kind == "compute":
+        return True
+    if info.kind == "fixed":
+        # casts and ops with their own dtype argument convert by themselves
+        return info.op not in CAST_OPS and explicit_dtype(node, info.op) is None
+    return False
+
+
+def rewrite(gm: torch.fx.GraphModule, *, keep_io_types: bool = True) -> None:
+    graph = gm.graph
+    cache: dict = {}
+    casts: dict[tuple[torch.fx.Node, torch.dtype], torch.fx.Node] = {}
+
+    def get_cast(src: torch.fx.Node, dtype: torch.dtype, consumer: torch.fx.Node, rule: RuleRef, reason: str) -> torch.fx.Node:
+        key = (src, dtype)
+        if key in casts:
+            cast = casts[key]
+            rec: CastRecord = cast.meta["mp_cast"]
+            cast.meta["mp_cast"] = CastRecord(**{**rec.__dict__, "consumers": rec.consumers + (consumer.name,)})
+            return cast
+        src_dtype = runtime_dtype(src, cache)
+        spec: TensorSpec = src.meta["mp_value"]
+        with graph.inserting_before(consumer):
+            cast = graph.create_node("call_method", "to", (src, dtype), name=f"{src.name}_to_{name_of(dtype)}")
+        out = TensorSpec(spec.shape, dtype)
+        cast.meta["mp_value"] = out
+        cast.meta["mp_info"] = NodeInfo(op="to", module=consumer.meta.get("mp_info", NodeInfo("")).module, kind="cast", outputs=(out,))
+        cast.meta["mp_cast"] = CastRecord(
+            src=src.name,
+            dtype=name_of(dtype),
+            src_dtype=name_of(src_dtype),
+            numel=spec.numel,
+            consumers=(consumer.name,),
+            rule=rule,
+            reason=reason,
+            on_weight=src.op == "get_attr",
+        )
+        cache[cast] = dtype
+        casts[key] = cast
+        return cast
+
+    for node in list(graph.nodes):
+        info: Optional[NodeInfo] = node.meta.get("mp_info")
+        if info is None or info.kind == "cast":
+            continue
+        if node.op == "output":
+            if keep_io_types:
+                def back(arg):
+                    if not isinstance(arg, torch.fx.Node):
+                        return arg
+                    value = arg.meta.get("mp_value")
+                    if not (isinstance(value, TensorSpec) and value.is_convertible):
+                        return arg
+                    now = runtime_dtype(arg, cache)
+                    if now is None or now == value.dtype:
+                        return arg
+                    return get_cast(arg, value.dtype, node, RuleRef(BUILTIN, "builtin", "keep_io_types"),
+                                    f"graph output {arg.name!r} keeps its original {name_of(value.dtype)} (keep_io_types)")
+                node.args = map_arg(node.args, back)
+            continue
+        decision = node.meta.get("mp")
+        if decision is None or node.op in ("placeholder", "get_attr"):
+            continue
+        if info.kind == "fixed" and info.op in CAST_OPS:
+            _fold_dynamic_dtype(node, info)
+        if not _casts_inputs(node) or decision.precision not in DTYPES:
+            _record_user_cast(node, info, cache)
+            continue
+        want = DTYPES[decision.precision]
+        positions = castable_arg_positions(info.op, len(node.args))
+        reason = f"{node.name} ({info.op}) runs in {decision.precision}: {decision.reason}"
+
+        def convert(arg, _want=want, _node=node, _reason=reason, _rule=decision.rule):
+            if not isinstance(arg, torch.fx.Node):
+                return arg
+            value = arg.meta.get("mp_value")
+            if not (isinstance(value, TensorSpec) and value.is_convertible):
+                return arg
+            have = runtime_dtype(arg, cache)
+            if have is None or have == _want or not have.is_floating_point or have == torch.float64:
+                return arg
+            return get_cast(arg, _want, _node, _rule, _reason)
+
+        if positions is None:
+            node.args = map_arg(node.args, convert)
+            node.kwargs = map_arg(node.kwargs, convert)
+        else:
+            args = list(node.args)
+            for pos in positions:
+                if pos < len(args):
+                    args[pos] = map_arg(args[pos], convert)
+            node.args = tuple(args)
+    _record_param_dtypes(gm)
+    graph.lint()
+    gm.recompile()
+
+
+def _fold_dynamic_dtype(node: torch.fx.Node, info: NodeInfo) -> None:
+    """``x.to(y.dtype)``: replace the run-time dtype by the one observed in the fp32 model."""
+    if info.fixed_dtype is None:
+        return
+
+    def fold(arg):
+        if isinstance(arg, torch.fx.Node) and isinstance(arg.meta.get("mp_value"), torch.dtype):
+            return info.fixed_dtype
+        return arg
+
+    node.args = tuple(fold(a) for a in node.args)
+    node.kwargs = {k: fold(v) for k, v in node.kwargs.items()}
+
+
+def _record_user_cast(node: torch.fx.Node, info: NodeInfo, cache: dict) -> None:
+    """A cast the model performs itself that now changes dtype is reported (not inserted) too."""
+    if info.kind != "fixed" or info.op not in CAST_OPS or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return
+    src = node.args[0]
+    value = src.meta.get("mp_value")
+    have = runtime_dtype(src, cache)
+    if not (isinstance(value, TensorSpec) and value.is_convertible) or have is None or have == info.fixed_dtype:
+        return
+    node.meta["mp_cast"] = CastRecord(
+        src=src.name,
+        dtype=name_of(info.fixed_dtype),
+        src_dtype=name_of(have),
+        numel=value.numel,
+        consumers=tuple(u.name for u in node.users),
+        rule=RuleRef(BUILTIN, "builtin", "model-cast"),
+        reason=f"the model's own cast {node.name!r} now converts {name_of(have)} to {name_of(info.fixed_dtype)}",
+        on_weight=src.op == "get_attr",
+        inserted=False,
+    )
+
+
+def _record_param_dtypes(gm: torch.fx.GraphModule) -> None:
+    """A parameter may be stored in half (O2) only when every use of it is a cast to that dtype."""
+    wanted: dict[str, set] = {}
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        for user in node.users:
+            info = user.meta.get("mp_info")
+            if info is not None and info.kind == "passive":
+                continue
+            rec = user.meta.get("mp_cast")
+            dtype = DTYPES[rec.dtype] if rec is not None and rec.inserted else None
+            wanted.setdefault(str(node.target), set()).add(dtype)
+    dtypes: dict[str, torch.dtype] = {}
+    for name, param in gm.named_parameters():
+        if param.is_floating_point():
+            uses = wanted.get(name, {None})
+            only = next(iter(uses))
+            dtypes[name] = only if len(uses) == 1 and only is not None else param.dtype
+    gm.meta["mp_param_dtypes"] = dtypes
+
+
+def inserted_casts(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """Every node carrying a CastRecord (inserted casts and the model's own converting casts)."""
+    return [n for n in gm.graph.nodes if "mp_cast" in n.meta]

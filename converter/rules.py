@@ -1,0 +1,340 @@
+"""Rule files: plain TOML data that marks ops FP16, BF16, FP32, ``follow``, ``promote`` or ``banned``.
+
+A rule file has up to four match tables, an optional ``[default]`` and optional ``[settings]``::
+
+    [meta]
+    description = "what this file is for"
+
+    [op]                       # canonical op name (globs allowed): linear, softmax, conv*, ...
+    linear = "half"
+    softmax = { precision = "fp32", reason = "exp overflows in half" }
+    binary_cross_entropy = { precision = "banned", message = "use binary_cross_entropy_with_logits" }
+
+    [module_type]              # the class name of an enclosing module
+    RMSNorm = "fp32"
+
+    [module]                   # dotted module path, glob with fullmatch semantics
+    "lm_head" = "fp32"
+
+    [node]                     # FX node name
+    "linear_3" = "fp32"
+
+    [default]
+    precision = "fp32"         # what a node no rule matches gets (it is also listed as unmatched)
+
+    [settings]
+    overflow_fallback = "bf16" # what calibration re-decides an fp16-overflowing node to
+
+Precision values: ``half`` (the target of the conversion, fp16 or bf16), ``fp16``, ``bf16``,
+``fp32``, ``follow`` (the precision of its inputs, chosen by placement), ``promote`` (the widest
+floating input) and ``banned`` (an error carrying ``message``).
+
+**Precedence**, highest first: ``node`` > ``module`` (path) > ``module_type`` > ``op`` > ``default``.
+A module rule applies to every op inside that module's scope; when several modules of a node's
+stack match at the same level, the innermost module wins. Between two rules of the same level and
+scope, the one read last wins, so a later file overrides an earlier one (layering).
+
+Patterns use :func:`fnmatch.fnmatchcase` against the *whole* name (``*.embed`` matches
+``model.embed`` but never ``model.embedding_layer``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import fnmatch
+import re
+import tomllib
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Iterable, Mapping, Optional, Sequence, Union
+
+from .meta import BUILTIN, Match, RuleRef
+from .ops import known_op_names
+
+__all__ = [
+    "Rule",
+    "Rules",
+    "RulesError",
+    "PRECISIONS",
+    "LEVELS",
+    "load_rules",
+    "default_rules_path",
+    "rules_dir",
+    "resolve_rules",
+]
+
+PRECISIONS = ("half", "fp16", "bf16", "fp32", "follow", "promote", "banned")
+#: match tables, highest precedence first
+LEVELS = ("node", "module", "module_type", "op")
+_TOP_KEYS = ("meta", "settings", "default") + LEVELS
+_RULE_KEYS = ("precision", "reason", "message")
+_SETTINGS = {
+    "overflow_fallback": ("bf16", "fp32"),
+    "overflow_margin": None,  # a float > 0
+}
+_GLOB_CHARS = re.compile(r"[*?\[]")
+
+
+class RulesError(ValueError):
+    """A rule file is malformed; the message names the file, the key path and a fix."""
+
+
+def _suggest(word: str, choices: Iterable[str]) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _line_of(text: str, table: str, key: str) -> Optional[int]:
+    """Best-effort line number of ``key`` inside ``[table]`` (tomllib reports lines only for syntax errors)."""
+    current = None
+    for i, line in enumerate(text.splitlines(), 1):
+        stripped = line.strip()
+        header = re.match(r"^\[\s*([^\]]+?)\s*\]", stripped)
+        if header and not stripped.startswith("[["):
+            current = header.group(1).strip().strip('"')
+            continue
+        if current == table and re.match(r'^["\']?' + re.escape(key) + r'["\']?\s*=', stripped):
+            return i
+    return None
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One entry of a match table."""
+
+    level: str  # one of LEVELS or "default"
+    pattern: str
+    precision: str
+    reason: str = ""
+    message: str = ""
+    file: str = BUILTIN
+    order: int = 0  # global read order; later wins among equals
+
+    def __post_init__(self) -> None:
+        if self.level not in LEVELS + ("default",):
+            raise RulesError(f"{self.file}: unknown rule table {self.level!r}{_suggest(self.level, LEVELS)}")
+        if self.precision not in PRECISIONS:
+            raise RulesError(
+                f"{self.file}: [{self.level}].{self.pattern}: unknown precision {self.precision!r}"
+                f"{_suggest(self.precision, PRECISIONS)} (valid: {', '.join(PRECISIONS)})"
+            )
+
+    @property
+    def is_glob(self) -> bool:
+        return bool(_GLOB_CHARS.search(self.pattern))
+
+    def matches(self, name: str) -> bool:
+        return fnmatch.fnmatchcase(name, self.pattern)
+
+    @property
+    def ref(self) -> RuleRef:
+        return RuleRef(file=self.file, table=self.level, pattern=self.pattern)
+
+    def to_dict(self) -> dict:
+        out = {"level": self.level, "pattern": self.pattern, "precision": self.precision, "file": self.file}
+        if self.reason:
+            out["reason"] = self.reason
+        if self.message:
+            out["message"] = self.message
+        return out
+
+
+@dataclass(frozen=True)
+class Rules:
+    """An ordered, layered set of rules; build with :func:`load_rules` or :meth:`from_dict`."""
+
+    rules: tuple[Rule, ...] = ()
+    files: tuple[str, ...] = ()
+    settings: Mapping[str, object] = field(default_factory=dict)
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: Mapping, *, file: str = "<dict>", text: str = "", start: int = 0) -> "Rules":
+        """Validate one parsed rule file; every bad key raises :class:`RulesError`."""
+        if not isinstance(data, Mapping):
+            raise RulesError(f"{file}: a rule file must be a TOML table")
+        known_ops = known_op_names()
+
+        def where(table: str, key: str) -> str:
+            line = _line_of(text, table, key) if text else None
+            return f"{file}:{line}: [{table}].{key}" if line else f"{file}: [{table}].{key}"
+
+        rules: list[Rule] = []
+        settings: dict[str, object] = {}
+        for top, body in data.items():
+            if top not in _TOP_KEYS:
+                raise RulesError(f"{file}: unknown table [{top}]{_suggest(top, _TOP_KEYS)} (valid: {', '.join(_TOP_KEYS)})")
+            if not isinstance(body, Mapping):
+                raise RulesError(f"{file}: [{top}] must be a table, got {type(body).__name__}")
+            if top == "meta":
+                continue
+            if top == "settings":
+                for key, value in body.items():
+                    if key not in _SETTINGS:
+                        raise RulesError(f"{where('settings', key)}: unknown setting{_suggest(key, _SETTINGS)}")
+                    allowed = _SETTINGS[key]
+                    if allowed is not None and value not in allowed:
+                        raise RulesError(f"{where('settings', key)}: must be one of {', '.join(allowed)}, got {value!r}")
+                    if allowed is None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                        raise RulesError(f"{where('settings', key)}: must be a positive number, got {value!r}")
+                    settings[key] = value
+                continue
+            if top == "default":
+                for key in body:
+                    if key not in _RULE_KEYS:
+                        raise RulesError(f"{where('default', key)}: unknown key{_suggest(key, _RULE_KEYS)}")
+                entry = _entry(body, file, "default", "precision", where)
+                if entry[0] in ("follow", "promote", "banned"):
+                    raise RulesError(f"{where('default', 'precision')}: the default must be half, fp16, bf16 or fp32")
+                rules.append(Rule("default", "*", entry[0], entry[1], entry[2], file, start + len(rules)))
+                continue
+            for pattern, value in body.items():
+                if not isinstance(pattern, str) or not pattern:
+                    raise RulesError(f"{file}: [{top}] has an empty pattern")
+                precision, reason, message = _entry(value, file, top, pattern, where)
+                if top == "op" and not _GLOB_CHARS.search(pattern) and pattern not in known_ops:
+                    raise RulesError(f"{where(top, pattern)}: unknown op name {pattern!r}{_suggest(pattern, known_ops)}")
+                if top == "op" and _GLOB_CHARS.search(pattern) and not any(fnmatch.fnmatchcase(o, pattern) for o in known_ops):
+                    raise RulesError(f"{where(top, pattern)}: the pattern matches no known op name")
+                if precision == "banned" and not message:
+                    raise RulesError(f"{where(top, pattern)}: a banned rule needs a 'message' telling the user what to do instead")
+                rules.append(Rule(top, pattern, precision, reason, message, file, start + len(rules)))
+        return cls(rules=tuple(rules), files=(file,), settings=settings)
+
+    @classmethod
+    def from_file(cls, path: Union[str, Path], *, start: int = 0) -> "Rules":
+        path = Path(path)
+        if not path.is_file():
+            raise RulesError(f"{path}: rules file not found; pass an existing .toml file (built-in files are in {rules_dir()})")
+        text = path.read_text(encoding="utf-8")
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise RulesError(f"{path}: TOML syntax error: {exc}; fix the syntax (see https://toml.io)") from None
+        label = path.name if path.resolve().parent == rules_dir().resolve() else str(path)
+        return cls.from_dict(data, file=label, text=text, start=start)
+
+    def __add__(self, other: "Rules") -> "Rules":
+        """Layer ``other`` on top of ``self``: its rules win ties (they are read later)."""
+        offset = len(self.rules)
+        shifted = tuple(dataclasses.replace(r, order=offset + r.order) for r in other.rules)
+        return Rules(self.rules + shifted, self.files + other.files, {**self.settings, **other.settings})
+
+    # ---- lookup -------------------------------------------------------------------------
+    def by_level(self, level: str) -> tuple[Rule, ...]:
+        return tuple(r for r in self.rules if r.level == level)
+
+    def default_rule(self) -> Optional[Rule]:
+        defaults = self.by_level("default")
+        return defaults[-1] if defaults else None
+
+    def setting(self, key: str, fallback=None):
+        return self.settings.get(key, fallback)
+
+    def matches_for(self, *, node: str, op: str, module_stack: Sequence[tuple[str, str]]) -> list[Match]:
+        """Every rule that matches, best first (see the module docstring for the order)."""
+        found: list[tuple[tuple, Match]] = []
+        for rank, level in enumerate(LEVELS):
+            for rule in self.by_level(level):
+                if level == "node":
+                    hits = [("", 0)] if rule.matches(node) else []
+                elif level == "op":
+                    hits = [("", 0)] if rule.matches(op) else []
+                else:
+                    idx = 0 if level == "module" else 1
+                    hits = [(entry[0], depth + 1) for depth, entry in enumerate(module_stack) if rule.matches(entry[idx])]
+                for scope, depth in hits:
+                    key = (rank, -depth, -rule.order)
+                    found.append((key, Match(rule.ref, rule.precision, rank, level, scope, rule.reason)))
+        default = self.default_rule()
+        if default is not None:
+            found.append(((len(LEVELS), 0, -default.order), Match(default.ref, default.precision, len(LEVELS), "default", "", default.reason)))
+        found.sort(key=lambda item: item[0])
+        return [m for _, m in found]
+
+    def rule_for(self, match: Match) -> Rule:
+        for rule in self.rules:
+            if rule.ref == match.rule:
+                return rule
+        raise KeyError(match.rule)
+
+    def to_dict(self) -> dict:
+        """The effective configuration, echoed into the report."""
+        return {"files": list(self.files), "settings": dict(self.settings), "rules": [r.to_dict() for r in self.rules]}
+
+
+def _entry(value, file: str, table: str, key: str, where) -> tuple[str, str, str]:
+    if isinstance(value, str):
+        precision, reason, message = value, "", ""
+    elif isinstance(value, Mapping):
+        for sub in value:
+            if sub not in _RULE_KEYS:
+                raise RulesError(f"{where(table, key)}.{sub}: unknown key{_suggest(sub, _RULE_KEYS)} (valid: {', '.join(_RULE_KEYS)})")
+        if "precision" not in value:
+            raise RulesError(f"{where(table, key)}: missing 'precision' (one of {', '.join(PRECISIONS)})")
+        precision = value["precision"]
+        reason = value.get("reason", "")
+        message = value.get("message", "")
+        for name, text in (("reason", reason), ("message", message)):
+            if not isinstance(text, str):
+                raise RulesError(f"{where(table, key)}.{name}: must be a string, got {type(text).__name__}")
+    else:
+        raise RulesError(f"{where(table, key)}: expected a precision string or a table with 'precision', got {type(value).__name__}")
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise RulesError(
+            f"{where(table, key)}: unknown precision {precision!r}{_suggest(str(precision), PRECISIONS)} (valid: {', '.join(PRECISIONS)})"
+        )
+    return precision, reason, message
+
+
+def rules_dir() -> Path:
+    """The directory of the built-in rule files (works for editable and normal installs)."""
+    here = Path(__file__).resolve().parent
+    packaged = here / "rules"
+    if packaged.is_dir():
+        return packaged
+    source = here.parent / "rules"
+    if source.is_dir():
+        return source
+    return Path(str(resources.files("converter") / "rules"))
+
+
+def default_rules_path() -> Path:
+    return rules_dir() / "default.toml"
+
+
+def _builtin_or_path(item: Union[str, Path]) -> Path:
+    path = Path(item)
+    if not path.exists() and path.suffix == "" and (rules_dir() / f"{item}.toml").is_file():
+        return rules_dir() / f"{item}.toml"  # "llm" -> the built-in rules/llm.toml
+    return path
+
+
+def load_rules(paths: Union[None, str, Path, Sequence[Union[str, Path]], Rules] = None, *, include_default: bool = True) -> Rules:
+    """Load and layer rule files; later files override earlier ones.
+
+    ``None`` gives the default rules. A bare name such as ``"llm"`` names a built-in file. The
+    default rules are always the bottom layer unless ``include_default=False``, so a user file only
+    needs the entries it changes.
+    """
+    if isinstance(paths, Rules):
+        return paths
+    if paths is None:
+        items: list = []
+    elif isinstance(paths, (str, Path)):
+        items = [paths]
+    else:
+        items = list(paths)
+    result = Rules.from_file(default_rules_path()) if include_default else Rules()
+    for item in items:
+        path = _builtin_or_path(item)
+        if include_default and path.resolve() == default_rules_path().resolve():
+            continue
+        result = result + Rules.from_file(path)
+    return result
+
+
+def resolve_rules(rules) -> Rules:
+    """The API's ``rules=`` argument: a path, a list of paths, a :class:`Rules`, or None."""
+    return load_rules(rules)

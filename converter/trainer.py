@@ -1,0 +1,501 @@
+"""Training wrapper for converted mixed-precision models: loss scaling, fp32 master weights, DDP.
+
+Two modes, named after Apex's opt levels:
+
+* **O1** (``master_weights=False``): parameters stay fp32 and the converted graph casts them to
+  half where an op runs in half. The optimizer steps the fp32 parameters directly; fp16 runs
+  through a :class:`~converter.scaler.LossScaler`.
+* **O2** (``master_weights=True``): parameters are *stored* in half, which halves weight memory
+  and removes the per-forward weight casts. The trainer keeps an fp32 master copy of every half
+  parameter and points the optimizer at the masters, so updates smaller than half's resolution
+  are not lost. Each step: half grads are accumulated into fp32 master grads, (DDP) all-reduced
+  in fp32, unscaled, checked for inf/NaN, clipped, the optimizer steps the masters, and the
+  masters are copied back into the half parameters with one ``torch._foreach_copy_`` per dtype.
+
+Which parameters stay fp32 under O2: the converter records the storage dtype of each parameter
+in ``module.meta["mp_param_dtypes"]`` (fqn -> dtype); parameters the map does not name stay fp32.
+Without that map (a hand-written model) the fallback keeps fp32 every parameter of a module whose
+class name contains ``"Norm"`` or ``"Embedding"`` (as Apex O2 keeps batch norm fp32 and Keras keeps
+normalisation and embedding layers fp32): their statistics and lookups gain nothing from half
+storage and are the usual source of precision loss.
+
+bf16 has fp32's 8-bit exponent, so gradients do not underflow and no loss scaler is used; steps
+whose gradient norm is not finite are still skipped, since stepping on inf/NaN destroys weights.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from converter.scaler import LossScaler
+
+__all__ = ["MixedPrecisionTrainer", "TrainStats"]
+
+_PRECISIONS: dict[Any, torch.dtype] = {
+    "fp16": torch.float16,
+    "16-mixed": torch.float16,
+    "bf16": torch.bfloat16,
+    "bf16-mixed": torch.bfloat16,
+    torch.float16: torch.float16,
+    torch.bfloat16: torch.bfloat16,
+}
+_FP32_MODULE_MARKERS = ("Norm", "Embedding")
+_BF16_NO_SCALER = (
+    "bf16 has the same 8-bit exponent range as fp32, so gradients do not underflow and loss scaling "
+    "is unnecessary; pass precision='fp16' to use a loss scaler, or drop the {what} for bf16."
+)
+_STATE_FORMAT = 1
+
+
+@dataclasses.dataclass
+class TrainStats:
+    """Counters of a :class:`MixedPrecisionTrainer`, updated once per real (non-accumulation) step.
+
+    Attributes:
+        scale: the loss scale after the step's update (1.0 without a scaler).
+        steps: optimizer steps taken.
+        skipped: optimizer steps skipped because the gradients held inf or NaN.
+        overflows: times the loss scale was reduced. Equal to ``skipped`` with the default
+            hysteresis of 1; smaller with hysteresis, a static scale, or at ``min_scale``.
+        grad_norm: total 2-norm of the unscaled gradients before clipping; inf on a skipped step;
+            None before the first step.
+        loss: mean of the (unscaled) losses passed to ``backward()`` during the step's
+            accumulation window; None before the first step.
+    """
+
+    scale: float = 1.0
+    steps: int = 0
+    skipped: int = 0
+    overflows: int = 0
+    grad_norm: float | None = None
+    loss: float | None = None
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    if isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        return module.module
+    return module
+
+
+def _shrink_embedding_grad(alpha: float, _module: nn.Module, _args: Any, output: torch.Tensor) -> torch.Tensor:
+    """GLM-130B's embedding gradient shrink: same forward value, gradient multiplied by ``alpha``."""
+    return output * alpha + output.detach() * (1.0 - alpha)
+
+
+def _fallback_storage_dtype(module_class: str, half: torch.dtype) -> torch.dtype:
+    if any(marker in module_class for marker in _FP32_MODULE_MARKERS):
+        return torch.float32
+    return half
+
+
+def _storage_plan(inner: nn.Module, half: torch.dtype) -> dict[str, torch.dtype]:
+    """fqn -> storage dtype under O2 for every floating (non-fp64) parameter of ``inner``."""
+    params = {
+        name: p for name, p in inner.named_parameters() if p.is_floating_point() and p.dtype != torch.float64
+    }
+    meta = getattr(inner, "meta", None)
+    if isinstance(meta, dict) and "mp_param_dtypes" in meta:
+        recorded = meta["mp_param_dtypes"]
+        if not isinstance(recorded, dict):
+            raise TypeError(f"module.meta['mp_param_dtypes'] must be a dict fqn -> torch.dtype, got {type(recorded)}")
+        unknown = sorted(set(recorded) - set(dict(inner.named_parameters())))
+        if unknown:
+            raise ValueError(f"module.meta['mp_param_dtypes'] names parameters the module does not have: {unknown[:5]}")
+        for fqn, dtype in recorded.items():
+            if dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+                raise ValueError(f"module.meta['mp_param_dtypes'][{fqn!r}] must be a floating torch.dtype, got {dtype!r}")
+        return {name: recorded.get(name, torch.float32) for name in params}
+    owners = {}
+    for module_name, module in inner.named_modules():
+        for param_name, _ in module.named_parameters(recurse=False):
+            fqn = f"{module_name}.{param_name}" if module_name else param_name
+            owners.setdefault(fqn, type(module).__name__)
+    return {name: _fallback_storage_dtype(owners.get(name, ""), half) for name in params}
+
+
+class MixedPrecisionTrainer:
+    """Drives the backward/step of a mixed-precision model: scaling, master weights, clipping, DDP.
+
+    Args:
+        module: the model (usually ``converter.convert(...).module``), optionally wrapped in
+            ``DistributedDataParallel``.
+        optimizer: built on ``module``'s parameters. Under O2 its param groups are rewritten to
+            point at the fp32 masters (any state it already has moves with them).
+        precision: ``"fp16"``/``"16-mixed"`` or ``"bf16"``/``"bf16-mixed"``. fp16 is the default
+            because it is the mode that needs this wrapper (scaling); bf16 only needs O2.
+        master_weights: False = O1 (fp32 params, cast in the graph); True = O2 (half params, fp32
+            masters). False by default: O1 keeps the model exactly as converted and works with any
+            optimizer; O2 is the memory/speed option.
+        loss_scale: ``"dynamic"`` (a default :class:`LossScaler`), a float (a static scale), a
+            :class:`LossScaler`, or None (fp16 without scaling: a static scale of 1 that still skips
+            non-finite steps). Must be ``"dynamic"`` or None for bf16, which needs no scaling.
+        max_grad_norm: clip the total 2-norm of the unscaled gradients to this (None = no clipping,
+            the neutral choice; clipping always happens after unscaling, so the threshold is in
+            true gradient units).
+        accumulation_steps: backward calls per optimizer step (1 = no accumulation). The loss is
+            divided by it so the accumulated gradient is the mean.
+        scaler: a :class:`LossScaler` to use (same as passing it as ``loss_scale``).
+        callback: called with a copy of :class:`TrainStats` after every real step.
+        embedding_grad_shrink: ``alpha`` in (0, 1]: every ``nn.Embedding`` output becomes
+            ``alpha*e + (1-alpha)*e.detach()`` (GLM-130B's trick against early loss spikes). None by
+            default: it changes the optimisation. Implemented as forward hooks on ``nn.Embedding``
+            modules, which fx's ``symbolic_trace`` keeps as modules; graphs where embedding was
+            inlined to an ``aten.embedding`` node (``torch.export``) have no such module and are
+            rejected with a ValueError rather than silently left unshrunk.
+
+    Use::
+
+        trainer.zero_grad(); loss = loss_fn(model(x), y); trainer.backward(loss); trainer.step()
+
+    ``zero_grad()`` only clears gradients at an accumulation boundary, so that loop accumulates
+    correctly with ``accumulation_steps > 1``.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        precision: str = "fp16",
+        master_weights: bool = False,
+        loss_scale: str | float | LossScaler | None = "dynamic",
+        max_grad_norm: float | None = None,
+        accumulation_steps: int = 1,
+        scaler: LossScaler | None = None,
+        callback: Callable[[TrainStats], Any] | None = None,
+        embedding_grad_shrink: float | None = None,
+    ) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if not isinstance(precision, (str, torch.dtype)) or precision not in _PRECISIONS:
+            raise ValueError(f"precision must be one of 'fp16', 'bf16', '16-mixed', 'bf16-mixed', got {precision!r}")
+        if not isinstance(master_weights, bool):
+            raise TypeError(f"master_weights must be a bool, got {type(master_weights).__name__}")
+        if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
+        if max_grad_norm is not None:
+            if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)):
+                raise TypeError(f"max_grad_norm must be a float or None, got {type(max_grad_norm).__name__}")
+            if not math.isfinite(max_grad_norm) or max_grad_norm <= 0:
+                raise ValueError(f"max_grad_norm must be a finite number > 0, got {max_grad_norm}")
+        if callback is not None and not callable(callback):
+            raise TypeError("callback must be callable or None")
+
+        self._module = module
+        self._inner = _unwrap(module)
+        self._ddp = module if isinstance(module, nn.parallel.DistributedDataParallel) else None
+        self._optimizer = optimizer
+        self._half = _PRECISIONS[precision]
+        self._precision = "fp16" if self._half == torch.float16 else "bf16"
+        self._master_weights = master_weights
+        self._max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self._accumulation_steps = accumulation_steps
+        self._callback = callback
+        self._scaler = self._resolve_scaler(loss_scale, scaler)
+        self._micro = 0
+        self._loss_sum: torch.Tensor | None = None
+        self._stats = TrainStats(scale=self._scaler.get_scale() if self._scaler is not None else 1.0)
+        # (fqn, half model param, fp32 master) for every trainable half-stored parameter (O2).
+        self._masters: list[tuple[str, nn.Parameter, nn.Parameter]] = []
+        self._copy_groups: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+
+        if master_weights:
+            self._setup_master_weights()
+        else:
+            self._check_o1_params()
+        if self._ddp is not None:
+            # O2: DDP would all-reduce half gradients into buckets laid out for the fp32 params it
+            # was built with. Turn its reduction off (what no_sync() does) and all-reduce the fp32
+            # master gradients in step() instead. O1: keep DDP's reduction, but only on the
+            # backward that completes an accumulation window.
+            self._ddp.require_backward_grad_sync = (not master_weights) and accumulation_steps == 1
+        if embedding_grad_shrink is not None:
+            self._install_embedding_shrink(embedding_grad_shrink)
+
+    # ------------------------------------------------------------------ setup
+    def _resolve_scaler(self, loss_scale: Any, scaler: LossScaler | None) -> LossScaler | None:
+        if scaler is not None and not isinstance(scaler, LossScaler):
+            raise TypeError(f"scaler must be a LossScaler, got {type(scaler).__name__}")
+        if self._half == torch.bfloat16:
+            if scaler is not None:
+                raise ValueError(_BF16_NO_SCALER.format(what="scaler"))
+            if loss_scale not in (None, "dynamic"):
+                raise ValueError(_BF16_NO_SCALER.format(what=f"loss_scale={loss_scale!r}"))
+            return None
+        if scaler is not None:
+            if loss_scale != "dynamic":
+                raise ValueError("pass either scaler= or loss_scale=, not both")
+            return scaler
+        if isinstance(loss_scale, LossScaler):
+            return loss_scale
+        if loss_scale == "dynamic":
+            return LossScaler()
+        if loss_scale is None:
+            return LossScaler(init_scale=1.0, dynamic=False, max_scale=None)
+        if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
+            if not math.isfinite(loss_scale) or loss_scale <= 0:
+                raise ValueError(f"a static loss_scale must be a finite number > 0, got {loss_scale}")
+            return LossScaler(init_scale=float(loss_scale), dynamic=False, max_scale=None)
+        raise ValueError(f"loss_scale must be 'dynamic', a float, a LossScaler or None, got {loss_scale!r}")
+
+    def _optimizer_params(self) -> list[torch.Tensor]:
+        return [p for group in self._optimizer.param_groups for p in group["params"]]
+
+    def _check_o1_params(self) -> None:
+        if self._scaler is None:
+            return
+        half_params = [p for p in self._optimizer_params() if p.dtype == torch.float16]
+        if half_params:
+            raise ValueError(
+                f"{len(half_params)} optimizer parameters are stored in fp16, but master_weights=False "
+                "(O1) steps the stored parameters directly and fp16 gradients cannot be unscaled safely; "
+                "keep the parameters fp32 or pass master_weights=True (O2)."
+            )
+
+    def _setup_master_weights(self) -> None:
+        plan = _storage_plan(self._inner, self._half)
+        master_of: dict[int, nn.Parameter] = {}
+        for fqn, param in self._inner.named_parameters():
+            if fqn not in plan:
+                continue
+            target = plan[fqn]
+            original = param.detach()
+            if target != torch.float32 and param.requires_grad:
+                master = nn.Parameter(original.to(torch.float32, copy=True))
+                self._masters.append((fqn, param, master))
+                master_of[id(param)] = master
+            if param.dtype != target:
+                param.data = original.to(target)
+        for group in self._optimizer.param_groups:
+            group["params"] = [master_of.get(id(p), p) for p in group["params"]]
+        for param in list(self._optimizer.state.keys()):
+            if id(param) in master_of:
+                self._optimizer.state[master_of[id(param)]] = self._optimizer.state.pop(param)
+        self._copy_groups = self._group_by_dtype()
+
+    def _group_by_dtype(self) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        groups: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for _fqn, param, master in self._masters:
+            models, masters = groups.setdefault(param.dtype, ([], []))
+            models.append(param)
+            masters.append(master)
+        return list(groups.values())
+
+    def _install_embedding_shrink(self, alpha: Any) -> None:
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 < alpha <= 1.0:
+            raise ValueError(f"embedding_grad_shrink must be a float in (0, 1], got {alpha!r}")
+        embeddings = [m for m in self._inner.modules() if isinstance(m, nn.Embedding)]
+        if not embeddings:
+            raise ValueError(
+                "embedding_grad_shrink is set but the module has no nn.Embedding submodule (a graph captured "
+                "with torch.export inlines embeddings as aten.embedding nodes, which this option does not hook)"
+            )
+        hook = functools.partial(_shrink_embedding_grad, float(alpha))
+        self._hooks = [m.register_forward_hook(hook) for m in embeddings]
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def stats(self) -> TrainStats:
+        """Live counters (see :class:`TrainStats`)."""
+        return self._stats
+
+    @property
+    def scaler(self) -> LossScaler | None:
+        """The loss scaler (None for bf16)."""
+        return self._scaler
+
+    @property
+    def master_params(self) -> list[nn.Parameter]:
+        """The fp32 master copies (O2; empty under O1), in ``named_parameters`` order."""
+        return [master for _fqn, _param, master in self._masters]
+
+    # ------------------------------------------------------------------ training
+    def zero_grad(self) -> None:
+        """Drop all gradients (model, masters, optimizer), but only at an accumulation boundary."""
+        if self._micro != 0:
+            return
+        self._optimizer.zero_grad(set_to_none=True)
+        self._inner.zero_grad(set_to_none=True)
+        for _fqn, _param, master in self._masters:
+            master.grad = None
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Divide by ``accumulation_steps``, scale (fp16), run backward; O2 moves grads into fp32 masters."""
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"loss must be a Tensor, got {type(loss).__name__}")
+        if loss.numel() != 1:
+            raise ValueError(f"loss must be a scalar tensor, got shape {tuple(loss.shape)}")
+        detached = loss.detach().float().reshape(())
+        self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
+        if self._accumulation_steps > 1:
+            loss = loss / self._accumulation_steps
+        if self._scaler is not None:
+            loss = self._scaler.scale(loss)
+        loss.backward()
+        self._harvest_half_grads()
+
+    def _harvest_half_grads(self) -> None:
+        """Accumulate half gradients into the fp32 master gradients and free them (O2)."""
+        fresh_masters, fresh_grads, add_masters, add_grads = [], [], [], []
+        for _fqn, param, master in self._masters:
+            if param.grad is None:
+                continue
+            if master.grad is None:
+                master.grad = torch.empty_like(master)
+                fresh_masters.append(master.grad)
+                fresh_grads.append(param.grad)
+            else:
+                add_masters.append(master.grad)
+                add_grads.append(param.grad)
+        if fresh_masters:
+            torch._foreach_copy_(fresh_masters, fresh_grads)
+        if add_masters:
+            torch._foreach_add_(add_masters, add_grads)
+        for _fqn, param, _master in self._masters:
+            param.grad = None
+
+    def _all_reduce_fp32_grads(self) -> None:
+        """O2 under DDP: average the fp32 master grads (and fp32-stored grads) across ranks."""
+        dist = torch.distributed
+        group = self._ddp.process_group
+        world = dist.get_world_size(group)
+        master_of = {id(param): master for _fqn, param, master in self._masters}
+        trainable = [master_of.get(id(p), p) for p in self._inner.parameters() if p.requires_grad]
+        device = trainable[0].device if trainable else torch.device("cpu")
+        present = torch.tensor([t.grad is not None for t in trainable], dtype=torch.int32, device=device)
+        dist.all_reduce(present, op=dist.ReduceOp.SUM, group=group)
+        reduced = [t for t, n in zip(trainable, present.tolist()) if n > 0]
+        for tensor in reduced:
+            if tensor.grad is None:
+                tensor.grad = torch.zeros_like(tensor)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for tensor in reduced:
+            by_dtype.setdefault(tensor.grad.dtype, []).append(tensor.grad)
+        for grads in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+            flat.div_(world)
+            torch._foreach_copy_(grads, [chunk.view_as(g) for chunk, g in zip(flat.split([g.numel() for g in grads]), grads)])
+
+    def _grad_norm(self) -> torch.Tensor:
+        params = [p for p in self._optimizer_params() if p.grad is not None]
+        if self._max_grad_norm is not None:
+            return torch.nn.utils.clip_grad_norm_(params, self._max_grad_norm)
+        grads = [p.grad for p in params]
+        if not grads:
+            return torch.zeros(())
+        return torch.nn.utils.get_total_norm(grads)
+
+    def step(self, *, closure: Any = None) -> bool:
+        """Finish an accumulation window: unscale, check, clip, step, copy masters back.
+
+        Returns True when the optimizer stepped; False inside an accumulation window or when the
+        step was skipped for inf/NaN gradients.
+        """
+        if closure is not None:
+            raise ValueError(
+                "MixedPrecisionTrainer.step() does not take a closure: a closure recomputes the loss inside "
+                "optimizer.step(), after gradients were unscaled and checked, so they would be neither. "
+                "Call trainer.backward(loss) and then trainer.step()."
+            )
+        self._micro += 1
+        if self._micro < self._accumulation_steps:
+            if self._ddp is not None and not self._master_weights:
+                self._ddp.require_backward_grad_sync = self._micro == self._accumulation_steps - 1
+            return False
+        self._micro = 0
+        if self._ddp is not None and not self._master_weights:
+            self._ddp.require_backward_grad_sync = self._accumulation_steps == 1
+
+        if self._master_weights:
+            self._harvest_half_grads()
+            if self._ddp is not None:
+                self._all_reduce_fp32_grads()
+
+        scaler, optimizer = self._scaler, self._optimizer
+        if scaler is not None:
+            scale_before = scaler.get_scale()
+            scaler.unscale_(optimizer)
+            found_inf = scaler.found_inf(optimizer)
+            grad_norm = math.inf if found_inf else float(self._grad_norm().item())
+            scaler.step(optimizer)
+            scaler.update()
+            scale_after = scaler.get_scale()
+            stepped = not found_inf
+            self._stats.overflows += int(scale_after < scale_before)
+            self._stats.scale = scale_after
+        else:
+            grad_norm = float(self._grad_norm().item())
+            stepped = math.isfinite(grad_norm)
+            if stepped:
+                optimizer.step()
+        if stepped and self._masters:
+            with torch.no_grad():
+                for models, masters in self._copy_groups:
+                    torch._foreach_copy_(models, masters)
+
+        self._stats.steps += int(stepped)
+        self._stats.skipped += int(not stepped)
+        self._stats.grad_norm = grad_norm
+        if self._loss_sum is not None:
+            self._stats.loss = float(self._loss_sum.item()) / self._accumulation_steps
+        self._loss_sum = None
+        if self._callback is not None:
+            self._callback(dataclasses.replace(self._stats))
+        return stepped
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Model, fp32 masters, optimizer, scaler and counters; loads with ``torch.load(weights_only=True)``.
+
+        Only at an accumulation boundary: accumulated gradients are not saved, so a checkpoint
+        taken mid-window could not resume bit-identically.
+        """
+        if self._micro != 0:
+            raise RuntimeError(
+                f"state_dict() called {self._micro} backward(s) into an accumulation window of "
+                f"{self._accumulation_steps}; save after step() completes the window"
+            )
+        return {
+            "format": _STATE_FORMAT,
+            "precision": self._precision,
+            "master_weights": self._master_weights,
+            "model": self._inner.state_dict(),
+            "master": {fqn: master.detach() for fqn, _param, master in self._masters},
+            "optimizer": self._optimizer.state_dict(),
+            "scaler": self._scaler.state_dict() if self._scaler is not None else {},
+            "stats": dataclasses.asdict(self._stats),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore everything ``state_dict()`` saved; the trainer must be built the same way."""
+        if state_dict.get("format") != _STATE_FORMAT:
+            raise ValueError(f"unknown trainer state format {state_dict.get('format')!r}, expected {_STATE_FORMAT}")
+        for key, mine in (("precision", self._precision), ("master_weights", self._master_weights)):
+            if state_dict[key] != mine:
+                raise ValueError(f"checkpoint has {key}={state_dict[key]!r} but this trainer has {key}={mine!r}")
+        masters = state_dict["master"]
+        expected = {fqn for fqn, _param, _master in self._masters}
+        if set(masters) != expected:
+            raise ValueError(
+                f"checkpoint master weights {sorted(masters)[:5]} do not match this trainer's {sorted(expected)[:5]}"
+            )
+        self._inner.load_state_dict(state_dict["model"])
+        with torch.no_grad():
+            for fqn, _param, master in self._masters:
+                master.copy_(masters[fqn])
+        self._optimizer.load_state_dict(state_dict["optimizer"])
+        if self._scaler is not None:
+            self._scaler.load_state_dict(state_dict["scaler"])
+        self._stats = TrainStats(**state_dict["stats"])
+        self._micro = 0
+        self._loss_sum = None

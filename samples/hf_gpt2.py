@@ -1,0 +1,18 @@
+"""Hugging Face GPT-2 from a small config (nothing is downloaded). symbolic_trace fails on it;
+mpconvert falls back to torch.export automatically."""
+import torch
+
+
+def build_model():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=128, n_positions=32, n_embd=64, n_layer=2, n_head=4, use_cache=False)
+    config._attn_implementation = "eager"
+    model = GPT2LMHeadModel(config).eval()
+    return model
+
+
+def example_inputs():
+    torch.manual_seed(1)
+    return (), {"input_ids": torch.randint(0, 128, (2, 16))}

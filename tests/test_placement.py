@@ -1,0 +1,363 @@
+"""Tests for converter.placement: exactness against brute force, promote
+constraints, shared casts, the greedy baseline and validation."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from networkx.algorithms.flow import edmonds_karp, preflow_push
+
+from converter.placement import (
+    FP32,
+    HALF,
+    PlacementProblem,
+    Tensor,
+    is_feasible,
+    solve_exhaustive,
+    solve_greedy_tf,
+    solve_mincut,
+    total_cost,
+)
+
+COSTS = (0, 1, 1, 2, 3, 4, 4, 8, 16)
+
+
+def _random_problem(rng: random.Random, *, max_choosable: int = 14) -> PlacementProblem:
+    """A random DAG: nodes in a random topological order, each producing 0-2
+    tensors read by later nodes (duplicates and self-consumers sprinkled in),
+    plus fixed sink consumers."""
+    n_choosable = rng.randint(0, max_choosable)
+    n_promote = rng.randint(0, n_choosable)
+    n_fixed = rng.randint(0, 6)
+    free = [f"f{i}" for i in range(n_choosable - n_promote)]
+    promote = [f"p{i}" for i in range(n_promote)]
+    fixed = {f"x{i}": rng.choice((HALF, FP32)) for i in range(n_fixed)}
+    order = free + promote + list(fixed)
+    rng.shuffle(order)
+    sinks = {f"sink{i}": rng.choice((HALF, FP32)) for i in range(rng.randint(0, 2))}
+    fixed.update(sinks)
+    tensors = []
+    for pos, producer in enumerate(order):
+        later = order[pos + 1 :]
+        for _ in range(rng.choice((0, 1, 1, 1, 2))):
+            fan = rng.choice((1, 1, 2, 2, 3, 4))
+            pool = later + list(sinks) if rng.random() < 0.2 else later
+            if not pool:
+                continue
+            consumers = [rng.choice(pool) for _ in range(fan)]
+            if rng.random() < 0.1:
+                consumers.append(producer)  # ignored self-consumer
+            if rng.random() < 0.1 and consumers:
+                consumers.append(consumers[0])  # duplicate
+            tensors.append(Tensor(producer, rng.choice(COSTS), tuple(consumers)))
+    return PlacementProblem(fixed=fixed, free=free, promote=promote, tensors=tensors)
+
+
+def _n_fp32(labels) -> int:
+    return sum(1 for v in labels.values() if v == FP32)
+
+
+def _check_against_exhaustive(problem: PlacementProblem) -> None:
+    ref = solve_exhaustive(problem)
+    for kwargs in ({}, {"small_region": 0}):
+        got = solve_mincut(problem, **kwargs)
+        assert set(got.labels) == set(problem.free) | set(problem.promote)
+        assert got.cost == ref.cost, kwargs
+        assert total_cost(problem, got.labels) == got.cost
+        assert is_feasible(problem, got.labels)  # promote constraint
+        # tie-break towards half: as few fp32 nodes as the best exhaustive optimum
+        assert _n_fp32(got.labels) == _n_fp32(ref.labels), kwargs
+        assert dict(got.alternative_cost) == dict(ref.alternative_cost), kwargs
+    assert total_cost(problem, ref.labels) == ref.cost
+    assert is_feasible(problem, ref.labels)
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_mincut_is_optimal_random_dags(seed: int) -> None:
+    _check_against_exhaustive(_random_problem(random.Random(seed)))
+
+
+@st.composite
+def _problems(draw) -> PlacementProblem:
+    n_free = draw(st.integers(0, 7))
+    n_promote = draw(st.integers(0, 7))
+    n_fixed = draw(st.integers(0, 4))
+    free = [f"f{i}" for i in range(n_free)]
+    promote = [f"p{i}" for i in range(n_promote)]
+    fixed = {f"x{i}": draw(st.sampled_from((HALF, FP32))) for i in range(n_fixed)}
+    order = draw(st.permutations(free + promote + list(fixed)))
+    tensors = []
+    for pos, producer in enumerate(order):
+        later = order[pos + 1 :]
+        if not later:
+            continue
+        for _ in range(draw(st.integers(0, 2))):
+            consumers = draw(st.lists(st.sampled_from(later), min_size=1, max_size=4))
+            cost = draw(st.sampled_from(COSTS))
+            tensors.append(Tensor(producer, cost, tuple(consumers)))
+    return PlacementProblem(fixed=fixed, free=free, promote=promote, tensors=tensors)
+
+
+@settings(
+    max_examples=150,
+    derandomize=True,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(_problems())
+def test_mincut_is_optimal_hypothesis(problem: PlacementProblem) -> None:
+    _check_against_exhaustive(problem)
+
+
+@pytest.mark.parametrize("flow_func", [edmonds_karp, preflow_push])
+def test_other_flow_functions(flow_func) -> None:
+    for seed in range(1000, 1020):
+        problem = _random_problem(random.Random(seed), max_choosable=10)
+        ref = solve_exhaustive(problem)
+        got = solve_mincut(problem, small_region=0, flow_func=flow_func)
+        assert got.cost == ref.cost
+        assert _n_fp32(got.labels) == _n_fp32(ref.labels)
+        assert dict(got.alternative_cost) == dict(ref.alternative_cost)
+
+
+def test_beats_greedy_painting() -> None:
+    # A wide fp32 tensor is sliced (free) before a half matmul.  Greedy painting
+    # spreads half backwards through the clear slice and casts the wide tensor;
+    # the optimum keeps the slice fp32 and casts its narrow output.
+    #   embed(fp32) --4 MiB--> slice(free) --64 KiB--> matmul(half)
+    #   layer_norm(fp32) --1 MiB--> view(free) --1 MiB--> transpose(free) --> bmm(half)
+    problem = PlacementProblem(
+        fixed={"embed": FP32, "matmul": HALF, "layer_norm": FP32, "bmm": HALF, "out": FP32},
+        free=["slice", "view", "transpose"],
+        tensors=[
+            Tensor("embed", 4 << 20, ("slice",)),
+            Tensor("slice", 64 << 10, ("matmul",)),
+            Tensor("layer_norm", 1 << 20, ("view",)),
+            Tensor("view", 1 << 20, ("transpose",)),
+            Tensor("transpose", 1 << 20, ("bmm",)),
+            Tensor("matmul", 64 << 10, ("out",)),
+        ],
+    )
+    greedy = solve_greedy_tf(problem)
+    best = solve_mincut(problem)
+    print(f"\ngreedy TF painting: {greedy.cost} bytes {dict(greedy.labels)}")
+    print(f"min-cut placement:  {best.cost} bytes {dict(best.labels)}")
+    assert best.cost < greedy.cost
+    assert best.cost == solve_exhaustive(problem).cost
+    assert best.labels["slice"] == FP32 and greedy.labels["slice"] == HALF
+    assert best.alternative_cost["slice"] == (4 << 20) - (64 << 10)
+
+
+def test_greedy_replays_tf_simple_case() -> None:
+    # Exp -> Relu -> Sqrt -> Relu -> MatMul -> Relu -> Log -> Relu -> Other -> Relu
+    chain = ["exp", "relu1", "sqrt", "relu2", "matmul", "relu3", "log", "relu4", "other", "relu5"]
+    problem = PlacementProblem(
+        fixed={"exp": FP32, "matmul": HALF, "other": FP32},
+        free=["relu1", "relu2", "relu3", "relu4", "relu5"],
+        promote=["sqrt", "log"],
+        tensors=[Tensor(a, 1, (b,)) for a, b in zip(chain, chain[1:])],
+    )
+    greedy = solve_greedy_tf(problem)
+    half = {n for n, v in greedy.labels.items() if v == HALF}
+    assert half == {"relu2", "relu3"}
+    assert greedy.cost == 2
+    assert solve_mincut(problem).cost == 2
+    assert is_feasible(problem, greedy.labels)
+
+
+def test_shared_cast_counts_once() -> None:
+    consumers = ("a", "b", "c")
+    problem = PlacementProblem(
+        fixed={"src": FP32, "ha": HALF, "hb": HALF, "hc": HALF},
+        free=list(consumers),
+        tensors=[Tensor("src", 100, consumers)]
+        + [Tensor(c, 1000, ("h" + c,)) for c in consumers],
+    )
+    for kwargs in ({}, {"small_region": 0}):
+        result = solve_mincut(problem, **kwargs)
+        assert dict(result.labels) == {c: HALF for c in consumers}
+        assert result.cost == 100  # one cast of src, shared by a, b and c
+        assert result.regions == 1  # linked through the shared cast
+    assert total_cost(problem, {"a": HALF, "b": HALF, "c": FP32}) == 1100
+
+
+def test_tie_breaks_towards_half() -> None:
+    # Either label costs one 5-byte cast: half wins.
+    problem = PlacementProblem(
+        fixed={"mm": HALF, "ln": FP32},
+        free=["x"],
+        tensors=[Tensor("mm", 5, ("x",)), Tensor("x", 5, ("ln",))],
+    )
+    for kwargs in ({}, {"small_region": 0}):
+        result = solve_mincut(problem, **kwargs)
+        assert result.labels == {"x": HALF} and result.cost == 5
+        assert result.alternative_cost == {"x": 0}
+
+
+def test_promote_forced_by_fixed_fp32_input() -> None:
+    problem = PlacementProblem(
+        fixed={"mask": FP32, "mm": HALF, "mm2": HALF},
+        free=[],
+        promote=["add", "add2"],
+        tensors=[
+            Tensor("mask", 0, ("add",)),
+            Tensor("mm", 10, ("add",)),
+            Tensor("add", 10, ("add2", "mm2")),
+            Tensor("mm", 10, ("add2",)),
+        ],
+    )
+    for kwargs in ({}, {"small_region": 0}):
+        result = solve_mincut(problem, **kwargs)
+        assert result.labels == {"add": FP32, "add2": FP32}
+        assert result.cost == 30
+        assert "add" not in result.alternative_cost  # half is infeasible
+        assert "add2" not in result.alternative_cost
+
+
+def test_constants_zero_costs_and_isolated_nodes() -> None:
+    problem = PlacementProblem(
+        fixed={"a": HALF, "b": FP32, "c": HALF},
+        free=["lonely", "z"],
+        tensors=[
+            Tensor("a", 7, ("b", "c", "a")),  # all fixed: constant 7
+            Tensor("b", 0, ("z",)),  # free of cost
+            Tensor("z", 3, ("z", "z")),  # only itself: nothing to cast
+        ],
+    )
+    result = solve_mincut(problem)
+    assert result.cost == 7
+    assert result.labels == {"lonely": HALF, "z": HALF}
+    assert result.regions == 2
+    assert result.alternative_cost == {"lonely": 0, "z": 0}
+    assert solve_exhaustive(problem).cost == 7
+
+
+def test_empty_problem_and_no_alternatives() -> None:
+    empty = solve_mincut(PlacementProblem(fixed={}, free=[]))
+    assert empty.cost == 0 and empty.regions == 0 and not empty.labels
+    problem = _random_problem(random.Random(7))
+    assert solve_mincut(problem, alternatives=False).alternative_cost == {}
+
+
+def test_regions_decompose_and_large_region_is_exact() -> None:
+    # 300 independent copies of a 6-node region; every region alike.
+    fixed, free, promote, tensors = {}, [], [], []
+    for i in range(300):
+        fixed.update({f"ln{i}": FP32, f"q{i}": HALF, f"sm{i}": FP32, f"o{i}": HALF})
+        free += [f"v{i}", f"t{i}", f"s{i}", f"d{i}"]
+        promote += [f"m{i}", f"r{i}"]
+        tensors += [
+            Tensor(f"q{i}", 40, (f"v{i}",)),
+            Tensor(f"v{i}", 40, (f"t{i}", f"r{i}")),
+            Tensor(f"t{i}", 40, (f"m{i}",)),
+            Tensor(f"ln{i}", 20, (f"m{i}",)),
+            Tensor(f"m{i}", 40, (f"s{i}", f"sm{i}")),
+            Tensor(f"s{i}", 40, (f"d{i}",)),
+            Tensor(f"d{i}", 40, (f"o{i}", f"r{i}")),
+            Tensor(f"r{i}", 40 + i % 3, (f"sm{i}",)),
+        ]
+    problem = PlacementProblem(fixed=fixed, free=free, promote=promote, tensors=tensors)
+    result = solve_mincut(problem)
+    assert result.regions == 300
+    one = PlacementProblem(
+        fixed={k: v for k, v in fixed.items() if k.endswith("0") and k[-2:-1].isalpha()},
+        free=free[:4],
+        promote=promote[:2],
+        tensors=tensors[:8],
+    )
+    ref = solve_exhaustive(one)
+    assert {n: result.alternative_cost[n] for n in ref.alternative_cost} == dict(ref.alternative_cost)
+    assert {n: result.labels[n] for n in ref.labels} == dict(ref.labels)
+    per_region = [
+        total_cost(
+            PlacementProblem(
+                fixed=fixed, free=free[4 * i : 4 * i + 4], promote=promote[2 * i : 2 * i + 2],
+                tensors=tensors[8 * i : 8 * i + 8],
+            ),
+            {n: result.labels[n] for n in free[4 * i : 4 * i + 4] + promote[2 * i : 2 * i + 2]},
+        )
+        for i in range(300)
+    ]
+    assert sum(per_region) == result.cost
+
+    # One long chain region (a residual stream): min-cut with dynamic alternatives
+    # must agree with re-solving each flip from scratch (pinning via fixed nodes).
+    rng = random.Random(3)
+    chain = _chain_problem(rng, 60)
+    got = solve_mincut(chain)
+    assert got.regions == 1
+    assert total_cost(chain, got.labels) == got.cost
+    big = 10**9  # pin a node with a huge-cost edge from a fixed node, keeping its constraints
+    for node in list(chain.free)[::5] + list(chain.promote)[::5]:
+        flipped = FP32 if got.labels[node] == HALF else HALF
+        pinned = PlacementProblem(
+            fixed={**chain.fixed, "pin": flipped},
+            free=chain.free,
+            promote=chain.promote,
+            tensors=(*chain.tensors, Tensor("pin", big, (node,))),
+        )
+        sub = solve_mincut(pinned, alternatives=False, small_region=0)
+        if sub.cost >= big:
+            assert node not in got.alternative_cost
+            continue
+        assert got.alternative_cost[node] == sub.cost - got.cost, node
+    assert "add0" not in got.alternative_cost  # emb is fp32: add0 cannot be half
+
+
+def _chain_problem(rng: random.Random, layers: int) -> PlacementProblem:
+    fixed = {"emb": FP32}
+    free, promote, tensors = [], [], []
+    stream = "emb"
+    for i in range(layers):
+        fixed.update({f"ln{i}": FP32, f"fc{i}": HALF})
+        free.append(f"drop{i}")
+        promote.append(f"add{i}")
+        tensors += [
+            Tensor(stream, rng.choice((4, 8)), (f"ln{i}", f"add{i}")),
+            Tensor(f"ln{i}", 4, (f"fc{i}",)),
+            Tensor(f"fc{i}", rng.choice((2, 4, 6)), (f"drop{i}",)),
+            Tensor(f"drop{i}", rng.choice((2, 4, 6)), (f"add{i}",)),
+        ]
+        stream = f"add{i}"
+    fixed["out"] = FP32
+    tensors.append(Tensor(stream, 4, ("out",)))
+    return PlacementProblem(fixed=fixed, free=free, promote=promote, tensors=tensors)
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: PlacementProblem(fixed={"a": "fp16"}, free=[]), "unknown label"),
+        (lambda: PlacementProblem(fixed={"a": HALF}, free=["a"]), "more than once"),
+        (lambda: PlacementProblem(fixed={}, free=["a"], promote=["a"]), "more than once"),
+        (lambda: PlacementProblem(fixed={}, free=["a", "a"]), "more than once"),
+        (lambda: PlacementProblem(fixed={}, free=["a"], tensors=[Tensor("b", 1, ("a",))]), "producer"),
+        (lambda: PlacementProblem(fixed={}, free=["a"], tensors=[Tensor("a", 1, ("b",))]), "consumer"),
+        (lambda: Tensor("a", -1, ("b",)), ">= 0"),
+        (lambda: Tensor("a", 1.5, ("b",)), "must be an int"),
+        (lambda: Tensor("a", True, ("b",)), "must be an int"),
+        (lambda: Tensor("a", 1, "b"), "sequence of node names"),
+    ],
+)
+def test_invalid_problems_raise(make, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_invalid_labellings_raise() -> None:
+    problem = PlacementProblem(fixed={"a": HALF}, free=["b"], tensors=[Tensor("a", 1, ("b",))])
+    with pytest.raises(ValueError, match="misses"):
+        total_cost(problem, {})
+    with pytest.raises(ValueError, match="unknown label"):
+        total_cost(problem, {"b": "bf16"})
+    with pytest.raises(ValueError, match="fixed node"):
+        total_cost(problem, {"a": FP32, "b": HALF})
+    with pytest.raises(ValueError, match="unknown node"):
+        total_cost(problem, {"b": HALF, "zz": HALF})
+    with pytest.raises(ValueError, match="max_nodes"):
+        solve_exhaustive(PlacementProblem(fixed={}, free=[f"n{i}" for i in range(5)]), max_nodes=4)
+    with pytest.raises(ValueError, match="small_region"):
+        solve_mincut(problem, small_region=-1)
