@@ -242,8 +242,37 @@ def _float_specs(node: torch.fx.Node) -> list[TensorSpec]:
     return [s for s in _flat_specs(node.meta.get("mp_value")) if s.dtype.is_floating_point]
 
 
+_SINGLE_OP_MODULES = {
+    "Linear": "linear", "Conv1d": "conv1d", "Conv2d": "conv2d", "Conv3d": "conv3d",
+    "ConvTranspose1d": "conv_transpose1d", "ConvTranspose2d": "conv_transpose2d", "ConvTranspose3d": "conv_transpose3d",
+    "LayerNorm": "layer_norm", "GroupNorm": "group_norm", "RMSNorm": "rms_norm", "Embedding": "embedding",
+}
+
+
+def _rename_module_ops(gm: torch.fx.GraphModule) -> None:
+    """Name the one op of a Linear/Conv/norm/Embedding module after the module (``block.proj`` -> ``block_proj``)."""
+    owners: dict[str, list[torch.fx.Node]] = {}
+    for node in gm.graph.nodes:
+        info = node.meta.get("mp_info")
+        if info is None or node.op not in ("call_function", "call_module") or not info.module:
+            continue
+        if _SINGLE_OP_MODULES.get(info.module_type) == info.op:
+            owners.setdefault(info.module, []).append(node)
+    for path, nodes in owners.items():
+        if len(nodes) == 1:
+            candidate = re.sub(r"[^0-9a-zA-Z_]", "_", path)
+            if candidate and candidate[0].isdigit():
+                candidate = "m_" + candidate
+            nodes[0]._rename(candidate)
+
+
 def annotate(gm: torch.fx.GraphModule, *, root_type: str) -> None:
     """Write :class:`NodeInfo` on every node."""
+    _annotate_nodes(gm, root_type)
+    _rename_module_ops(gm)
+
+
+def _annotate_nodes(gm: torch.fx.GraphModule, root_type: str) -> None:
     for node in gm.graph.nodes:
         stack = _module_stack(node, root_type)
         module, module_type = stack[-1]

@@ -20,6 +20,7 @@ __all__ = [
     "known_op_names",
     "CAST_OPS",
     "NORM_OPS",
+    "NATIVE_PROMOTE_OPS",
     "is_inplace",
     "explicit_dtype",
     "castable_arg_positions",
@@ -204,6 +205,10 @@ CAST_OPS = frozenset({"to"})
 #: (the CPU and CUDA kernels accept a half input with fp32 parameters, and the running
 #: statistics must keep being updated in place)
 NORM_OPS = frozenset({"batch_norm", "layer_norm", "group_norm", "rms_norm", "instance_norm"})
+
+#: pointwise ops whose kernels promote mixed floating inputs themselves (TensorIterator): a
+#: ``promote`` node of these needs no cast when a non-scalar input already has the widest dtype
+NATIVE_PROMOTE_OPS = frozenset({"add", "sub", "mul", "div", "where", "maximum", "minimum", "addcmul", "addcdiv", "atan2"})
 
 # In-place ops whose name has no trailing underscore.
 _INPLACE_NAMES = frozenset({"copy_", "__iadd__", "__isub__", "__imul__", "__itruediv__"})

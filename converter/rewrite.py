@@ -22,7 +22,7 @@ import torch.fx
 from torch.fx.node import map_arg
 
 from .meta import BUILTIN, DTYPES, CastRecord, NodeInfo, RuleRef, TensorSpec, name_of
-from .ops import CAST_OPS, castable_arg_positions, explicit_dtype
+from .ops import CAST_OPS, NATIVE_PROMOTE_OPS, castable_arg_positions, explicit_dtype
 
 __all__ = ["rewrite", "inserted_casts", "runtime_dtype"]
 
@@ -116,6 +116,8 @@ def rewrite(gm: torch.fx.GraphModule, *, keep_io_types: bool = True) -> None:
             _record_user_cast(node, info, cache)
             continue
         want = DTYPES[decision.precision]
+        if decision.requested == "promote" and _promotes_natively(node, info, want, cache):
+            continue
         positions = castable_arg_positions(info.op, len(node.args))
         reason = f"{node.name} ({info.op}) runs in {decision.precision}: {decision.reason}"
 
@@ -142,6 +144,29 @@ def rewrite(gm: torch.fx.GraphModule, *, keep_io_types: bool = True) -> None:
     _record_param_dtypes(gm)
     graph.lint()
     gm.recompile()
+
+
+def _promotes_natively(node: torch.fx.Node, info: NodeInfo, want: torch.dtype, cache: dict) -> bool:
+    """True when the op's own type promotion already yields ``want``: no cast is needed.
+
+    That holds for TensorIterator pointwise ops when a non-scalar input already has ``want`` and no
+    input is wider (0-dim tensors do not take part in promotion against dimensioned ones).
+    """
+    if info.op not in NATIVE_PROMOTE_OPS:
+        return False
+    found = False
+    for arg in node.all_input_nodes:
+        value = arg.meta.get("mp_value")
+        if not (isinstance(value, TensorSpec) and value.is_convertible):
+            continue
+        have = runtime_dtype(arg, cache)
+        if have is None:
+            continue
+        if have == want and len(value.shape) > 0:
+            found = True
+        elif torch.promote_types(have, want) != want:
+            return False
+    return found
 
 
 def _fold_dynamic_dtype(node: torch.fx.Node, info: NodeInfo) -> None:

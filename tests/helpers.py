@@ -1,0 +1,104 @@
+"""Shared test helpers: load sample model files, record runtime dtypes, compare against fp32."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLES = ROOT / "samples"
+
+
+def load_sample(name: str) -> ModuleType:
+    path = SAMPLES / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"sample_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def split_inputs(example):
+    if isinstance(example, tuple) and len(example) == 2 and isinstance(example[0], tuple) and isinstance(example[1], dict):
+        return example
+    return tuple(example), {}
+
+
+def first_tensor(out):
+    """The main output tensor of a model (HF ModelOutput -> logits)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if hasattr(out, "logits"):
+        return out.logits
+    if isinstance(out, dict):
+        return out.get("logits", next(iter(out.values())))
+    if isinstance(out, (tuple, list)):
+        return first_tensor(out[0])
+    raise TypeError(type(out))
+
+
+def sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
+    ref = ref.detach().double()
+    out = out.detach().double()
+    err = (ref - out).norm()
+    if err == 0:
+        return float("inf")
+    return float(20 * torch.log10(ref.norm() / err))
+
+
+class DtypeRecorder(TorchDispatchMode):
+    """Records, for every aten op, the dtypes of its floating tensor inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[str, tuple]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        dtypes = []
+
+        def visit(a):
+            if isinstance(a, torch.Tensor) and a.is_floating_point():
+                dtypes.append(a.dtype)
+            elif isinstance(a, (list, tuple)):
+                for x in a:
+                    visit(x)
+
+        for a in list(args) + list(kwargs.values()):
+            visit(a)
+        self.calls.append((func.overloadpacket.__name__, tuple(dtypes)))
+        return func(*args, **kwargs)
+
+    def dtypes_of(self, *names: str) -> list[tuple]:
+        return [d for n, d in self.calls if n in names]
+
+
+class CastCounter(TorchDispatchMode):
+    """Counts dtype-changing ``aten._to_copy`` calls; separates parameter (weight) casts."""
+
+    def __init__(self, params=()):
+        super().__init__()
+        self.param_ids = {id(p) for p in params}
+        self.casts = 0
+        self.bytes = 0
+        self.weight_casts = 0
+        self.weight_bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.overloadpacket is torch.ops.aten._to_copy and isinstance(out, torch.Tensor):
+            src = args[0]
+            if src.dtype != out.dtype:
+                moved = src.numel() * src.element_size() + out.numel() * out.element_size()
+                if id(src) in self.param_ids:
+                    self.weight_casts += 1
+                    self.weight_bytes += moved
+                else:
+                    self.casts += 1
+                    self.bytes += moved
+        return out

@@ -1,0 +1,281 @@
+"""Core pass (issue 2): samples, runtime dtypes, identity, structure, TF replay."""
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+import converter
+from helpers import CastCounter, DtypeRecorder, first_tensor, load_sample, split_inputs, sqnr
+
+HALF_OPS = ("addmm", "mm", "bmm", "convolution", "_scaled_dot_product_flash_attention_for_cpu", "baddbmm")
+FP32_OPS = ("_softmax", "_log_softmax", "native_layer_norm", "native_batch_norm", "_native_batch_norm_legit",
+            "nll_loss_forward", "pow", "mean", "rsqrt")
+FX_SAMPLES = ("mlp", "cnn", "tiny_transformer")
+
+
+def _convert(name, precision, **kw):
+    mod = load_sample(name)
+    model = mod.build_model()
+    example = mod.example_inputs()
+    conv = converter.convert(model, example, precision=precision, **kw)
+    return model, example, conv
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("name", FX_SAMPLES)
+def test_sample_converts_runs_and_trains(name, precision):
+    model, example, conv = _convert(name, precision)
+    args, kwargs = split_inputs(example)
+    out = first_tensor(conv.module(*args, **kwargs))
+    ref = first_tensor(model(*args, **kwargs))
+    assert out.dtype == ref.dtype == torch.float32, f"output dtype {out.dtype}, original {ref.dtype}"
+    s = sqnr(ref, out)
+    assert s > 25, f"{name} {precision}: SQNR vs fp32 {s:.1f} dB"
+    out.float().pow(2).mean().backward()
+    grads = {n: p.grad for n, p in conv.module.named_parameters() if p.requires_grad}
+    assert grads and all(g is not None for g in grads.values()), [n for n, g in grads.items() if g is None]
+    bad = {n: g.dtype for n, g in grads.items() if g.dtype != torch.float32}
+    assert not bad, f"non-fp32 parameter gradients: {bad}"
+    summary = conv.report.summary
+    assert sum(summary["by_precision"].values()) == summary["compute_nodes"]
+    assert summary["by_precision"][precision] > 0
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_runtime_dtypes_tiny_transformer(tracer):
+    model, example, conv = _convert("tiny_transformer", "bf16", tracer=tracer)
+    assert conv.tracer == tracer
+    rec = DtypeRecorder()
+    with rec:
+        out = conv.module(*example)
+    assert out.dtype == torch.float32
+    half = rec.dtypes_of(*HALF_OPS)
+    assert len(half) >= 2 * 2 * 3 + 1, f"too few matmul-class calls recorded: {len(half)}"
+    assert all(set(d) == {torch.bfloat16} for d in half), [d for d in half if set(d) != {torch.bfloat16}]
+    sdpa = rec.dtypes_of("_scaled_dot_product_flash_attention_for_cpu")
+    assert sdpa and all(set(d) == {torch.bfloat16} for d in sdpa), sdpa
+    fp32 = rec.dtypes_of("_softmax", "pow", "mean", "rsqrt")
+    # explicit softmax in layer 1; RMSNorm (pow, mean, rsqrt) ×5
+    assert len(rec.dtypes_of("_softmax")) == 1
+    assert len(rec.dtypes_of("rsqrt")) == 5
+    assert all(set(d) == {torch.float32} for d in fp32), fp32
+    # the whole hand-written RMSNorm is fp32, its scaling mul included (module_type rule)
+    rms_nodes = [r for r in conv.report.nodes if r["module_type"] == "RMSNorm"]
+    assert rms_nodes and {r["precision"] for r in rms_nodes} == {"fp32"}
+    assert all("RMSNorm" in r["rule"] for r in rms_nodes if r["op"] in ("pow", "mean", "rsqrt", "mul"))
+
+
+def test_runtime_dtypes_cnn_and_mlp():
+    _, example, conv = _convert("cnn", "bf16")
+    rec = DtypeRecorder()
+    with rec:
+        loss = conv.module(*example)
+    assert loss.dtype == torch.float32
+    convs = rec.dtypes_of("convolution")
+    assert len(convs) == 3 and all(set(d) == {torch.bfloat16} for d in convs), convs
+    bns = rec.dtypes_of("native_batch_norm", "_native_batch_norm_legit", "_batch_norm_with_update")
+    assert len(bns) == 3 and all(set(d) == {torch.float32} for d in bns), bns
+    for op in ("_log_softmax", "nll_loss_forward"):
+        calls = rec.dtypes_of(op)
+        assert len(calls) == 1 and set(calls[0]) == {torch.float32}, (op, calls)
+    _, example, conv = _convert("mlp", "bf16")
+    rec = DtypeRecorder()
+    with rec:
+        conv.module(*example)
+    lns = rec.dtypes_of("native_layer_norm")
+    assert len(lns) == 1 and set(lns[0]) == {torch.float32}
+    mms = rec.dtypes_of("addmm")
+    assert len(mms) == 3 and all(set(d) == {torch.bfloat16} for d in mms), mms
+
+
+ALL_FP32 = """
+[op]
+"*" = "fp32"
+"""
+
+
+@pytest.mark.parametrize("name", FX_SAMPLES)
+def test_identity_all_fp32_is_bit_identical(tmp_path, name):
+    path = tmp_path / "fp32.toml"
+    path.write_text(ALL_FP32)
+    model, example, conv = _convert(name, "bf16", rules=[path])
+    args, kwargs = split_inputs(example)
+    torch.manual_seed(0)
+    ref = first_tensor(model(*args, **kwargs))
+    torch.manual_seed(0)
+    out = first_tensor(conv.module(*args, **kwargs))
+    assert torch.equal(ref, out), f"max abs diff {(ref - out).abs().max().item()}"
+    casts = [n for n in conv.module.graph.nodes if "mp_cast" in n.meta]
+    assert casts == [], [n.name for n in casts]
+    assert conv.report.summary["casts"] == 0 and conv.report.summary["weight_casts"] == 0
+    counter = CastCounter(conv.module.parameters())
+    with counter:
+        conv.module(*args, **kwargs)
+    assert counter.casts == 0 and counter.weight_casts == 0
+
+
+class ThreeConsumers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(8, 8))
+        self.w2 = nn.Parameter(torch.randn(8, 8))
+        self.w3 = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        h = torch.exp(x)
+        return (h @ self.w1) + (h @ self.w2) + (h @ self.w3)
+
+
+def test_producer_feeding_three_half_ops_gets_one_cast():
+    conv = converter.convert(ThreeConsumers(), (torch.randn(4, 8),), precision="bf16")
+    act = [r for r in conv.report.casts if not r["on_weight"]]
+    from_exp = [r for r in act if r["src"] == "exp"]
+    assert len(from_exp) == 1, act
+    assert from_exp[0]["dtype"] == "bf16" and len(from_exp[0]["consumers"]) == 3, from_exp
+    counter = CastCounter(conv.module.parameters())
+    with counter:
+        conv.module(torch.randn(4, 8))
+    assert counter.casts == conv.report.summary["casts"], (counter.casts, conv.report.summary)
+    assert counter.bytes == conv.report.summary["cast_bytes"]
+    assert counter.weight_casts == 3 == conv.report.summary["weight_casts"]
+
+
+class TFSimple(nn.Module):
+    """TF's AutoMixedPrecision "Simple" test rebuilt with torch ops (reference/tf_apex.md)."""
+
+    def forward(self, x):
+        deny1 = torch.exp(x)
+        clr1 = torch.relu(deny1)
+        infer1 = torch.sqrt(clr1)
+        clr2 = torch.relu(infer1)
+        allow1 = torch.matmul(clr2, clr2)
+        clr3 = torch.relu(allow1)
+        infer2 = torch.log(clr3)
+        clr4 = torch.relu(infer2)
+        deny2 = torch.erf(clr4)  # on no list
+        return torch.relu(deny2)
+
+
+TF_RULES = """
+[op]
+exp = "fp32"      # deny
+sqrt = "fp32"     # infer, upstream of a deny: stays fp32 in TF
+log = "fp32"      # infer after allow with no allow downstream
+matmul = "half"   # allow
+relu = "follow"   # clear
+"""
+
+
+def test_tf_simple_case(tmp_path):
+    path = tmp_path / "tf.toml"
+    path.write_text(TF_RULES)
+    rules = converter.load_rules(path, include_default=False)
+    conv = converter.convert(TFSimple(), (torch.rand(8, 8) + 0.5,), precision="fp16", rules=rules)
+    got = {r["name"]: r["precision"] for r in conv.report.nodes}
+    expected = {
+        "exp": "fp32", "relu": "fp32", "sqrt": "fp32",
+        "relu_1": "fp16", "matmul": "fp16", "relu_2": "fp16",
+        "log": "fp32", "relu_3": "fp32", "erf": "fp32", "relu_4": "fp32",
+    }
+    assert got == expected
+    assert conv.report.summary["casts"] == 2, conv.report.casts
+    assert conv.report.summary["unmatched_ops"] == ["erf"]
+    erf = next(r for r in conv.report.nodes if r["op"] == "erf")
+    assert "no rule" in erf["reason"]
+
+
+def test_already_half_model_adds_no_casts():
+    """TF's "already half" case: a model that casts to half itself gets no extra cast around it."""
+
+    class AlreadyHalf(nn.Module):
+        def forward(self, x):
+            h = x.to(torch.bfloat16)
+            return torch.matmul(h, h).float()
+
+    conv = converter.convert(AlreadyHalf(), (torch.randn(4, 4),), precision="bf16")
+    inserted = [n.name for n in conv.module.graph.nodes if "mp_cast" in n.meta and n.meta["mp_cast"].inserted]
+    assert inserted == [], inserted
+
+
+def test_fp64_int_and_bool_tensors_untouched():
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, x64, idx):
+            y = self.lin(x)
+            z = x64 * 2.0 + x64.sum()
+            mask = y > 0
+            return y.masked_fill(mask, 0.0), z, idx + 1
+
+    conv = converter.convert(Mixed(), (torch.randn(2, 4), torch.randn(2, 4, dtype=torch.float64), torch.arange(2)))
+    y, z, i = conv.module(torch.randn(2, 4), torch.randn(2, 4, dtype=torch.float64), torch.arange(2))
+    assert (y.dtype, z.dtype, i.dtype) == (torch.float32, torch.float64, torch.int64)
+    srcs = {n.meta["mp_cast"].src for n in conv.module.graph.nodes if "mp_cast" in n.meta}
+    assert not any(s.startswith(("x64", "idx", "mul", "sum")) for s in srcs), srcs
+
+
+def test_user_cast_respected_and_precision_aliases():
+    class UserCast(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.softmax(self.lin(x).float(), dim=-1)
+
+    for alias, expected in (("bf16-mixed", "bf16"), ("16-mixed", "fp16"), (torch.bfloat16, "bf16")):
+        conv = converter.convert(UserCast(), (torch.randn(2, 8),), precision=alias)
+        assert conv.precision == expected
+        float_node = next(r for r in conv.report.nodes if r["op"] == "to")
+        assert float_node["precision"] == "fp32" and "explicit cast" in float_node["reason"]
+    with pytest.raises(ValueError, match="unknown precision"):
+        converter.convert(UserCast(), (torch.randn(2, 8),), precision="fp8")
+
+
+def test_banned_rule_raises_with_message(tmp_path):
+    path = tmp_path / "ban.toml"
+    path.write_text(textwrap.dedent("""
+        [op]
+        binary_cross_entropy = { precision = "banned", message = "use binary_cross_entropy_with_logits" }
+    """))
+
+    class BCE(nn.Module):
+        def forward(self, x, y):
+            return nn.functional.binary_cross_entropy(torch.sigmoid(x), y)
+
+    with pytest.raises(converter.BannedOpError, match="binary_cross_entropy_with_logits"):
+        converter.convert(BCE(), (torch.randn(4), torch.rand(4)), rules=[path])
+
+
+def test_decisions_mapping_and_provenance():
+    _, _, conv = _convert("mlp", "bf16")
+    decisions = conv.decisions
+    assert decisions, "no decisions"
+    for name, d in decisions.items():
+        assert d.precision in ("fp32", "bf16", "fp16"), (name, d)
+        assert d.rule is not None and d.reason, (name, d)
+    for node in conv.module.graph.nodes:
+        rec = node.meta.get("mp_cast")
+        if rec is not None:
+            assert rec.rule is not None and rec.reason, node.name
+
+
+def test_untraceable_model_raises_capture_error():
+    class Bad(nn.Module):
+        def forward(self, x):
+            if x.sum() > 0:  # data-dependent control flow
+                return x * 2
+            import os
+
+            return x * int(os.getpid() > 0 and x.mean().item() > 100)
+
+    with pytest.raises(converter.CaptureError) as info:
+        converter.convert(Bad(), (torch.randn(3),))
+    assert set(info.value.reasons) == {"fx", "export"}
+    with pytest.raises(converter.CaptureError, match="fx"):
+        converter.convert(Bad(), (torch.randn(3),), tracer="fx")

@@ -1,0 +1,71 @@
+"""HF transformers models from small configs (nothing downloaded): export fallback and numerics."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import converter
+from helpers import DtypeRecorder, first_tensor, load_sample, sqnr
+
+transformers = pytest.importorskip("transformers")
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
+    cfg._attn_implementation = "eager"
+    model = LlamaForCausalLM(cfg).eval()
+    torch.manual_seed(1)
+    return model, ((), {"input_ids": torch.randint(0, 128, (2, 16))})
+
+
+def _sample(name):
+    mod = load_sample(name)
+    return mod.build_model(), mod.example_inputs()
+
+
+MODELS = {"gpt2": lambda: _sample("hf_gpt2"), "bert": lambda: _sample("hf_bert"), "llama": _llama}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def hf_case(request):
+    model, example = MODELS[request.param]()
+    conv = converter.convert(model, example, precision="bf16")
+    return request.param, model, example, conv
+
+
+def test_falls_back_to_export_and_matches_autocast(hf_case):
+    name, model, (args, kwargs), conv = hf_case
+    assert conv.tracer == "export", f"{name} was captured by {conv.tracer}"
+    assert "fx" in conv.report.extra["capture_errors"], conv.report.extra
+    with torch.no_grad():
+        ref = first_tensor(model(*args, **kwargs))
+        out = first_tensor(conv.module(*args, **kwargs))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            amp = first_tensor(model(*args, **kwargs)).float()
+    ours, theirs = sqnr(ref, out), sqnr(ref, amp)
+    print(f"{name}: SQNR converted {ours:.2f} dB, autocast {theirs:.2f} dB")
+    assert out.dtype == torch.float32
+    assert ours >= theirs - 1.0, f"{name}: converted {ours:.2f} dB < autocast {theirs:.2f} dB - 1"
+    assert conv.report.summary["half_flop_fraction"] > 0.5, conv.report.summary
+
+
+def test_hf_matmuls_in_bf16_and_softmax_norms_in_fp32(hf_case):
+    name, model, (args, kwargs), conv = hf_case
+    rec = DtypeRecorder()
+    with torch.no_grad(), rec:
+        conv.module(*args, **kwargs)
+    mats = rec.dtypes_of("addmm", "mm", "bmm", "baddbmm")
+    assert mats, f"{name}: no matmul recorded"
+    assert all(set(d) == {torch.bfloat16} for d in mats), [d for d in mats if set(d) != {torch.bfloat16}]
+    soft = rec.dtypes_of("_softmax")
+    assert soft and all(set(d) == {torch.float32} for d in soft), soft
+    norms = rec.dtypes_of("native_layer_norm", "pow", "rsqrt", "mean")
+    assert norms and all(set(d) == {torch.float32} for d in norms), norms
+    out = first_tensor(conv.module(*args, **kwargs))
+    out.float().sum().backward()
+    bad = [n for n, p in conv.module.named_parameters() if p.grad is not None and p.grad.dtype != torch.float32]
+    assert not bad, bad

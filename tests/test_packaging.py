@@ -1,0 +1,42 @@
+"""A non-editable ``pip install .`` finds the rules and converts with the defaults."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_non_editable_install_converts_with_default_rules(tmp_path):
+    target = tmp_path / "site"
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--target", str(target), str(ROOT)],
+        capture_output=True, text=True, cwd=tmp_path,
+    )
+    if build.returncode != 0 and "setuptools" in build.stderr:
+        build = subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(target), str(ROOT)],
+            capture_output=True, text=True, cwd=tmp_path,
+        )
+    assert build.returncode == 0, build.stderr[-2000:]
+    assert (target / "converter" / "rules" / "default.toml").is_file(), sorted(p.name for p in target.iterdir())
+    script = textwrap.dedent("""
+        import torch, converter, pathlib
+        assert pathlib.Path(converter.__file__).resolve().is_relative_to(pathlib.Path(%r).resolve()), converter.__file__
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.LayerNorm(8))
+        conv = converter.convert(model, (torch.randn(2, 8),))
+        print(conv.report.line)
+        print(converter.load_rules(["llm"]).files)
+    """ % str(target))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(target)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "Converted 2/3 compute nodes" in run.stdout, run.stdout
+    assert "('default.toml', 'llm.toml')" in run.stdout
