@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import copy
 import re
+import sys
 import traceback
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.fx
-from torch.fx.node import map_aggregate
 
 from .meta import NodeInfo, TensorSpec
 from .ops import CAST_OPS, NORM_OPS, canonical_op, explicit_dtype, is_inplace
@@ -91,15 +91,47 @@ def _short(exc: BaseException) -> str:
     return text[:200]
 
 
+_SKIP_FRAMES = (f"{torch.__path__[0]}", str(__import__("pathlib").Path(__file__).resolve().parent))
+
+
 class _Tracer(torch.fx.Tracer):
+    """FX tracer that traces into Linear/Conv/norm modules, with linear-time bookkeeping.
+
+    torch's ``Tracer.getattr`` scans every parameter on each attribute access and its
+    ``record_stack_traces`` formats a full traceback per node; both are quadratic or slow on big
+    models. Here parameters are found through an id map and the source location is read from the
+    first stack frame outside torch and this package.
+    """
+
     def __init__(self) -> None:
         super().__init__()
-        self.record_stack_traces = True
+        self._attr_names: dict[int, str] = {}
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
         if isinstance(m, TRACED_THROUGH):
             return False
         return super().is_leaf_module(m, module_qualified_name)
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:
+        if not isinstance(attr_val, torch.nn.Parameter):
+            return super().getattr(attr, attr_val, parameter_proxy_cache)
+        if not self._attr_names:
+            self._attr_names = {id(p): n for n, p in self.root.named_parameters(remove_duplicate=False)}
+        name = self._attr_names.get(id(attr_val))
+        if name is None:
+            return super().getattr(attr, attr_val, parameter_proxy_cache)
+        if name not in parameter_proxy_cache:
+            parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {})
+        return parameter_proxy_cache[name]
+
+    def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
+        proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename.startswith(_SKIP_FRAMES):
+            frame = frame.f_back
+        if frame is not None and hasattr(proxy, "node"):
+            proxy.node.meta["mp_source"] = f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}"
+        return proxy
 
 
 def _trace_fx(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
@@ -213,6 +245,8 @@ def _module_stack(node: torch.fx.Node, root_type: str) -> tuple[tuple[str, str],
 
 
 def _source(node: torch.fx.Node) -> str:
+    if node.meta.get("mp_source"):
+        return node.meta["mp_source"]
     trace = node.meta.get("stack_trace") or ""
     frames = re.findall(r'File "([^"]+)", line (\d+)', trace)
     if not frames:
@@ -233,9 +267,8 @@ def _flat_specs(spec: Any) -> list[TensorSpec]:
 
 
 def input_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
-    found: list[torch.fx.Node] = []
-    map_aggregate((node.args, node.kwargs), lambda a: found.append(a) if isinstance(a, torch.fx.Node) else None)
-    return found
+    """The distinct nodes this node reads (FX keeps this list; no need to walk args again)."""
+    return node.all_input_nodes
 
 
 def _float_specs(node: torch.fx.Node) -> list[TensorSpec]:

@@ -148,6 +148,33 @@ class Rules:
     files: tuple[str, ...] = ()
     settings: Mapping[str, object] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # Lookup indexes (not part of the value): exact patterns by name, globs compiled once, and
+        # per-name caches, so deciding a node costs a few dict lookups rather than a scan of all rules.
+        index: dict[str, tuple[dict, list]] = {}
+        for level in LEVELS:
+            exact: dict[str, list[Rule]] = {}
+            globs: list[tuple[re.Pattern, Rule]] = []
+            for rule in self.rules:
+                if rule.level != level:
+                    continue
+                if rule.is_glob:
+                    globs.append((re.compile(fnmatch.translate(rule.pattern)), rule))
+                else:
+                    exact.setdefault(rule.pattern, []).append(rule)
+            index[level] = (exact, globs)
+        object.__setattr__(self, "_index", index)
+        object.__setattr__(self, "_cache", {level: {} for level in LEVELS})
+
+    def _rules_matching(self, level: str, name: str) -> tuple[Rule, ...]:
+        cache = self._cache[level]
+        hit = cache.get(name)
+        if hit is None:
+            exact, globs = self._index[level]
+            hit = tuple(exact.get(name, ())) + tuple(rule for regex, rule in globs if regex.match(name))
+            cache[name] = hit
+        return hit
+
     # ---- construction -------------------------------------------------------------------
     @classmethod
     def from_dict(cls, data: Mapping, *, file: str = "<dict>", text: str = "", start: int = 0) -> "Rules":
@@ -226,27 +253,30 @@ class Rules:
         return tuple(r for r in self.rules if r.level == level)
 
     def default_rule(self) -> Optional[Rule]:
-        defaults = self.by_level("default")
-        return defaults[-1] if defaults else None
+        for rule in reversed(self.rules):
+            if rule.level == "default":
+                return rule
+        return None
 
     def setting(self, key: str, fallback=None):
         return self.settings.get(key, fallback)
 
     def matches_for(self, *, node: str, op: str, module_stack: Sequence[tuple[str, str]]) -> list[Match]:
-        """Every rule that matches, best first (see the module docstring for the order)."""
+        """Every rule that matches, best first (see the module docstring for the order).
+
+        The sort key is (precedence level, -module depth, -read order): a higher level first; among
+        module rules the innermost module; among equals the rule read last (later file wins).
+        """
         found: list[tuple[tuple, Match]] = []
         for rank, level in enumerate(LEVELS):
-            for rule in self.by_level(level):
-                if level == "node":
-                    hits = [("", 0)] if rule.matches(node) else []
-                elif level == "op":
-                    hits = [("", 0)] if rule.matches(op) else []
-                else:
-                    idx = 0 if level == "module" else 1
-                    hits = [(entry[0], depth + 1) for depth, entry in enumerate(module_stack) if rule.matches(entry[idx])]
-                for scope, depth in hits:
-                    key = (rank, -depth, -rule.order)
-                    found.append((key, Match(rule.ref, rule.precision, rank, level, scope, rule.reason)))
+            if level in ("node", "op"):
+                for rule in self._rules_matching(level, node if level == "node" else op):
+                    found.append(((rank, 0, -rule.order), Match(rule.ref, rule.precision, rank, level, "", rule.reason)))
+                continue
+            idx = 0 if level == "module" else 1
+            for depth, entry in enumerate(module_stack, 1):
+                for rule in self._rules_matching(level, entry[idx]):
+                    found.append(((rank, -depth, -rule.order), Match(rule.ref, rule.precision, rank, level, entry[0], rule.reason)))
         default = self.default_rule()
         if default is not None:
             found.append(((len(LEVELS), 0, -default.order), Match(default.ref, default.precision, len(LEVELS), "default", "", default.reason)))
