@@ -368,8 +368,6 @@ class LossScaler:
         if record.stage is _Stage.READY:
             self.unscale_(optimizer)
         result = None
-        if record.found_inf is None:
-            raise RuntimeError("No inf checks were recorded for this optimizer.")
         if not bool(record.found_inf.item()):
             result = optimizer.step(*args, **kwargs)
         record.stage = _Stage.STEPPED

@@ -27,10 +27,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.fx
 from torch import nn
 
 from converter.scaler import LossScaler
@@ -88,6 +90,44 @@ def _shrink_embedding_grad(alpha: float, _module: nn.Module, _args: Any, output:
     return output * alpha + output.detach() * (1.0 - alpha)
 
 
+def _is_embedding_node(node: torch.fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    if node.target in (nn.functional.embedding, torch.ops.aten.embedding.default):
+        return True
+    info = node.meta.get("mp_info")  # the converter's canonical op name
+    return getattr(info, "op", None) == "embedding"
+
+
+def _shrink_graph_embeddings(gm: torch.fx.GraphModule, alpha: float) -> int:
+    """Rewrite every embedding node ``e`` of ``gm`` into ``e*alpha + e.detach()*(1-alpha)``; returns the count.
+
+    The converter inlines modules into functional calls (``F.embedding`` on a ``get_attr``
+    weight), so a hook on the ``nn.Embedding`` module would never fire there.
+    """
+    graph = gm.graph
+    count = 0
+    for node in list(graph.nodes):
+        if not _is_embedding_node(node):
+            continue
+        with graph.inserting_after(node):
+            kept = graph.call_function(operator.mul, (node, alpha))
+        with graph.inserting_after(kept):
+            frozen = graph.call_method("detach", (node,))
+        with graph.inserting_after(frozen):
+            rest = graph.call_function(operator.mul, (frozen, 1.0 - alpha))
+        with graph.inserting_after(rest):
+            shrunk = graph.call_function(operator.add, (kept, rest))
+        for new in (kept, frozen, rest, shrunk):
+            new.meta["mp_trainer"] = "embedding_grad_shrink"
+        node.replace_all_uses_with(shrunk, delete_user_cb=lambda user, mine=(kept, frozen): user not in mine)
+        count += 1
+    if count:
+        graph.lint()
+        gm.recompile()
+    return count
+
+
 def _fallback_storage_dtype(module_class: str, half: torch.dtype) -> torch.dtype:
     if any(marker in module_class for marker in _FP32_MODULE_MARKERS):
         return torch.float32
@@ -108,8 +148,11 @@ def _storage_plan(inner: nn.Module, half: torch.dtype) -> dict[str, torch.dtype]
         if unknown:
             raise ValueError(f"module.meta['mp_param_dtypes'] names parameters the module does not have: {unknown[:5]}")
         for fqn, dtype in recorded.items():
-            if dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-                raise ValueError(f"module.meta['mp_param_dtypes'][{fqn!r}] must be a floating torch.dtype, got {dtype!r}")
+            if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+                raise ValueError(
+                    f"module.meta['mp_param_dtypes'][{fqn!r}] must be torch.float16, torch.bfloat16 or "
+                    f"torch.float32, got {dtype!r}"
+                )
         return {name: recorded.get(name, torch.float32) for name in params}
     owners = {}
     for module_name, module in inner.named_modules():
@@ -144,10 +187,12 @@ class MixedPrecisionTrainer:
         callback: called with a copy of :class:`TrainStats` after every real step.
         embedding_grad_shrink: ``alpha`` in (0, 1]: every ``nn.Embedding`` output becomes
             ``alpha*e + (1-alpha)*e.detach()`` (GLM-130B's trick against early loss spikes). None by
-            default: it changes the optimisation. Implemented as forward hooks on ``nn.Embedding``
-            modules, which fx's ``symbolic_trace`` keeps as modules; graphs where embedding was
-            inlined to an ``aten.embedding`` node (``torch.export``) have no such module and are
-            rejected with a ValueError rather than silently left unshrunk.
+            default: it changes the optimisation. Implemented as forward hooks on the ``nn.Embedding``
+            modules that run; in a GraphModule (a converted model inlines modules into
+            ``F.embedding`` calls; ``torch.export`` gives ``aten.embedding``) each embedding node is
+            rewritten in place into that expression. An embedding computed any other way (a plain
+            module calling ``F.embedding`` itself) is not seen; when nothing is found the option is
+            rejected with a ValueError rather than silently doing nothing.
 
     Use::
 
@@ -293,13 +338,22 @@ class MixedPrecisionTrainer:
     def _install_embedding_shrink(self, alpha: Any) -> None:
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 < alpha <= 1.0:
             raise ValueError(f"embedding_grad_shrink must be a float in (0, 1], got {alpha!r}")
-        embeddings = [m for m in self._inner.modules() if isinstance(m, nn.Embedding)]
-        if not embeddings:
+        alpha = float(alpha)
+        inner = self._inner
+        if isinstance(inner, torch.fx.GraphModule):
+            modules = dict(inner.named_modules())
+            called = {node.target for node in inner.graph.nodes if node.op == "call_module"}
+            embeddings = [modules[name] for name in sorted(called) if isinstance(modules.get(name), nn.Embedding)]
+            rewritten = _shrink_graph_embeddings(inner, alpha)
+        else:
+            embeddings = [m for m in inner.modules() if isinstance(m, nn.Embedding)]
+            rewritten = 0
+        if not embeddings and not rewritten:
             raise ValueError(
-                "embedding_grad_shrink is set but the module has no nn.Embedding submodule (a graph captured "
-                "with torch.export inlines embeddings as aten.embedding nodes, which this option does not hook)"
+                "embedding_grad_shrink is set but the module has no nn.Embedding submodule and no embedding "
+                "node in its graph, so there is nothing to shrink"
             )
-        hook = functools.partial(_shrink_embedding_grad, float(alpha))
+        hook = functools.partial(_shrink_embedding_grad, alpha)
         self._hooks = [m.register_forward_hook(hook) for m in embeddings]
 
     # ------------------------------------------------------------------ properties
@@ -386,6 +440,19 @@ class MixedPrecisionTrainer:
             flat.div_(world)
             torch._foreach_copy_(grads, [chunk.view_as(g) for chunk, g in zip(flat.split([g.numel() for g in grads]), grads)])
 
+    def _all_ranks_agree(self, finite: bool) -> bool:
+        """bf16 under DDP: step only if every rank's gradients are finite, so replicas never diverge."""
+        if self._ddp is None:
+            return finite
+        flag = torch.tensor([0.0 if finite else 1.0], device=self._first_param_device())
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self._ddp.process_group)
+        return flag.item() == 0.0
+
+    def _first_param_device(self) -> torch.device:
+        for param in self._inner.parameters():
+            return param.device
+        return torch.device("cpu")
+
     def _grad_norm(self) -> torch.Tensor:
         params = [p for p in self._optimizer_params() if p.grad is not None]
         if self._max_grad_norm is not None:
@@ -435,7 +502,7 @@ class MixedPrecisionTrainer:
             self._stats.scale = scale_after
         else:
             grad_norm = float(self._grad_norm().item())
-            stepped = math.isfinite(grad_norm)
+            stepped = self._all_ranks_agree(math.isfinite(grad_norm))
             if stepped:
                 optimizer.step()
         if stepped and self._masters:

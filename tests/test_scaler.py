@@ -360,7 +360,8 @@ def _parity_model(seed: int) -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
 
 
-def test_parity_with_gradscaler_300_steps_with_injected_inf_and_nan():
+@pytest.mark.parametrize(("growth", "backoff"), [(2.0, 0.5), (1.7, 0.3)])
+def test_parity_with_gradscaler_300_steps_with_injected_inf_and_nan(growth, backoff):
     steps, growth_interval = 300, 3
     rng = random.Random(1234)
     plan = {}
@@ -370,8 +371,8 @@ def test_parity_with_gradscaler_300_steps_with_injected_inf_and_nan():
     theirs_model, ours_model = _parity_model(0), _parity_model(0)
     theirs_opt = torch.optim.SGD(theirs_model.parameters(), lr=0.01, momentum=0.9)
     ours_opt = torch.optim.SGD(ours_model.parameters(), lr=0.01, momentum=0.9)
-    theirs = torch.amp.GradScaler("cpu", growth_interval=growth_interval)
-    ours = LossScaler(growth_interval=growth_interval, max_scale=None)
+    theirs = torch.amp.GradScaler("cpu", growth_interval=growth_interval, growth_factor=growth, backoff_factor=backoff)
+    ours = LossScaler(growth_interval=growth_interval, growth_factor=growth, backoff_factor=backoff, max_scale=None)
     data = torch.Generator().manual_seed(5)
     scales, skips, natural = [], [], 0
     for step in range(steps):
