@@ -59,9 +59,10 @@ def decide(gm: torch.fx.GraphModule, rules: Rules, *, precision: str) -> None:
             )
             continue
         win = matches[0]
-        if win.precision == "banned":
-            message = rules.rule_for(win).message
-            raise BannedOpError(f"node {node.name!r} (op {info.op}) is banned by {win.rule}: {message}")
+        ban = next((m for m in matches if m.precision == "banned"), None)
+        if ban is not None and (win.level_name != "node" or win.precision == "banned"):
+            message = rules.rule_for(ban).message
+            raise BannedOpError(f"node {node.name!r} (op {info.op}) is banned by {ban.rule}: {message}")
         resolved = precision if win.precision == "half" else win.precision
         reason = decision_reason(win.level_name, win.rule.pattern, win.rule.file, win.reason, win.scope)
         if win.level_name == "default":

@@ -30,6 +30,8 @@ Precision values: ``half`` (the target of the conversion, fp16 or bf16), ``fp16`
 floating input) and ``banned`` (an error carrying ``message``).
 
 **Precedence**, highest first: ``node`` > ``module`` (path) > ``module_type`` > ``op`` > ``default``.
+A ``banned`` rule is the exception: it is an error whenever it matches, whatever else matches,
+unless a ``node`` rule names that very node (an explicit, reviewed exemption).
 A module rule applies to every op inside that module's scope; when several modules of a node's
 stack match at the same level, the innermost module wins. Between two rules of the same level and
 scope, the one read last wins, so a later file overrides an earlier one (layering).
@@ -234,7 +236,10 @@ class Rules:
         path = Path(path)
         if not path.is_file():
             raise RulesError(f"{path}: rules file not found; pass an existing .toml file (built-in files are in {rules_dir()})")
-        text = path.read_text(encoding="utf-8")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise RulesError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); save the rules file as UTF-8") from None
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:

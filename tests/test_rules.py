@@ -177,3 +177,27 @@ def test_rules_to_dict_echoes_effective_config():
     d = rules.to_dict()
     assert d["files"] == ["default.toml", "llm.toml"]
     assert any(r["pattern"] == "lm_head" and r["level"] == "module" for r in d["rules"])
+
+
+def test_ban_wins_over_module_rules_unless_node_exempts(tmp_path):
+    ban = _write(tmp_path, "ban.toml", """
+        [op]
+        layer_norm = { precision = "banned", message = "use RMSNorm" }
+    """)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    # default.toml's module_type "*LayerNorm" = fp32 outranks the op rule, but a ban still applies
+    with pytest.raises(converter.BannedOpError, match="use RMSNorm"):
+        converter.convert(model, (torch.randn(2, 4),), rules=[ban])
+    exempt = _write(tmp_path, "exempt.toml", """
+        [node]
+        "m_1" = "fp32"
+    """)
+    conv = converter.convert(model, (torch.randn(2, 4),), rules=[ban, exempt])
+    assert {r["name"]: r["precision"] for r in conv.report.nodes}["m_1"] == "fp32"
+
+
+def test_non_utf8_rules_file_is_a_rules_error(tmp_path):
+    path = tmp_path / "latin1.toml"
+    path.write_bytes("[op]\nlinear = \"half\" # caf\xe9\n".encode("latin-1"))
+    with pytest.raises(RulesError, match="UTF-8"):
+        load_rules([path])

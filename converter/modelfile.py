@@ -1,0 +1,333 @@
+"""Import a model file (DESIGN §3) and find the model and its inputs, with precise errors.
+
+A model file is a Python file that defines:
+
+* the model: ``build_model()`` returning an ``nn.Module``, or a module-level ``model``
+  (``entry="NAME"`` picks another function or module-level instance);
+* the example inputs: ``example_inputs()`` returning a tuple of positional arguments or an
+  ``(args_tuple, kwargs_dict)`` pair, or a module-level ``example_inputs``;
+* optionally ``calibration_inputs()`` (an iterable of inputs in the same form, for ``--calibrate``),
+  and ``loss_fn(output, batch)`` with ``train_batches()`` (for the emitted ``train.py``; each item of
+  ``train_batches()`` is an ``(inputs, batch)`` pair).
+
+The file is imported under a unique module name with its own directory on ``sys.path`` during the
+import (so it can import its neighbours). Every problem raises a subclass of
+:class:`ModelFileError` whose message is one line: what is wrong, where, and how to fix it.
+"""
+from __future__ import annotations
+
+import difflib
+import hashlib
+import importlib.util
+import inspect
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+__all__ = [
+    "ModelFile",
+    "ModelFileError",
+    "ModelFileNotFoundError",
+    "ModelFileSyntaxError",
+    "ModelFileImportError",
+    "NoModelError",
+    "EntryError",
+    "NotAModuleError",
+    "ExampleInputsError",
+    "load_model_file",
+    "import_model_file",
+    "check_arity",
+    "MODEL_NAMES",
+    "INPUT_NAMES",
+]
+
+#: what is looked for, in order, when no ``entry`` is given
+MODEL_NAMES = ("build_model", "model")
+INPUT_NAMES = ("example_inputs",)
+
+
+class ModelFileError(ValueError):
+    """The model file cannot be used; the message is one line naming the problem and the fix."""
+
+
+class ModelFileNotFoundError(ModelFileError):
+    """The path does not name a readable file."""
+
+
+class ModelFileSyntaxError(ModelFileError):
+    """The file (or a file it imports) is not valid Python."""
+
+
+class ModelFileImportError(ModelFileError):
+    """Importing the file raised an exception."""
+
+
+class NoModelError(ModelFileError):
+    """Neither ``build_model`` nor ``model`` (nor the ``--entry`` name) is defined."""
+
+
+class EntryError(ModelFileError):
+    """Calling the model factory (or ``example_inputs()``) raised an exception."""
+
+
+class NotAModuleError(ModelFileError):
+    """The model factory returned something that is not an ``nn.Module``."""
+
+
+class ExampleInputsError(ModelFileError):
+    """The example inputs are missing, malformed, or do not fit the model's forward."""
+
+
+@dataclass
+class ModelFile:
+    """What a model file provides (see the module docstring)."""
+
+    path: Path
+    module: ModuleType
+    model: nn.Module
+    entry: str
+    example_inputs: tuple  # (args, kwargs)
+    calibration_inputs: Optional[Callable[[], Any]] = None
+    loss_fn: Optional[Callable] = None
+    train_batches: Optional[Callable] = None
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def has_training(self) -> bool:
+        return self.loss_fn is not None and self.train_batches is not None
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _where_in(path: Path, tb) -> str:
+    """``file:line`` of the innermost traceback frame inside ``path`` (else the innermost frame)."""
+    frames = traceback.extract_tb(tb)
+    target = str(path.resolve())
+    inside = [f for f in frames if Path(f.filename).resolve().as_posix() == Path(target).as_posix()]
+    frame = inside[-1] if inside else (frames[-1] if frames else None)
+    if frame is None:
+        return str(path)
+    name = path.name if inside else frame.filename
+    return f"{name}:{frame.lineno}"
+
+
+def _exc_text(exc: BaseException) -> str:
+    text = _one_line(str(exc))
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def import_model_file(path: str | Path) -> ModuleType:
+    """Import ``path`` under a unique module name; raise a :class:`ModelFileError` on failure."""
+    path = Path(path)
+    if not path.exists():
+        raise ModelFileNotFoundError(f"{path}: no such file; pass the path of a Python file that defines build_model() (see mpconvert --help)")
+    if path.is_dir():
+        raise ModelFileNotFoundError(f"{path} is a directory; pass the path of a Python model file, e.g. {path / 'model.py'}")
+    try:
+        source = path.read_bytes()
+    except OSError as exc:
+        raise ModelFileNotFoundError(f"{path}: cannot read it ({exc.strerror or exc}); check its permissions") from None
+    try:
+        compile(source, str(path), "exec")
+    except SyntaxError as exc:
+        line = f"{path}:{exc.lineno}" if exc.lineno else str(path)
+        raise ModelFileSyntaxError(f"{line}: syntax error: {_one_line(exc.msg)}; fix the Python syntax on that line") from None
+    except ValueError as exc:  # e.g. null bytes
+        raise ModelFileSyntaxError(f"{path}: not a Python source file ({_one_line(str(exc))}); pass a .py model file") from None
+    digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:10]
+    stem = "".join(c if c.isalnum() else "_" for c in path.stem)
+    name = f"_mpconvert_model_{stem}_{digest}"
+    spec = importlib.util.spec_from_file_location(name, str(path))
+    if spec is None or spec.loader is None:
+        from importlib.machinery import SourceFileLoader
+
+        spec = importlib.util.spec_from_loader(name, SourceFileLoader(name, str(path)))
+    module = importlib.util.module_from_spec(spec)
+    directory = str(path.resolve().parent)
+    sys.modules[name] = module
+    sys.path.insert(0, directory)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as exc:  # in a file it imports
+        sys.modules.pop(name, None)
+        where = f"{exc.filename}:{exc.lineno}" if exc.filename else str(path)
+        raise ModelFileSyntaxError(f"{where}: syntax error: {_one_line(exc.msg)} (imported by {path.name}); fix the Python syntax on that line") from None
+    except (KeyboardInterrupt, SystemExit) as exc:
+        sys.modules.pop(name, None)
+        if isinstance(exc, SystemExit):
+            raise ModelFileImportError(f"{path.name} called sys.exit({exc.code!r}) on import; guard script code with `if __name__ == \"__main__\":`") from None
+        raise
+    except BaseException as exc:
+        sys.modules.pop(name, None)
+        where = _where_in(path, exc.__traceback__)
+        raise ModelFileImportError(
+            f"{path.name} raised {_exc_text(exc)} on import (at {where}); fix the error so that `python {path}` imports cleanly"
+        ) from exc
+    finally:
+        try:
+            sys.path.remove(directory)
+        except ValueError:
+            pass
+    return module
+
+
+def _public_names(module: ModuleType) -> list[str]:
+    return [n for n in vars(module) if not n.startswith("_")]
+
+
+def _find_model(module: ModuleType, path: Path, entry: Optional[str]) -> tuple[nn.Module, str]:
+    names = (entry,) if entry else MODEL_NAMES
+    for name in names:
+        if not hasattr(module, name):
+            continue
+        value = getattr(module, name)
+        label = f"{name}()" if callable(value) and not isinstance(value, nn.Module) else name
+        if isinstance(value, nn.Module):
+            return value, name
+        if isinstance(value, type) and issubclass(value, nn.Module):
+            try:
+                built = value()
+            except Exception as exc:
+                raise EntryError(
+                    f"{path.name}: {name} is the class {value.__name__}, and {name}() raised {_exc_text(exc)}; "
+                    f"define build_model() returning an instance"
+                ) from exc
+            return built, name
+        if callable(value):
+            try:
+                built = value()
+            except Exception as exc:
+                where = _where_in(path, exc.__traceback__)
+                raise EntryError(f"{path.name}: {label} raised {_exc_text(exc)} (at {where}); fix it so that it returns the model") from exc
+            if not isinstance(built, nn.Module):
+                raise NotAModuleError(
+                    f"{path.name}: {label} returned {type(built).__name__}, not a torch.nn.Module; return the model instance"
+                )
+            return built, name
+        raise NotAModuleError(f"{path.name}: {name} is a {type(value).__name__}, not a torch.nn.Module or a function returning one")
+    looked = ", ".join(f"{n}()" if n == "build_model" else n for n in names)
+    close = difflib.get_close_matches(entry or "build_model", _public_names(module), n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    if entry:
+        raise NoModelError(f"{path.name} defines no {entry!r} (looked for the --entry name: {entry}){hint}; pass an existing name to --entry")
+    raise NoModelError(
+        f"{path.name} defines no model: looked for {looked}{hint}; define build_model() returning an nn.Module, or pass --entry NAME"
+    )
+
+
+def _normalize(value: Any, label: str, path: Path) -> tuple[tuple, dict]:
+    if isinstance(value, torch.Tensor):
+        return (value,), {}
+    if isinstance(value, dict):
+        return (), dict(value)
+    if isinstance(value, (tuple, list)):
+        if len(value) == 2 and isinstance(value[0], (tuple, list)) and isinstance(value[1], dict):
+            return tuple(value[0]), dict(value[1])
+        return tuple(value), {}
+    raise ExampleInputsError(
+        f"{path.name}: {label} gave a {type(value).__name__}; return a tuple of positional arguments or an (args, kwargs) pair"
+    )
+
+
+def _find_inputs(module: ModuleType, path: Path) -> tuple[tuple, dict]:
+    if not hasattr(module, "example_inputs"):
+        raise ExampleInputsError(
+            f"{path.name} defines no example inputs: looked for example_inputs() and a module-level example_inputs; "
+            "define example_inputs() returning a tuple of the forward's arguments"
+        )
+    value = module.example_inputs
+    label = "example_inputs"
+    if callable(value) and not isinstance(value, (torch.Tensor, tuple, list, dict)):
+        label = "example_inputs()"
+        try:
+            value = value()
+        except Exception as exc:
+            where = _where_in(path, exc.__traceback__)
+            raise EntryError(f"{path.name}: example_inputs() raised {_exc_text(exc)} (at {where}); fix it so that it returns the inputs") from exc
+    return _normalize(value, label, path)
+
+
+def _describe_forward(model: nn.Module, sig: inspect.Signature) -> str:
+    params = ", ".join(str(p).split(":")[0].split("=")[0].strip() for p in sig.parameters.values())
+    return f"{type(model).__name__}.forward({params})"
+
+
+def check_arity(model: nn.Module, args: tuple, kwargs: dict, *, label: str = "example_inputs()", file: str = "") -> None:
+    """Raise :class:`ExampleInputsError` when ``args``/``kwargs`` cannot bind to ``model.forward``."""
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return
+    params = list(sig.parameters.values())
+    prefix = f"{file}: " if file else ""
+    forward = _describe_forward(model, sig)
+    if any(p.kind == p.VAR_POSITIONAL for p in params) and any(p.kind == p.VAR_KEYWORD for p in params):
+        return
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    has_var_pos = any(p.kind == p.VAR_POSITIONAL for p in params)
+    has_var_kw = any(p.kind == p.VAR_KEYWORD for p in params)
+    n = len(args)
+    if not has_var_pos and n > len(positional):
+        raise ExampleInputsError(
+            f"{prefix}{label} gives {n} positional argument{'s' if n != 1 else ''} but {forward} takes at most {len(positional)}; "
+            "return one value per forward argument (a tuple, or an (args, kwargs) pair)"
+        )
+    names = {p.name for p in params}
+    for key in kwargs:
+        if key not in names and not has_var_kw:
+            close = difflib.get_close_matches(key, list(names), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ExampleInputsError(f"{prefix}{label} passes keyword {key!r}, which {forward} does not accept{hint}; use its argument names")
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as exc:
+        missing = [
+            p.name
+            for i, p in enumerate(params)
+            if p.default is p.empty
+            and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            and not (i < n and p.kind != p.KEYWORD_ONLY)
+            and p.name not in kwargs
+        ]
+        if missing:
+            given = f"{n} positional argument{'s' if n != 1 else ''}" + (f" and {len(kwargs)} keyword" if kwargs else "")
+            raise ExampleInputsError(
+                f"{prefix}{label} gives {given} but {forward} also needs {', '.join(repr(m) for m in missing)}; "
+                "return one value per forward argument"
+            ) from None
+        raise ExampleInputsError(f"{prefix}{label} does not fit {forward}: {_one_line(str(exc))}; return one value per forward argument") from None
+
+
+def load_model_file(path: str | Path, *, entry: Optional[str] = None) -> ModelFile:
+    """Import ``path`` and return the model, its example inputs and the optional hooks."""
+    path = Path(path)
+    module = import_model_file(path)
+    model, used = _find_model(module, path, entry)
+    args, kwargs = _find_inputs(module, path)
+    check_arity(model, args, kwargs, label="example_inputs()" if callable(getattr(module, "example_inputs", None)) else "example_inputs", file=path.name)
+
+    def optional(name: str) -> Optional[Callable]:
+        value = getattr(module, name, None)
+        return value if callable(value) else None
+
+    return ModelFile(
+        path=path,
+        module=module,
+        model=model,
+        entry=used,
+        example_inputs=(args, kwargs),
+        calibration_inputs=optional("calibration_inputs"),
+        loss_fn=optional("loss_fn"),
+        train_batches=optional("train_batches"),
+    )
