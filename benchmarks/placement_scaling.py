@@ -5,15 +5,21 @@ projections and matmuls fixed half, view/transpose/scale/dropout/gelu free,
 the mask add and the two residual adds promote.  Costs are cast bytes
 (numel x (4 + 2)).  Two variants:
 
-* ``stream``: the residual adds are promote nodes, so the residual stream links
-  every layer into one long region (4 nodes per layer) next to many 1-2 node
-  regions — what a plain pre-LN transformer gives;
-* ``split``: the residual stream is pinned fp32 (``--fp32-residual-connection``
-  style), so every region has 1-4 nodes.
+* ``split``: the residual adds are fixed fp32 (``--fp32-residual-connection``
+  style), so every region has 1-2 nodes;
+* ``stream``: the residual adds are promote nodes fed by an fp32 embedding: the
+  fp32 input forces the whole stream to fp32 (folded before solving), so
+  regions stay small;
+* ``stream-follow``: the residual adds are ``follow`` (free) nodes, as the
+  default rules make ``add``: one long region of 4 nodes per layer;
+* ``stream-half``: promote adds with a half embedding, so nothing forces the
+  stream and it links every layer into one long region (4 nodes per layer)
+  next to many 1-2 node regions — the worst case for the min-cut.
 
 Run: ``PYTHONPATH=. python benchmarks/placement_scaling.py [--sizes 1000 10000 50000]``
-Prints the time per node (median of ``--repeat`` runs) with and without
-alternative costs, and the greedy TF painting cost for comparison.
+Prints the CPU time per node (median of ``--repeat`` runs) with and without
+alternative costs, how many free/promote nodes got an alternative cost, and the
+greedy TF painting cost for comparison.
 """
 
 from __future__ import annotations
@@ -23,11 +29,14 @@ import random
 import statistics
 import time
 
+import networkx as nx
+
 from converter.placement import (
     FP32,
     HALF,
     PlacementProblem,
     Tensor,
+    _compile,  # diagnostics only: region sizes
     solve_greedy_tf,
     solve_mincut,
 )
@@ -39,7 +48,7 @@ def build(n_nodes: int, *, variant: str, seed: int = 0) -> PlacementProblem:
     """A transformer-like placement problem with about ``n_nodes`` nodes."""
     rng = random.Random(seed)
     layers = max(1, n_nodes // NODES_PER_LAYER)
-    fixed: dict[str, str] = {"embed": FP32, "head": FP32}
+    fixed: dict[str, str] = {"embed": HALF if variant == "stream-half" else FP32, "head": FP32}
     free: list[str] = []
     promote: list[str] = []
     tensors: list[Tensor] = []
@@ -64,6 +73,10 @@ def build(n_nodes: int, *, variant: str, seed: int = 0) -> PlacementProblem:
             n("attn_drop"), n("ctx_tr"), n("ctx_view"), n("drop1_"), n("gelu"), n("drop2_"),
         ]
         promote += [n("mask_add"), n("res1_"), n("res2_")]
+        if variant == "stream-follow":
+            promote.remove(n("res1_"))
+            promote.remove(n("res2_"))
+            free += [n("res1_"), n("res2_")]
         if variant == "split":
             fixed[n("res1_")] = FP32
             fixed[n("res2_")] = FP32
@@ -99,37 +112,46 @@ def build(n_nodes: int, *, variant: str, seed: int = 0) -> PlacementProblem:
 
 
 def _time(fn, repeat: int) -> float:
+    """Median CPU time of ``repeat`` calls (process time: robust on a shared machine)."""
     samples = []
     for _ in range(repeat):
-        start = time.perf_counter()
+        start = time.process_time()
         fn()
-        samples.append(time.perf_counter() - start)
+        samples.append(time.process_time() - start)
     return statistics.median(samples)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 2000, 5000, 10000, 20000, 50000])
+    parser.add_argument(
+        "--sizes", type=int, nargs="+", default=[1000, 2000, 5000, 10000, 20000, 50000]
+    )
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--variants", nargs="+", default=["split", "stream"])
+    parser.add_argument("--flow", default="preflow_push", help="networkx flow function name")
+    parser.add_argument(
+        "--variants", nargs="+", default=["split", "stream", "stream-follow", "stream-half"]
+    )
     args = parser.parse_args()
-    print(f"{'variant':8} {'nodes':>7} {'regions':>8} {'max reg':>8} {'solve':>9} "
-          f"{'us/node':>8} {'no-alt':>9} {'us/node':>8} {'min-cut MB':>11} {'greedy MB':>10}")
+    print(f"{'variant':13} {'nodes':>7} {'regions':>8} {'max reg':>8} {'solve':>9} "
+          f"{'us/node':>8} {'no-alt':>9} {'us/node':>8} {'alt':>11} "
+          f"{'min-cut MB':>11} {'greedy MB':>10}")
     for variant in args.variants:
         for size in args.sizes:
             problem = build(size, variant=variant)
             n_nodes = len(problem.fixed) + len(problem.free) + len(problem.promote)
-            with_alt = _time(lambda: solve_mincut(problem), args.repeat)
-            no_alt = _time(lambda: solve_mincut(problem, alternatives=False), args.repeat)
-            result = solve_mincut(problem)
+            flow = getattr(nx.algorithms.flow, args.flow)
+            with_alt = _time(lambda: solve_mincut(problem, flow_func=flow), args.repeat)
+            no_alt = _time(
+                lambda: solve_mincut(problem, alternatives=False, flow_func=flow), args.repeat
+            )
+            result = solve_mincut(problem, flow_func=flow)
             greedy = solve_greedy_tf(problem)
-            from converter.placement import _compile  # diagnostics only
-
             biggest = max((len(r.nodes) for r in _compile(problem).regions), default=0)
             print(
-                f"{variant:8} {n_nodes:7d} {result.regions:8d} {biggest:8d} "
+                f"{variant:13} {n_nodes:7d} {result.regions:8d} {biggest:8d} "
                 f"{with_alt * 1e3:7.1f}ms {with_alt / n_nodes * 1e6:8.2f} "
                 f"{no_alt * 1e3:7.1f}ms {no_alt / n_nodes * 1e6:8.2f} "
+                f"{len(result.alternative_cost):5d}/{len(result.labels):<5d} "
                 f"{result.cost / 2**20:11.1f} {greedy.cost / 2**20:10.1f}",
                 flush=True,
             )

@@ -20,50 +20,69 @@ simply left out of the problem.
 Objective
 ---------
 Minimise the total cast cost; among equal-cost optima, minimise the number of
-free/promote nodes labelled ``"fp32"`` (ties break towards half).  Within a
-region of ``F`` free/promote nodes the solver minimises the integer
-``cost * (F + 1) + #fp32``: the number of fp32 nodes is at most ``F`` so it can
-never outweigh one unit of cost, and integer arithmetic keeps it exact.  Regions
-are independent, so per-region lexicographic optima add up to the global
-lexicographic optimum.
+free/promote nodes labelled ``"fp32"`` (ties break towards half).  Regions are
+independent, so per-region lexicographic optima add up to the global one.
+
+* Enumerated regions of ``F`` nodes minimise the integer
+  ``cost * (F + 1) + #fp32``: at most ``F`` nodes are fp32, so the count can
+  never outweigh one unit of cost, and integer arithmetic keeps it exact.
+* Min-cut regions need no extra weights.  The minimum cuts of a network form a
+  lattice; the set of nodes that can still reach ``t`` in the final residual
+  network is the *smallest* sink side of all minimum cuts (it is contained in
+  every one).  Every cost-optimal labelling is some minimum cut, so this cut's
+  fp32 set is a subset of every optimum's fp32 set: fewest fp32 nodes, and
+  even inclusion-minimal.  That also makes the tie-broken optimum *unique*, so
+  enumeration, min-cut and any flow algorithm return the same labels.  (Unit
+  tie-break edges ``s->v`` against costs scaled by ``F + 1`` would work too,
+  but they need one augmenting path per fp32 node, and made long regions an
+  order of magnitude slower.)
 
 Min-cut encoding (source side ``s`` = half, sink side ``t`` = fp32)
 ------------------------------------------------------------------
 * fixed half nodes *are* ``s``, fixed fp32 nodes *are* ``t``;
 * a tensor with producer ``p`` and distinct consumers ``J`` costs
   ``c*[x_p=H and some x_j=F] + c*[x_p=F and some x_j=H]`` (at most one term is
-  non-zero).  The first term is one auxiliary node ``a`` with ``a->j`` infinite
-  for every ``j`` (so ``a`` is on the fp32 side as soon as a consumer is) and
-  ``p->a`` of capacity ``c``; the second is ``b`` with ``j->b`` infinite and
-  ``b->p`` of capacity ``c``.  A single consumer needs no auxiliary node:
-  ``p->j`` and ``j->p``, both ``c``;
+  non-zero, so the sum is exact).  The first term is one auxiliary node ``a``
+  with ``a->j`` infinite for every ``j`` (so ``a`` is on the fp32 side as soon
+  as a consumer is) and ``p->a`` of capacity ``c``; the second is ``b`` with
+  ``j->b`` infinite and ``b->p`` of capacity ``c``.  Exact shortcuts: a term
+  over a single free consumer is the edge ``p->j`` (resp. ``j->p``); a fixed
+  fp32 consumer turns the first term into ``p->t`` (a fixed half one turns the
+  second into ``s->p``); a fixed producer only has the term towards the other
+  label;
 * a promote node ``q`` fed by ``p`` gets ``q->p`` infinite (cut when ``p`` is
   fp32 and ``q`` half);
-* the tie-break is ``s->v`` of capacity 1 for each free/promote node, with all
-  costs scaled by ``F + 1``;
 * "infinite" is an exact finite integer: the sum of all finite capacities + 1.
 
 Decomposition
 -------------
-The free/promote nodes split into independent *regions*: connected components
-of the graph that links every free/promote node sharing a tensor (a tensor
-whose producer is fixed links all its free consumers, since they share one
-cast; fixed nodes are boundaries).  Tensors with cost 0 only link through
+First, promote nodes fed by a fixed fp32 node, and transitively the promote
+nodes they feed, are fp32 in every feasible labelling: they are fixed before
+solving (this also cuts long promote residual streams into small pieces).
+The remaining free/promote nodes split into independent *regions*: connected
+components of the graph that links free/promote nodes sharing a tensor (a
+tensor whose producer is fixed links all its free consumers, since they share
+one cast; fixed nodes are boundaries).  Tensors with cost 0 only link through
 promote constraints; tensors whose cost is decided by fixed nodes alone are
-folded into a constant.  Each region is solved on its own small graph, so the
-total work stays linear in the graph size for bounded region sizes.  Regions of
-at most ``small_region`` nodes are solved by exact enumeration (cheaper than
-building a networkx graph); larger ones by ``networkx`` max-flow/min-cut.
+folded into a constant.  Each region is solved on its own graph, so the work is
+linear in the graph size for bounded region sizes.  Regions of at most
+``small_region`` nodes are solved by exact enumeration (cheaper than a networkx
+graph up to about 7 nodes); larger ones by networkx max-flow/min-cut
+(``preflow_push`` by default).
 
 Alternative costs
 -----------------
 ``PlacementResult.alternative_cost[n]`` is the cost of the best labelling with
 ``n`` flipped, minus the optimal cost.  Enumerated regions get it for free.
 For min-cut regions it is computed exactly from the max-flow residual network
-(dynamic graph cuts, as for min-marginals: pinning ``n`` adds one infinite
-edge, and the extra flow is augmented on a journaled copy of the residual
-network, then rolled back), so no region is re-solved from scratch.  A promote
-node that cannot be half (an fp32 producer forces it) has no entry.
+(dynamic graph cuts, as for min-marginals): pinning ``n`` adds one infinite
+edge, the extra flow is augmented on a journaled copy of the residual network
+and rolled back, so no region is re-solved.  A half node that no residual path
+from ``s`` reaches costs nothing to flip.  A promote node that cannot be half
+(an fp32 producer forces it) has no entry.  In regions of more than 64 nodes
+each flip may scan at most ``alternative_budget`` residual edges: a flip whose
+effect spreads through the region (e.g. one that would flip a whole residual
+stream) then gets no entry rather than costing quadratic time.
 
 Validation (``ValueError``)
 ---------------------------
@@ -78,14 +97,16 @@ is ignored, and duplicated consumers count once.
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import NamedTuple
 
 import networkx as nx
-from networkx.algorithms.flow import boykov_kolmogorov
+from networkx.algorithms.flow import preflow_push
 
 __all__ = [
     "HALF",
@@ -107,6 +128,9 @@ _LABELS = (HALF, FP32)
 # Producer markers in compiled terms (free producers are local indices >= 0).
 _PROD_HALF = -1
 _PROD_FP32 = -2
+# Alternatives are always exact in min-cut regions up to this many nodes; larger
+# regions give each flip ``alternative_budget`` residual-edge scans.
+_EXACT_ALTERNATIVES_UP_TO = 64
 
 
 # --------------------------------------------------------------------------- #
@@ -174,7 +198,8 @@ class PlacementProblem:
                 if consumer not in seen:
                     raise ValueError(
                         f"tensor of {tensor.producer!r}: consumer {consumer!r} is not a declared "
-                        "node (declare graph outputs as fixed sink nodes; omit don't-care consumers)"
+                        "node (declare graph outputs as fixed sink nodes; omit don't-care "
+                        "consumers)"
                     )
         object.__setattr__(self, "fixed", MappingProxyType(fixed))
         object.__setattr__(self, "free", free)
@@ -187,8 +212,10 @@ class PlacementResult:
     """Labels for every free/promote node, and what they cost.
 
     ``alternative_cost[n]``: optimal cost with ``n`` flipped, minus ``cost``
-    (absent when the flip is infeasible or alternatives were not requested).
-    ``regions``: number of independent regions solved.
+    (absent when the flip is infeasible, over the alternative budget, or
+    alternatives were not requested).  ``regions``: number of independent
+    regions solved (isolated nodes count as one each; promote nodes forced to
+    fp32 are labelled without a region).
     """
 
     labels: Mapping[str, str]
@@ -247,27 +274,55 @@ def is_feasible(problem: PlacementProblem, labels: Mapping[str, str]) -> bool:
 # --------------------------------------------------------------------------- #
 # Compilation into regions
 # --------------------------------------------------------------------------- #
-@dataclass(frozen=True)
-class _Region:
+class _Region(NamedTuple):
     nodes: tuple[int, ...]  # global indices, ascending
     terms: tuple[tuple[int, int, tuple[int, ...], bool, bool], ...]  # local
     constraints: tuple[tuple[int, int], ...]  # (producer, promote), local
-    forced: tuple[int, ...]  # local promote nodes forced to fp32
 
 
 @dataclass(frozen=True)
 class _Compiled:
-    nodes: tuple[str, ...]
+    nodes: tuple[str, ...]  # free/promote nodes left to solve
+    forced: tuple[str, ...]  # promote nodes forced to fp32 by an fp32 input
     constant: int
     regions: tuple[_Region, ...]
 
 
-def _compile(problem: PlacementProblem) -> _Compiled:
-    """Fold constants, link free/promote nodes, and split into regions (linear)."""
-    nodes = tuple(problem.free) + tuple(problem.promote)
-    n_free = len(problem.free)
-    index = {node: i for i, node in enumerate(nodes)}
+def _forced_fp32(problem: PlacementProblem) -> set[str]:
+    """Promote nodes that must be fp32: fed by a fixed fp32 node, or by a promote
+    node that must be fp32 (closure; linear)."""
+    promote = set(problem.promote)
     fixed = problem.fixed
+    feeds: dict[str, list[str]] = {}
+    stack: list[str] = []
+    for tensor in problem.tensors:
+        producer = tensor.producer
+        plabel = fixed.get(producer)
+        for consumer in tensor.consumers:
+            if consumer in promote and consumer != producer:
+                if plabel == FP32:
+                    stack.append(consumer)
+                elif producer in promote:
+                    feeds.setdefault(producer, []).append(consumer)
+    forced: set[str] = set()
+    while stack:
+        q = stack.pop()
+        if q not in forced:
+            forced.add(q)
+            stack.extend(feeds.get(q, ()))
+    return forced
+
+
+def _compile(problem: PlacementProblem) -> _Compiled:
+    """Fix forced promote nodes, fold constants, link the remaining free/promote
+    nodes and split them into regions (linear)."""
+    forced_names = _forced_fp32(problem) if problem.promote else set()
+    nodes = tuple(problem.free) + tuple(q for q in problem.promote if q not in forced_names)
+    n_free = len(problem.free)
+    # One lookup per endpoint: index >= 0 for nodes to solve, else a fixed label.
+    code = {n: _PROD_HALF if label == HALF else _PROD_FP32 for n, label in problem.fixed.items()}
+    code.update(dict.fromkeys(forced_names, _PROD_FP32))
+    code.update((node, i) for i, node in enumerate(nodes))
     parent = list(range(len(nodes)))
 
     def find(x: int) -> int:
@@ -283,42 +338,56 @@ def _compile(problem: PlacementProblem) -> _Compiled:
 
     terms: list[tuple[int, int, tuple[int, ...], bool, bool]] = []
     constraints: list[tuple[int, int]] = []
-    forced: set[int] = set()
     constant = 0
     for tensor in problem.tensors:
         producer = tensor.producer
-        pi = index.get(producer, -1)
-        plabel = fixed[producer] if pi < 0 else None
-        cons: set[int] = set()
-        fixed_half = fixed_fp32 = False
-        for consumer in tensor.consumers:
+        pc = code[producer]
+        cost = tensor.cost
+        consumers = tensor.consumers
+        if len(consumers) == 1:  # fast path for the common case
+            consumer = consumers[0]
             if consumer == producer:
                 continue
-            ci = index.get(consumer, -1)
-            if ci < 0:
-                if fixed[consumer] == HALF:
-                    fixed_half = True
-                else:
-                    fixed_fp32 = True
+            cc = code[consumer]
+            if cc >= 0:
+                if pc >= 0:
+                    if cc >= n_free:  # promote consumer: widest-input constraint
+                        constraints.append((pc, cc))
+                    if cost:
+                        terms.append((pc, cost, (cc,), False, False))
+                    if cost or cc >= n_free:
+                        union(pc, cc)
+                elif cost:
+                    terms.append((pc, cost, (cc,), False, False))
+            elif cost:
+                if pc >= 0:
+                    terms.append((pc, cost, (), cc == _PROD_HALF, cc == _PROD_FP32))
+                elif pc != cc:
+                    constant += cost
+            continue
+        cons: set[int] = set()
+        fixed_half = fixed_fp32 = False
+        for consumer in consumers:
+            if consumer == producer:
                 continue
-            cons.add(ci)
-            if ci >= n_free:  # promote consumer: widest-input constraint
-                if pi < 0:
-                    if plabel == FP32:
-                        forced.add(ci)
-                else:
-                    constraints.append((pi, ci))
-                    union(pi, ci)
-        cost = tensor.cost
+            cc = code[consumer]
+            if cc >= 0:
+                cons.add(cc)
+                if cc >= n_free and pc >= 0:  # promote consumer: widest-input constraint
+                    constraints.append((pc, cc))  # (fixed fp32 producers were folded)
+                    union(pc, cc)
+            elif cc == _PROD_HALF:
+                fixed_half = True
+            else:
+                fixed_fp32 = True
         if cost == 0:
             continue
-        if pi < 0:
-            if (fixed_fp32 if plabel == HALF else fixed_half):
+        if pc < 0:
+            if fixed_fp32 if pc == _PROD_HALF else fixed_half:
                 constant += cost  # a fixed consumer already needs the cast
                 continue
             if not cons:
                 continue
-            prod = _PROD_HALF if plabel == HALF else _PROD_FP32
             fixed_half = fixed_fp32 = False  # same label as the producer: irrelevant
         else:
             if fixed_half and fixed_fp32:
@@ -326,42 +395,41 @@ def _compile(problem: PlacementProblem) -> _Compiled:
                 continue
             if not cons and not fixed_half and not fixed_fp32:
                 continue
-            prod = pi
         ordered = tuple(sorted(cons))
-        anchor = ordered[0] if prod < 0 else prod
-        for ci in ordered:
-            union(anchor, ci)
-        terms.append((prod, cost, ordered, fixed_half, fixed_fp32))
+        anchor = ordered[0] if pc < 0 else pc
+        for cc in ordered:
+            union(anchor, cc)
+        terms.append((pc, cost, ordered, fixed_half, fixed_fp32))
 
-    members: dict[int, list[int]] = {}
+    # Regions in order of their first node; local indices in global order.
+    region_of: dict[int, int] = {}
+    members: list[list[int]] = []
+    local = [0] * len(nodes)
     for i in range(len(nodes)):
-        members.setdefault(find(i), []).append(i)
-    r_terms: dict[int, list] = {}
-    for term in terms:
-        prod, _, cons, _, _ = term
-        root = find(prod if prod >= 0 else cons[0])
-        r_terms.setdefault(root, []).append(term)
-    r_cons: dict[int, list] = {}
-    for pair in constraints:
-        r_cons.setdefault(find(pair[1]), []).append(pair)
-    r_forced: dict[int, list] = {}
-    for q in sorted(forced):
-        r_forced.setdefault(find(q), []).append(q)
-
-    regions = []
-    for root, mem in members.items():
-        if len(mem) == 1:
-            local = {mem[0]: 0}
+        root = find(i)
+        rid = region_of.get(root)
+        if rid is None:
+            rid = region_of[root] = len(members)
+            members.append([])
+        local[i] = len(members[rid])
+        members[rid].append(i)
+    r_terms: list[list] = [[] for _ in members]
+    for pc, cost, cons, fixed_half, fixed_fp32 in terms:
+        if pc >= 0:
+            rid = region_of[find(pc)]
+            pc = local[pc]
         else:
-            local = {g: i for i, g in enumerate(mem)}
-        lterms = tuple(
-            (local[p] if p >= 0 else p, c, tuple(local[j] for j in js), fh, ff)
-            for p, c, js, fh, ff in r_terms.get(root, ())
-        )
-        lcons = tuple((local[p], local[q]) for p, q in r_cons.get(root, ()))
-        lforced = tuple(local[q] for q in r_forced.get(root, ()))
-        regions.append(_Region(tuple(mem), lterms, lcons, lforced))
-    return _Compiled(nodes, constant, tuple(regions))
+            rid = region_of[find(cons[0])]
+        lcons = (local[cons[0]],) if len(cons) == 1 else tuple(local[j] for j in cons)
+        r_terms[rid].append((pc, cost, lcons, fixed_half, fixed_fp32))
+    r_cons: list[list] = [[] for _ in members]
+    for pc, q in constraints:
+        r_cons[region_of[find(q)]].append((local[pc], local[q]))
+    regions = tuple(
+        _Region(tuple(mem), tuple(rt), tuple(rc)) for mem, rt, rc in zip(members, r_terms, r_cons)
+    )
+    ordered = tuple(q for q in problem.promote if q in forced_names)
+    return _Compiled(nodes, ordered, constant, regions)
 
 
 # --------------------------------------------------------------------------- #
@@ -374,9 +442,9 @@ def _enumerate(
     forced: Sequence[int],
     *,
     alternatives: bool,
-) -> tuple[int, int, dict[int, int]]:
-    """Return (fp32 mask, cost, {local node: alternative delta}) by trying all
-    2**k labellings; bit i set = node i is fp32."""
+) -> tuple[list[bool], int, dict[int, int]]:
+    """Return (fp32 flag per local node, cost, {local node: alternative delta})
+    by trying all 2**k labellings (bit i of a labelling set = node i is fp32)."""
     compiled = []
     for prod, cost, cons, fixed_half, fixed_fp32 in terms:
         cmask = 0
@@ -422,7 +490,7 @@ def _enumerate(
             flipped = [c for m, c in enumerate(costs) if c >= 0 and m & bit == want]
             if flipped:
                 alt[i] = min(flipped) - best_cost
-    return best_mask, best_cost, alt
+    return [bool(best_mask >> i & 1) for i in range(k)], best_cost, alt
 
 
 # --------------------------------------------------------------------------- #
@@ -432,11 +500,9 @@ def _cut_graph(
     k: int,
     terms: Sequence[tuple[int, int, tuple[int, ...], bool, bool]],
     constraints: Sequence[tuple[int, int]],
-    forced: Sequence[int],
-) -> tuple[nx.DiGraph, int, int, int, int]:
-    """Build the region's flow network; returns (G, s, t, inf, scale)."""
+) -> tuple[nx.DiGraph, int, int, int]:
+    """Build the region's flow network; returns (G, s, t, inf)."""
     s, t = k, k + 1
-    scale = k + 1
     caps: dict[tuple[int, int], int] = {}
     infinite: list[tuple[int, int]] = []
     aux = k + 2
@@ -449,50 +515,60 @@ def _cut_graph(
         if u != t and v != s and u != v:
             infinite.append((u, v))
 
+    def any_fp32(p: int, cons: tuple[int, ...], cost: int) -> None:
+        """cost * [x_p = H and some consumer in cons is F]"""
+        nonlocal aux
+        if len(cons) == 1:
+            add(p, cons[0], cost)
+            return
+        a = aux
+        aux += 1
+        add(p, a, cost)
+        for j in cons:
+            add_inf(a, j)
+
+    def any_half(p: int, cons: tuple[int, ...], cost: int) -> None:
+        """cost * [x_p = F and some consumer in cons is H]"""
+        nonlocal aux
+        if len(cons) == 1:
+            add(cons[0], p, cost)
+            return
+        b = aux
+        aux += 1
+        add(b, p, cost)
+        for j in cons:
+            add_inf(j, b)
+
     for prod, cost, cons, fixed_half, fixed_fp32 in terms:
-        p = prod if prod >= 0 else (s if prod == _PROD_HALF else t)
-        js = list(cons)
-        if fixed_half:
-            js.append(s)
-        if fixed_fp32:
-            js.append(t)
-        w = cost * scale
-        if len(js) == 1:
-            add(p, js[0], w)
-            add(js[0], p, w)
-            continue
-        if p != t:  # [x_p = H and some x_j = F]
-            a = aux
-            aux += 1
-            add(p, a, w)
-            for j in js:
-                add_inf(a, j)
-        if p != s:  # [x_p = F and some x_j = H]
-            b = aux
-            aux += 1
-            add(b, p, w)
-            for j in js:
-                add_inf(j, b)
-    for q in forced:
-        add_inf(q, t)
+        if prod == _PROD_HALF:  # fixed consumers agree with p (others were folded)
+            any_fp32(s, cons, cost)
+        elif prod == _PROD_FP32:
+            any_half(t, cons, cost)
+        else:
+            if fixed_fp32:  # a fixed fp32 consumer: cost whenever p is half
+                add(prod, t, cost)
+            elif cons:
+                any_fp32(prod, cons, cost)
+            if fixed_half:  # a fixed half consumer: cost whenever p is fp32
+                add(s, prod, cost)
+            elif cons:
+                any_half(prod, cons, cost)
     for p, q in constraints:
         add_inf(q, p)
-    for v in range(k):
-        add(s, v, 1)  # tie-break: one unit per fp32 node
     inf = sum(caps.values()) + 1
     for edge in infinite:
         caps[edge] = inf
     graph = nx.DiGraph()
-    graph.add_nodes_from((s, t))
+    graph.add_nodes_from(range(k + 2))
     graph.add_edges_from((u, v, {"capacity": c}) for (u, v), c in caps.items())
-    return graph, s, t, inf, scale
+    return graph, s, t, inf
 
 
 def _sink_side(residual: nx.DiGraph, t: int) -> set[int]:
     """Nodes that can still reach ``t`` in the residual network (the fp32 side)."""
     seen = {t}
     queue = deque((t,))
-    pred = residual.pred
+    pred = residual._pred  # raw dicts: the public views iterate in Python
     while queue:
         v = queue.popleft()
         for u, attr in pred[v].items():
@@ -511,7 +587,7 @@ class _Residual:
         adj: list[list[int]] = [[] for _ in range(n)]
         head: list[int] = []
         res: list[int] = []
-        succ = residual.succ
+        succ = residual._succ  # raw dicts: the public views iterate in Python
         for u, nbrs in succ.items():
             for v, attr in nbrs.items():
                 if u < v:  # networkx keeps both directions of every pair
@@ -535,67 +611,65 @@ class _Residual:
             res[e] -= amount
             res[e ^ 1] += amount
 
+    def reachable(self, src: int) -> set[int]:
+        """Nodes reachable from ``src`` over edges with residual capacity."""
+        adj, head, res = self.adj, self.head, self.res
+        seen = {src}
+        queue = deque((src,))
+        while queue:
+            for e in adj[queue.popleft()]:
+                y = head[e]
+                if y not in seen and res[e] > 0:
+                    seen.add(y)
+                    queue.append(y)
+        return seen
+
     def rollback(self) -> None:
         res = self.res
         for e, value in self.journal.items():
             res[e] = value
         self.journal.clear()
 
-    def augment_into(self, src: int, dst: int, limit: int) -> int:
-        """Max flow src->dst, searching backwards from dst; stops at ``limit``."""
-        adj, head, res = self.adj, self.head, self.res
-        total = 0
-        while total < limit:
-            via = {dst: -1}
-            queue = deque((dst,))
-            found = False
-            while queue and not found:
-                x = queue.popleft()
-                for e in adj[x]:
-                    y = head[e]
-                    if y not in via and res[e ^ 1] > 0:  # edge y -> x
-                        via[y] = e ^ 1
-                        if y == src:
-                            found = True
-                            break
-                        queue.append(y)
-            if not found:
-                break
-            path, x = [], src
-            while x != dst:
-                e = via[x]
-                path.append(e)
-                x = head[e]
-            amount = min(res[e] for e in path)
-            self._push(path, amount)
-            total += amount
-        return total
+    def augment(
+        self, src: int, dst: int, *, limit: int, budget: int | None, backward: bool
+    ) -> int | None:
+        """Push up to ``limit`` more flow src->dst (shortest augmenting paths).
 
-    def augment_from(self, src: int, dst: int, limit: int) -> int:
-        """Max flow src->dst, searching forwards from src; stops at ``limit``."""
+        ``backward`` searches from ``dst`` over reversed residual edges (use it
+        when ``src`` is the hub ``s``).  Returns the flow pushed, or None when
+        more than ``budget`` residual edges had to be scanned.
+        """
         adj, head, res = self.adj, self.head, self.res
+        start, goal = (dst, src) if backward else (src, dst)
+        flip = 1 if backward else 0  # residual edge y->x is e^1 when searching backwards
+        remaining = math.inf if budget is None else budget
         total = 0
         while total < limit:
-            via = {src: -1}
-            queue = deque((src,))
+            via = {start: -1}
+            queue = deque((start,))
             found = False
             while queue and not found:
                 x = queue.popleft()
-                for e in adj[x]:
+                edges = adj[x]
+                remaining -= len(edges)
+                if remaining < 0:
+                    return None
+                for e in edges:
                     y = head[e]
-                    if y not in via and res[e] > 0:
-                        via[y] = e
-                        if y == dst:
+                    if y not in via and res[e ^ flip] > 0:
+                        via[y] = e ^ flip
+                        if y == goal:
                             found = True
                             break
                         queue.append(y)
             if not found:
                 break
-            path, x = [], dst
-            while x != src:
+            path = []
+            x = goal
+            while x != start:  # walk back to start; the path is made of src->dst edges
                 e = via[x]
                 path.append(e)
-                x = head[e ^ 1]
+                x = head[e] if backward else head[e ^ 1]
             amount = min(res[e] for e in path)
             self._push(path, amount)
             total += amount
@@ -606,38 +680,39 @@ def _mincut(
     k: int,
     terms: Sequence[tuple[int, int, tuple[int, ...], bool, bool]],
     constraints: Sequence[tuple[int, int]],
-    forced: Sequence[int],
     *,
     alternatives: bool,
     flow_func: Callable,
-) -> tuple[int, int, dict[int, int]]:
-    """Same contract as :func:`_enumerate`, solved as a minimum s-t cut."""
-    graph, s, t, inf, scale = _cut_graph(k, terms, constraints, forced)
+    budget: int | None,
+) -> tuple[list[bool], int, dict[int, int]]:
+    """Same contract as :func:`_enumerate`, solved as a minimum s-t cut.
+
+    Alternatives: dynamic cuts on the residual network, ``budget`` edge scans
+    per flip at most (a flip over budget gets no entry).
+    """
+    graph, s, t, inf = _cut_graph(k, terms, constraints)
     residual = flow_func(graph, s, t, capacity="capacity")
     value = residual.graph["flow_value"]
     if value >= inf:  # cannot happen: all-fp32 is always feasible
         raise RuntimeError("placement: min-cut found no feasible labelling")
     fp32_side = _sink_side(residual, t)
-    mask = 0
-    for v in range(k):
-        if v in fp32_side:
-            mask |= 1 << v
-    cost, n_fp32 = divmod(value, scale)
-    if n_fp32 != mask.bit_count():  # pragma: no cover - internal consistency
-        raise RuntimeError("placement: min-cut partition disagrees with its value")
+    fp32 = [v in fp32_side for v in range(k)]
     alt: dict[int, int] = {}
     if alternatives:
         net = _Residual(residual, max(graph.nodes) + 1)
+        source_side = net.reachable(s)
         headroom = inf - value  # extra flow >= headroom means the flip is infeasible
         for v in range(k):
-            if mask >> v & 1:  # fp32 now: pin half (s->v infinite)
-                extra = net.augment_from(v, t, headroom)
-            else:  # half now: pin fp32 (v->t infinite)
-                extra = net.augment_into(s, v, headroom)
+            if fp32[v]:  # pin half: s->v infinite, so push v->t
+                extra = net.augment(v, t, limit=headroom, budget=budget, backward=False)
+            elif v not in source_side:  # no residual path s->v: fp32 is just as cheap
+                extra = 0
+            else:  # pin fp32: v->t infinite, so push s->v
+                extra = net.augment(s, v, limit=headroom, budget=budget, backward=True)
             net.rollback()
-            if extra < headroom:
-                alt[v] = (value + extra) // scale - cost
-    return mask, cost, alt
+            if extra is not None and extra < headroom:
+                alt[v] = extra
+    return fp32, value, alt
 
 
 # --------------------------------------------------------------------------- #
@@ -647,53 +722,58 @@ def solve_mincut(
     problem: PlacementProblem,
     *,
     alternatives: bool = True,
-    small_region: int = 4,
+    small_region: int = 6,
     flow_func: Callable | None = None,
+    alternative_budget: int | None = 2048,
 ) -> PlacementResult:
-    """Exact minimum-cast labelling, region by region.
+    """Exact minimum-cast labelling, region by region (see the module doc).
 
-    ``small_region``: regions with at most this many free/promote nodes are
-    enumerated exactly instead of building a flow network (0 forces min-cut
-    everywhere).  ``flow_func``: a networkx max-flow function returning a
-    residual network (default ``boykov_kolmogorov``).  ``alternatives``:
-    compute ``alternative_cost`` (exact; see module doc).
+    ``alternatives``: compute ``alternative_cost``.  ``small_region``: regions
+    with at most this many free/promote nodes are enumerated exactly instead of
+    building a flow network (0 forces min-cut everywhere).  ``flow_func``: a
+    networkx max-flow function that returns a residual network holding a full
+    flow (default ``preflow_push``).  ``alternative_budget``: residual-edge
+    scans per flip in regions of more than 64 nodes (None: no limit, exact for
+    every node but possibly quadratic in the region size).
     """
     if small_region < 0:
         raise ValueError(f"small_region must be >= 0, got {small_region}")
-    func = boykov_kolmogorov if flow_func is None else flow_func
+    if alternative_budget is not None and alternative_budget < 0:
+        raise ValueError(f"alternative_budget must be >= 0 or None, got {alternative_budget}")
+    budget = alternative_budget
+    func = preflow_push if flow_func is None else flow_func
     compiled = _compile(problem)
     nodes = compiled.nodes
-    labels: dict[str, str] = {}
+    labels: dict[str, str] = dict.fromkeys(compiled.forced, FP32)
     alt_cost: dict[str, int] = {}
     total = compiled.constant
     for region in compiled.regions:
         k = len(region.nodes)
-        if not region.terms and not region.forced and not region.constraints:
-            mask, cost, alt = 0, 0, ({i: 0 for i in range(k)} if alternatives else {})
+        if not region.terms and not region.constraints:
+            fp32, cost, alt = [False] * k, 0, (dict.fromkeys(range(k), 0) if alternatives else {})
         elif k <= small_region:
-            mask, cost, alt = _enumerate(
-                k, region.terms, region.constraints, region.forced, alternatives=alternatives
+            fp32, cost, alt = _enumerate(
+                k, region.terms, region.constraints, (), alternatives=alternatives
             )
         else:
-            mask, cost, alt = _mincut(
+            fp32, cost, alt = _mincut(
                 k,
                 region.terms,
                 region.constraints,
-                region.forced,
                 alternatives=alternatives,
                 flow_func=func,
+                budget=budget if k > _EXACT_ALTERNATIVES_UP_TO else None,
             )
         total += cost
-        for i, g in enumerate(region.nodes):
-            labels[nodes[g]] = FP32 if mask >> i & 1 else HALF
+        for g, is_fp32 in zip(region.nodes, fp32):
+            labels[nodes[g]] = FP32 if is_fp32 else HALF
         for i, delta in alt.items():
             alt_cost[nodes[region.nodes[i]]] = delta
-    ordered = {n: labels[n] for n in nodes}
-    ordered_alt = {n: alt_cost[n] for n in nodes if n in alt_cost}
+    order = itertools.chain(problem.free, problem.promote)
     return PlacementResult(
-        labels=MappingProxyType(ordered),
+        labels=MappingProxyType({n: labels[n] for n in order}),
         cost=total,
-        alternative_cost=MappingProxyType(ordered_alt),
+        alternative_cost=MappingProxyType({n: alt_cost[n] for n in nodes if n in alt_cost}),
         regions=len(compiled.regions),
     )
 
@@ -707,7 +787,9 @@ def solve_exhaustive(problem: PlacementProblem, *, max_nodes: int = 20) -> Place
     """
     nodes = tuple(problem.free) + tuple(problem.promote)
     if len(nodes) > max_nodes:
-        raise ValueError(f"solve_exhaustive: {len(nodes)} free/promote nodes > max_nodes={max_nodes}")
+        raise ValueError(
+            f"solve_exhaustive: {len(nodes)} free/promote nodes > max_nodes={max_nodes}"
+        )
     index = {n: i for i, n in enumerate(nodes)}
     promote = set(problem.promote)
     fixed = problem.fixed
@@ -734,8 +816,8 @@ def solve_exhaustive(problem: PlacementProblem, *, max_nodes: int = 20) -> Place
             else:
                 fixed_fp32 = True
         terms.append((prod, tensor.cost, tuple(sorted(cons)), fixed_half, fixed_fp32))
-    mask, cost, alt = _enumerate(len(nodes), terms, constraints, sorted(forced), alternatives=True)
-    labels = {n: FP32 if mask >> i & 1 else HALF for i, n in enumerate(nodes)}
+    fp32, cost, alt = _enumerate(len(nodes), terms, constraints, sorted(forced), alternatives=True)
+    labels = {n: FP32 if f else HALF for n, f in zip(nodes, fp32)}
     return PlacementResult(
         labels=MappingProxyType(labels),
         cost=cost,
@@ -817,13 +899,11 @@ def solve_greedy_tf(problem: PlacementProblem, *, bf16: bool = False) -> Placeme
         if x in downstream and x not in allow:
             between.add(x)
 
+    def enter_upstream(y: str) -> bool:
+        return y not in upstream_allow and y not in allow and y not in deny and y in paintable
+
     for root in sorted(allow, key=position.__getitem__):
-        dfs(
-            [root],
-            ins,
-            lambda y: y not in upstream_allow and y not in allow and y not in deny and y in paintable,
-            mark_between,
-        )
+        dfs([root], ins, enter_upstream, mark_between)
     allow |= between
     # (4) bf16: infer with an allow input and no deny input.
     if bf16:
@@ -833,14 +913,20 @@ def solve_greedy_tf(problem: PlacementProblem, *, bf16: bool = False) -> Placeme
                 if any(p in allow for p in inputs) and not any(p in deny for p in inputs):
                     allow.add(q)
     # (5) allow both ways through clear nodes.
+
     def both(x):
         return set(succ.get(x, ())) | set(pred.get(x, ()))
 
     grown: set[str] = set()
+
+    def enter_clear(y: str) -> bool:
+        return y not in allow and y not in deny and y in free and y not in grown
+
     for root in sorted(allow, key=position.__getitem__):
-        dfs([root], both, lambda y: y not in allow and y not in deny and y in free and y not in grown, grown.add)
+        dfs([root], both, enter_clear, grown.add)
     allow |= grown
-    labels = {n: HALF if n in allow else FP32 for n in itertools.chain(problem.free, problem.promote)}
+    choosable = itertools.chain(problem.free, problem.promote)
+    labels = {n: HALF if n in allow else FP32 for n in choosable}
     # Repair: a promote node with an fp32 producer is fp32.
     full = dict(fixed)
     full.update(labels)
