@@ -98,7 +98,8 @@ def _run_stage(name: str, done: list[str], fn, *args, **kwargs):
     return result
 
 
-def _pipeline(model, example_inputs, *, precision, rules, tracer, keep_io_types, placement, calibration=None, calibration_options=None):
+def _pipeline(model, example_inputs, *, precision, rules, tracer, keep_io_types, placement, calibration=None,
+              calibration_options=None, opt_level="O1"):
     target = normalize_precision(precision)
     rule_set = load_rules(rules)
     done: list[str] = []
@@ -110,7 +111,7 @@ def _pipeline(model, example_inputs, *, precision, rules, tracer, keep_io_types,
     gm = captured.gm
     t1 = time.perf_counter()
     _run_stage("decide", done, decide, gm, rule_set, precision=target)
-    _run_stage("place", done, place, gm, target=target, strategy=placement, keep_io_types=keep_io_types)
+    _run_stage("place", done, place, gm, target=target, strategy=placement, keep_io_types=keep_io_types, opt_level=opt_level)
     if calibration is not None:
         from .calibrate import calibrate_and_redecide
 
@@ -132,6 +133,7 @@ def convert(
     keep_io_types: bool = True,
     placement: str = "mincut",
     calibration_options: Optional[dict] = None,
+    opt_level: str = "O1",
 ) -> Conversion:
     """Convert ``model`` to mixed precision.
 
@@ -139,15 +141,19 @@ def convert(
     so it needs no loss scaling). ``rules``: rule files layered over the defaults. ``tracer``:
     ``auto`` tries FX then torch.export. ``keep_io_types``: outputs keep their original dtype.
     ``placement``: ``mincut`` (fewest cast bytes) or ``simple``. ``calibration``: an iterable of
-    inputs used to find and fix nodes that would overflow fp16.
+    inputs used to find and fix nodes that would overflow fp16. ``opt_level``: how the parameters
+    will be stored when training — ``O1`` fp32 (default: ``conv.module`` trains as is, weight casts
+    are part of the cost), ``O2`` in half where every consumer is half, with fp32 master weights
+    in :class:`MixedPrecisionTrainer` (``master_weights=True``); placement then treats weight casts
+    as free. ``conv.module`` keeps fp32 parameters either way; the trainer stores them for O2.
     """
     captured, rule_set, target, timings = _pipeline(
         model, example_inputs, precision=precision, rules=rules, tracer=tracer, keep_io_types=keep_io_types,
-        placement=placement, calibration=calibration, calibration_options=calibration_options,
+        placement=placement, calibration=calibration, calibration_options=calibration_options, opt_level=opt_level,
     )
     gm = captured.gm
     report = build_report(gm, precision=target, tracer=captured.tracer, rules=rule_set.to_dict(),
-                          extra={"capture_errors": captured.errors, "timings": timings})
+                          extra={"capture_errors": captured.errors, "timings": timings, "opt_level": opt_level})
     return Conversion(
         module=gm,
         report=report,

@@ -6,6 +6,8 @@ Model (exact for two labels, ``half`` and ``fp32``):
   one of its consumers runs in the other label — one cast per (producer, dtype), shared;
 * fixed labels: decided compute nodes, explicit casts, graph inputs and parameters (fp32 in O1,
   so weight casts count), and the graph output when ``keep_io_types`` (it must get its dtype back);
+* in O2, parameters are free producers instead: each is stored in the dtype its consumers want
+  (the trainer keeps fp32 master copies), so a weight cast costs nothing unless consumers disagree;
 * free: ``follow`` nodes; ``promote`` nodes are free but must be fp32 when any input is fp32;
 * aliases (tuple elements, in-place ops) share their producer's label.
 """
@@ -31,17 +33,21 @@ def _consumer_label_node(node: torch.fx.Node) -> str:
     return node.name
 
 
-def build_problem(gm: torch.fx.GraphModule, *, keep_io_types: bool = True) -> PlacementProblem:
+def build_problem(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, opt_level: str = "O1") -> PlacementProblem:
     fixed: dict[str, str] = {}
     free: list[str] = []
     promote: list[str] = []
     tensors: list[Tensor] = []
+    params = {name for name, _ in gm.named_parameters()} if opt_level == "O2" else set()
     for node in gm.graph.nodes:
         info = node.meta.get("mp_info")
         value = node.meta.get("mp_value")
         if node.op in ("placeholder", "get_attr"):
             if hasattr(value, "is_convertible") and value.is_convertible:
-                fixed[node.name] = _lab({torch.float32: "fp32"}.get(value.dtype, "half"))
+                if node.op == "get_attr" and str(node.target) in params:
+                    free.append(node.name)  # O2: stored in the dtype its consumers want
+                else:
+                    fixed[node.name] = _lab({torch.float32: "fp32"}.get(value.dtype, "half"))
             continue
         decision = node.meta.get("mp")
         if decision is None or info is None:
@@ -85,8 +91,8 @@ def build_problem(gm: torch.fx.GraphModule, *, keep_io_types: bool = True) -> Pl
     return PlacementProblem(fixed=fixed, free=tuple(free), promote=tuple(promote), tensors=tuple(tensors))
 
 
-def place_mincut(gm: torch.fx.GraphModule, *, target: str, keep_io_types: bool = True) -> None:
-    problem = build_problem(gm, keep_io_types=keep_io_types)
+def place_mincut(gm: torch.fx.GraphModule, *, target: str, keep_io_types: bool = True, opt_level: str = "O1") -> None:
+    problem = build_problem(gm, keep_io_types=keep_io_types, opt_level=opt_level)
     if not problem.free and not problem.promote:
         return
     result = solve_mincut(problem, alternatives=True)

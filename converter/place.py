@@ -110,8 +110,16 @@ def _simple(gm: torch.fx.GraphModule, target: str) -> None:
         current[node] = label
 
 
-def place(gm: torch.fx.GraphModule, *, target: str, strategy: str = "mincut", keep_io_types: bool = True) -> None:
-    """Resolve every unresolved precision in ``gm`` (see module docstring)."""
+def place(gm: torch.fx.GraphModule, *, target: str, strategy: str = "mincut", keep_io_types: bool = True,
+          opt_level: str = "O1") -> None:
+    """Resolve every unresolved precision in ``gm`` (see module docstring).
+
+    ``opt_level`` tells the cost model how parameters are stored: ``O1`` keeps them fp32 (a weight
+    consumed in half is cast every forward, and that cost counts); ``O2`` stores each in the dtype
+    its consumers want (fp32 master weights live in the trainer), so weight casts cost nothing.
+    """
+    if opt_level not in ("O1", "O2"):
+        raise ValueError(f"opt_level must be 'O1' or 'O2', got {opt_level!r}")
     if strategy not in STRATEGIES:
         raise ValueError(f"placement strategy must be one of {STRATEGIES}, got {strategy!r}")
     if target not in HALF_NAMES:
@@ -119,7 +127,7 @@ def place(gm: torch.fx.GraphModule, *, target: str, strategy: str = "mincut", ke
     if strategy == "mincut":
         from .mincut_stage import place_mincut  # local: keeps the networkx import off the simple path
 
-        place_mincut(gm, target=target, keep_io_types=keep_io_types)
+        place_mincut(gm, target=target, keep_io_types=keep_io_types, opt_level=opt_level)
     else:
         _simple(gm, target)
     _resolve_aliases(gm)

@@ -1,27 +1,51 @@
 """The precision audit report, built only from ``node.meta`` (see :mod:`converter.meta`).
 
-``build_report(gm, ...)`` collects one row per compute node, one per cast, and the summary of
-DESIGN §6; :class:`Report` renders it as a dict (report.json, schema 1) and Markdown.
+``build_report(gm, ...)`` reads the records the stages left on the graph and collects:
+
+* ``nodes`` — one row per compute node (every call node of the model itself; inserted casts and
+  passive nodes are not rows): name, canonical op, module path and class, precision, deciding
+  rule, reason, source location, FLOPs (:mod:`converter.flops`), output bytes, and every rule
+  that matched (for ``explain``);
+* ``casts`` — one row per cast: activation casts and O1 weight casts (``on_weight``) apart;
+* ``summary`` — DESIGN §6: counts by precision (they sum to ``compute_nodes``), ``casts`` and
+  ``cast_bytes`` for the activation casts only, ``weight_casts``/``weight_cast_bytes`` for the
+  others, the FLOP share in half and the unmatched ops;
+* ``ops`` — per op type: Op | Total | FP16 | BF16 | FP32 | deciding rules;
+* ``modules`` — the module tree rolled up (every node counts towards each enclosing module);
+* ``memory`` — parameter bytes in O1 (fp32, cast in the graph) and O2 (stored as
+  ``gm.meta["mp_param_dtypes"]`` says);
+* ``calibration`` — ``gm.meta["mp_calibration"]`` as the calibrate stage left it (risky nodes,
+  loss-scale advice), when it ran.
+
+Measured numbers (saved activations, SQNR, per-node error, cast counts at run time) come from
+:func:`converter.measure.measure` and are attached with :meth:`Report.add_measurements`.
+Renderers (Markdown, HTML, terminal) live in :mod:`converter.render`.
 """
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import torch
 import torch.fx
 
 from .flops import node_flops
-from .meta import HALF_NAMES, CastRecord, Decision, NodeInfo
+from .meta import HALF_NAMES, CastRecord, Decision, NodeInfo, itemsize
 
-__all__ = ["Report", "build_report", "summary_line"]
+__all__ = ["Report", "build_report", "summary_line", "SCHEMA", "PRECEDENCE"]
 
 SCHEMA = 1
+#: rule levels, highest precedence first (see :mod:`converter.rules`)
+PRECEDENCE = ("node", "module", "module_type", "op", "default")
+_PRECISIONS = ("fp16", "bf16", "fp32")
 
 
 @dataclass
 class Report:
-    """Everything the audit knows; ``to_dict()`` is report.json."""
+    """Everything the audit knows; ``to_dict()`` is report.json (schema 1, DESIGN §6)."""
 
     precision: str
     tracer: str
@@ -30,26 +54,69 @@ class Report:
     casts: list[dict]
     rules: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
+    model: str = ""
+    ops: list[dict] = field(default_factory=list)
+    modules: list[dict] = field(default_factory=list)
+    memory: dict = field(default_factory=dict)
+    numerics: dict = field(default_factory=dict)
+    measured_casts: dict = field(default_factory=dict)
+    calibration: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         out = {
             "schema": SCHEMA,
+            "model": self.model,
             "precision": self.precision,
             "tracer": self.tracer,
+            "summary_line": self.line,
             "summary": self.summary,
             "nodes": self.nodes,
             "casts": self.casts,
+            "ops": self.ops,
+            "modules": self.modules,
+            "memory": self.memory,
+            "numerics": self.numerics,
+            "measured_casts": self.measured_casts,
+            "calibration": self.calibration,
             "rules": self.rules,
         }
-        out.update(self.extra)
-        return out
+        for key, value in self.extra.items():
+            out.setdefault(key, value)
+        return _jsonable(out)
 
     def to_json(self, **kwargs) -> str:
-        return json.dumps(self.to_dict(), indent=kwargs.pop("indent", 2), default=str, **kwargs)
+        return json.dumps(self.to_dict(), indent=kwargs.pop("indent", 2), allow_nan=False, **kwargs)
 
     @property
     def line(self) -> str:
         return summary_line(self.summary, self.precision)
+
+    @property
+    def measured(self) -> bool:
+        return bool(self.numerics or self.measured_casts)
+
+    def add_measurements(self, measured: dict) -> "Report":
+        """Attach the result of :func:`converter.measure.measure`; returns ``self``."""
+        self.memory = {**self.memory, **measured.get("memory", {})}
+        self.numerics = dict(measured.get("numerics", {}))
+        self.measured_casts = dict(measured.get("measured_casts", {}))
+        per_node = self.numerics.get("per_node", {})
+        for row in self.nodes:
+            stats = per_node.get(row["name"])
+            if stats is not None:
+                row["sqnr_db"] = stats.get("sqnr_db")
+                row["local_sqnr_db"] = stats.get("local_sqnr_db")
+        if "measure_s" in measured:
+            self.extra.setdefault("timings", {})
+            if isinstance(self.extra["timings"], dict):
+                self.extra["timings"]["measure_s"] = measured["measure_s"]
+        return self
+
+    def node(self, name: str) -> dict:
+        for row in self.nodes:
+            if row["name"] == name:
+                return row
+        raise KeyError(name)
 
     def to_markdown(self) -> str:
         from .render import to_markdown
@@ -66,38 +133,79 @@ class Report:
 
 
 def summary_line(summary: dict, precision: str) -> str:
+    """'Converted X/Y compute nodes (Z% of FLOPs) to bf16 with N casts, M MiB per forward'."""
     by = summary["by_precision"]
     half = sum(by.get(p, 0) for p in HALF_NAMES)
     mib = summary["cast_bytes"] / 2**20
+    target = precision
+    if all(by.get(p, 0) for p in HALF_NAMES):  # e.g. fp16 with calibration's bf16 fallbacks
+        target = f"{precision} ({by['fp16']} fp16 + {by['bf16']} bf16)"
     return (
         f"Converted {half}/{summary['compute_nodes']} compute nodes "
-        f"({100 * summary['half_flop_fraction']:.1f}% of FLOPs) to {precision} with {summary['casts']} casts, "
+        f"({100 * summary['half_flop_fraction']:.1f}% of FLOPs) to {target} with {summary['casts']} casts, "
         f"{mib:.2f} MiB per forward (+{summary.get('weight_casts', 0)} weight casts, "
         f"{summary.get('weight_cast_bytes', 0) / 2**20:.2f} MiB)"
     )
 
 
-def _node_row(node: torch.fx.Node, info: NodeInfo, decision: Decision) -> dict:
+# ---------------------------------------------------------------------------------------------
+# rows
+
+_TORCH_DIR = re.escape(str(torch.__file__).rsplit("/", 1)[0])
+
+
+def _source(node: torch.fx.Node, info: NodeInfo) -> str:
+    """``file:line`` of the model code that made the node: the innermost frame of
+    ``node.meta["stack_trace"]`` outside torch itself (fx's proxy.py, nn.Module, F.*), else
+    capture's own ``NodeInfo.source``."""
+    frames = re.findall(r'File "([^"]+)", line (\d+)', node.meta.get("stack_trace") or "")
+    for path, line in reversed(frames):
+        if not re.match(_TORCH_DIR, path):
+            return f"{path.rsplit('/', 1)[-1]}:{line}"
+    return info.source
+
+
+def _match_rows(decision: Decision) -> list[dict]:
+    return [
+        {
+            "level": m.level_name,
+            "rule": str(m.rule),
+            "pattern": m.rule.pattern,
+            "file": m.rule.file,
+            "precision": m.precision,
+            "scope": m.scope,
+            "reason": m.reason,
+        }
+        for m in decision.matches
+    ]
+
+
+def _node_row(index: int, node: torch.fx.Node, info: NodeInfo, decision: Decision) -> dict:
     return {
         "name": node.name,
+        "index": index,
         "op": info.op,
         "module": info.module,
         "module_type": info.module_type,
         "precision": decision.precision,
         "rule": str(decision.rule),
+        "rule_level": decision.rule.table,
         "reason": decision.reason,
         "requested": decision.requested,
-        "source": info.source,
+        "source": _source(node, info),
         "kind": info.kind,
         "flops": node_flops(node, info.op),
         "out_bytes": info.out_bytes,
+        "out_shape": [list(t.shape) for t in info.outputs],
         "unmatched": decision.unmatched,
+        "matches": _match_rows(decision),
     }
 
 
-def _cast_row(node: torch.fx.Node, rec: CastRecord) -> dict:
+def _cast_row(index: int, node: torch.fx.Node, rec: CastRecord) -> dict:
     return {
         "name": node.name,
+        "index": index,
         "src": rec.src,
         "dtype": rec.dtype,
         "src_dtype": rec.src_dtype,
@@ -111,18 +219,127 @@ def _cast_row(node: torch.fx.Node, rec: CastRecord) -> dict:
     }
 
 
+# ---------------------------------------------------------------------------------------------
+# rollups
+
+
+def _op_table(nodes: list[dict]) -> list[dict]:
+    """Op | Total | FP16 | BF16 | FP32 | deciding rules, most frequent op first."""
+    table: dict[str, dict] = {}
+    for row in nodes:
+        entry = table.setdefault(row["op"], {"op": row["op"], "total": 0, "fp16": 0, "bf16": 0, "fp32": 0, "other": 0,
+                                              "flops": 0, "unmatched": 0, "rules": {}})
+        entry["total"] += 1
+        key = row["precision"] if row["precision"] in _PRECISIONS else "other"
+        entry[key] += 1
+        entry["flops"] += row["flops"]
+        entry["unmatched"] += int(bool(row["unmatched"]))
+        entry["rules"][row["rule"]] = entry["rules"].get(row["rule"], 0) + 1
+    out = []
+    for entry in sorted(table.values(), key=lambda e: (-e["total"], e["op"])):
+        entry["rules"] = [{"rule": r, "count": c} for r, c in sorted(entry["rules"].items(), key=lambda kv: -kv[1])]
+        out.append(entry)
+    return out
+
+
+def _module_tree(rows: list[tuple[dict, tuple[tuple[str, str], ...]]], casts: list[dict], cast_module: dict[str, str]) -> list[dict]:
+    """Roll nodes up the module tree: each node counts towards every module enclosing it."""
+    modules: dict[str, dict] = {}
+    order: list[str] = []
+    for row, stack in rows:
+        for depth, (path, cls) in enumerate(stack):
+            entry = modules.get(path)
+            if entry is None:
+                entry = modules[path] = {
+                    "path": path, "type": cls, "depth": depth, "parent": stack[depth - 1][0] if depth else None,
+                    "nodes": 0, "fp16": 0, "bf16": 0, "fp32": 0, "other": 0,
+                    "flops": 0, "half_flops": 0, "out_bytes": 0, "casts": 0, "cast_bytes": 0,
+                }
+                order.append(path)
+            entry["nodes"] += 1
+            key = row["precision"] if row["precision"] in _PRECISIONS else "other"
+            entry[key] += 1
+            entry["flops"] += row["flops"]
+            entry["out_bytes"] += row["out_bytes"]
+            if row["precision"] in HALF_NAMES:
+                entry["half_flops"] += row["flops"]
+    for cast in casts:
+        if cast["on_weight"]:
+            continue
+        path = cast_module.get(cast["name"], "")
+        while path is not None and path not in modules:
+            path = path.rsplit(".", 1)[0] if "." in path else ("" if path else None)
+        while path is not None:
+            modules[path]["casts"] += 1
+            modules[path]["cast_bytes"] += cast["bytes"]
+            path = modules[path]["parent"]
+    # depth-first order, children in order of first appearance
+    children: dict[Optional[str], list[str]] = {}
+    for path in order:
+        children.setdefault(modules[path]["parent"], []).append(path)
+    out: list[dict] = []
+
+    def visit(path: str) -> None:
+        out.append(modules[path])
+        for child in children.get(path, []):
+            visit(child)
+
+    for root in children.get(None, []):
+        visit(root)
+    return out
+
+
+def _memory(gm: torch.fx.GraphModule, casts: list[dict]) -> dict:
+    dtypes = gm.meta.get("mp_param_dtypes")
+    o1 = o2 = 0
+    half = 0
+    for name, param in gm.named_parameters():
+        o1 += param.numel() * param.element_size()
+        if dtypes is not None:
+            dtype = dtypes.get(name, param.dtype)
+            o2 += param.numel() * itemsize(dtype)
+            half += param.numel() if dtype != param.dtype else 0
+    weight_copies = sum(c["numel"] * itemsize(_dtype(c["dtype"])) for c in casts if c["on_weight"])
+    return {
+        "param_count": sum(p.numel() for p in gm.parameters()),
+        "param_bytes_o1": o1,
+        "param_bytes_o2": o2 if dtypes is not None else None,
+        "params_half_in_o2": half,
+        "buffer_bytes": sum(b.numel() * b.element_size() for b in gm.buffers()),
+        "o1_weight_copy_bytes": weight_copies,
+    }
+
+
+def _dtype(name: str) -> torch.dtype:
+    from .meta import DTYPES
+
+    return DTYPES.get(name, torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
 def build_report(gm: torch.fx.GraphModule, *, precision: str, tracer: str, rules: Optional[dict] = None, extra: Optional[dict] = None) -> Report:
+    """Read ``node.meta`` of the converted (or only decided) graph into a :class:`Report`."""
     nodes: list[dict] = []
     casts: list[dict] = []
-    for node in gm.graph.nodes:
+    stacks: list[tuple[dict, tuple]] = []
+    cast_module: dict[str, str] = {}
+    model = ""
+    for index, node in enumerate(gm.graph.nodes):
+        info = node.meta.get("mp_info")
+        if not model and info is not None and info.module_stack:
+            model = info.module_stack[0][1]
         rec = node.meta.get("mp_cast")
         if rec is not None:
-            casts.append(_cast_row(node, rec))
-        info = node.meta.get("mp_info")
+            casts.append(_cast_row(index, node, rec))
+            cast_module[node.name] = info.module if info is not None else ""
         decision = node.meta.get("mp")
         if info is None or decision is None or info.kind in ("cast", "passive"):
             continue
-        nodes.append(_node_row(node, info, decision))
+        row = _node_row(index, node, info, decision)
+        nodes.append(row)
+        stacks.append((row, info.module_stack or (("", model),)))
     by_precision = {"fp16": 0, "bf16": 0, "fp32": 0}
     for row in nodes:
         by_precision[row["precision"]] = by_precision.get(row["precision"], 0) + 1
@@ -143,9 +360,33 @@ def build_report(gm: torch.fx.GraphModule, *, precision: str, tracer: str, rules
         "half_flops": half_flops,
         "half_flop_fraction": (half_flops / total_flops) if total_flops else 0.0,
         "unmatched_ops": unmatched,
+        "unmatched_nodes": sum(1 for r in nodes if r["unmatched"]),
+        "out_bytes": sum(r["out_bytes"] for r in nodes),
     }
-    return Report(precision=precision, tracer=tracer, summary=summary, nodes=nodes, casts=casts, rules=rules or {}, extra=extra or {})
+    return Report(
+        precision=precision,
+        tracer=tracer,
+        summary=summary,
+        nodes=nodes,
+        casts=casts,
+        rules=rules or {},
+        extra=dict(extra or {}),
+        model=model,
+        ops=_op_table(nodes),
+        modules=_module_tree(stacks, casts, cast_module),
+        memory=_memory(gm, casts),
+        calibration=dict(gm.meta.get("mp_calibration") or {}),
+    )
 
 
 def _jsonable(value: Any) -> Any:
-    return json.loads(json.dumps(value, default=str))
+    """Plain JSON types only: non-finite floats become ``None``, other objects their ``str``."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    return str(value)

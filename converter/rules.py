@@ -15,6 +15,7 @@ A rule file has up to four match tables, an optional ``[default]`` and optional 
 
     [module]                   # dotted module path, glob with fullmatch semantics
     "lm_head" = "fp32"
+    "*.attn" = { precision = "half", ops = { softmax = "fp32" } }   # per-op overrides in a scope
 
     [node]                     # FX node name
     "linear_3" = "fp32"
@@ -30,6 +31,8 @@ Precision values: ``half`` (the target of the conversion, fp16 or bf16), ``fp16`
 floating input) and ``banned`` (an error carrying ``message``).
 
 **Precedence**, highest first: ``node`` > ``module`` (path) > ``module_type`` > ``op`` > ``default``.
+A module rule may carry an ``ops`` table: per-op precisions for ops inside that module's scope;
+they outrank the module rule's own precision at the same module (not an inner module's rules).
 A ``banned`` rule is the exception: it is an error whenever it matches, whatever else matches,
 unless a ``node`` rule names that very node (an explicit, reviewed exemption).
 A module rule applies to every op inside that module's scope; when several modules of a node's
@@ -71,6 +74,7 @@ PRECISIONS = ("half", "fp16", "bf16", "fp32", "follow", "promote", "banned")
 LEVELS = ("node", "module", "module_type", "op")
 _TOP_KEYS = ("meta", "settings", "default") + LEVELS
 _RULE_KEYS = ("precision", "reason", "message")
+_MODULE_RULE_KEYS = _RULE_KEYS + ("ops",)
 _SETTINGS = {
     "overflow_fallback": ("bf16", "fp32"),
     "overflow_margin": None,  # a float > 0
@@ -112,6 +116,7 @@ class Rule:
     message: str = ""
     file: str = BUILTIN
     order: int = 0  # global read order; later wins among equals
+    op: str = ""  # module rules only: restrict the rule to ops matching this pattern (an ``ops`` entry)
 
     def __post_init__(self) -> None:
         if self.level not in LEVELS + ("default",):
@@ -131,10 +136,13 @@ class Rule:
 
     @property
     def ref(self) -> RuleRef:
-        return RuleRef(file=self.file, table=self.level, pattern=self.pattern)
+        pattern = f"{self.pattern}.ops.{self.op}" if self.op else self.pattern
+        return RuleRef(file=self.file, table=self.level, pattern=pattern)
 
     def to_dict(self) -> dict:
         out = {"level": self.level, "pattern": self.pattern, "precision": self.precision, "file": self.file}
+        if self.op:
+            out["op"] = self.op
         if self.reason:
             out["reason"] = self.reason
         if self.message:
@@ -221,11 +229,22 @@ class Rules:
             for pattern, value in body.items():
                 if not isinstance(pattern, str) or not pattern:
                     raise RulesError(f"{file}: [{top}] has an empty pattern")
+                ops = None
+                if top in ("module", "module_type") and isinstance(value, Mapping) and "ops" in value:
+                    value = dict(value)
+                    ops = value.pop("ops")
+                    if not isinstance(ops, Mapping):
+                        raise RulesError(f"{where(top, pattern)}.ops: must be a table of op = precision")
                 precision, reason, message = _entry(value, file, top, pattern, where)
-                if top == "op" and not _GLOB_CHARS.search(pattern) and pattern not in known_ops:
-                    raise RulesError(f"{where(top, pattern)}: unknown op name {pattern!r}{_suggest(pattern, known_ops)}")
-                if top == "op" and _GLOB_CHARS.search(pattern) and not any(fnmatch.fnmatchcase(o, pattern) for o in known_ops):
-                    raise RulesError(f"{where(top, pattern)}: the pattern matches no known op name")
+                for op_pattern, op_value in (ops or {}).items():
+                    key = f"{pattern}.ops.{op_pattern}"
+                    op_precision, op_reason, op_message = _entry(op_value, file, top, key, where)
+                    _check_op_name(op_pattern, known_ops, where(top, key))
+                    if op_precision == "banned" and not op_message:
+                        raise RulesError(f"{where(top, key)}: a banned rule needs a 'message' telling the user what to do instead")
+                    rules.append(Rule(top, pattern, op_precision, op_reason or reason, op_message, file, start + len(rules), op=op_pattern))
+                if top == "op":
+                    _check_op_name(pattern, known_ops, where(top, pattern))
                 if precision == "banned" and not message:
                     raise RulesError(f"{where(top, pattern)}: a banned rule needs a 'message' telling the user what to do instead")
                 rules.append(Rule(top, pattern, precision, reason, message, file, start + len(rules)))
@@ -269,22 +288,26 @@ class Rules:
     def matches_for(self, *, node: str, op: str, module_stack: Sequence[tuple[str, str]]) -> list[Match]:
         """Every rule that matches, best first (see the module docstring for the order).
 
-        The sort key is (precedence level, -module depth, -read order): a higher level first; among
-        module rules the innermost module; among equals the rule read last (later file wins).
+        The sort key is (precedence level, -module depth, op-scoped first, -read order): a higher
+        level first; among module rules the innermost module, and at one module an ``ops`` entry
+        before the module's own precision; among equals the rule read last (later file wins).
         """
         found: list[tuple[tuple, Match]] = []
         for rank, level in enumerate(LEVELS):
             if level in ("node", "op"):
                 for rule in self._rules_matching(level, node if level == "node" else op):
-                    found.append(((rank, 0, -rule.order), Match(rule.ref, rule.precision, rank, level, "", rule.reason)))
+                    found.append(((rank, 0, 1, -rule.order), Match(rule.ref, rule.precision, rank, level, "", rule.reason)))
                 continue
             idx = 0 if level == "module" else 1
             for depth, entry in enumerate(module_stack, 1):
                 for rule in self._rules_matching(level, entry[idx]):
-                    found.append(((rank, -depth, -rule.order), Match(rule.ref, rule.precision, rank, level, entry[0], rule.reason)))
+                    if rule.op and not fnmatch.fnmatchcase(op, rule.op):
+                        continue
+                    key = (rank, -depth, 0 if rule.op else 1, -rule.order)
+                    found.append((key, Match(rule.ref, rule.precision, rank, level, entry[0], rule.reason)))
         default = self.default_rule()
         if default is not None:
-            found.append(((len(LEVELS), 0, -default.order), Match(default.ref, default.precision, len(LEVELS), "default", "", default.reason)))
+            found.append(((len(LEVELS), 0, 1, -default.order), Match(default.ref, default.precision, len(LEVELS), "default", "", default.reason)))
         found.sort(key=lambda item: item[0])
         return [m for _, m in found]
 
@@ -299,13 +322,22 @@ class Rules:
         return {"files": list(self.files), "settings": dict(self.settings), "rules": [r.to_dict() for r in self.rules]}
 
 
+def _check_op_name(pattern: str, known_ops: frozenset, where: str) -> None:
+    if not _GLOB_CHARS.search(pattern):
+        if pattern not in known_ops:
+            raise RulesError(f"{where}: unknown op name {pattern!r}{_suggest(pattern, known_ops)}")
+    elif not any(fnmatch.fnmatchcase(o, pattern) for o in known_ops):
+        raise RulesError(f"{where}: the pattern matches no known op name")
+
+
 def _entry(value, file: str, table: str, key: str, where) -> tuple[str, str, str]:
     if isinstance(value, str):
         precision, reason, message = value, "", ""
     elif isinstance(value, Mapping):
+        valid = _MODULE_RULE_KEYS if table in ("module", "module_type") and ".ops." not in key else _RULE_KEYS
         for sub in value:
             if sub not in _RULE_KEYS:
-                raise RulesError(f"{where(table, key)}.{sub}: unknown key{_suggest(sub, _RULE_KEYS)} (valid: {', '.join(_RULE_KEYS)})")
+                raise RulesError(f"{where(table, key)}.{sub}: unknown key{_suggest(sub, valid)} (valid: {', '.join(valid)})")
         if "precision" not in value:
             raise RulesError(f"{where(table, key)}: missing 'precision' (one of {', '.join(PRECISIONS)})")
         precision = value["precision"]

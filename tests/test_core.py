@@ -279,3 +279,23 @@ def test_untraceable_model_raises_capture_error():
     assert set(info.value.reasons) == {"fx", "export"}
     with pytest.raises(converter.CaptureError, match="fx"):
         converter.convert(Bad(), (torch.randn(3),), tracer="fx")
+
+
+def test_opt_level_o2_placement_treats_weight_casts_as_free():
+    """O2: parameters are stored in the dtype their consumers want, so placement may run the RMSNorm
+    weight scale in half (the LLaMA recipe) while the statistics stay fp32."""
+    _, example, o1 = _convert("tiny_transformer", "bf16")
+    _, _, o2 = _convert("tiny_transformer", "bf16", opt_level="O2")
+    scale = lambda conv: {r["name"]: r["precision"] for r in conv.report.nodes if r["module_type"] == "RMSNorm" and r["op"] == "mul"}
+    assert set(scale(o1).values()) == {"fp32"}
+    s2 = scale(o2)
+    assert sorted(s2.values()).count("bf16") == 5 and sorted(s2.values()).count("fp32") == 5, s2
+    stats = {r["precision"] for r in o2.report.nodes if r["module_type"] == "RMSNorm" and r["op"] in ("pow", "mean", "rsqrt")}
+    assert stats == {"fp32"}
+    dtypes = o2.module.meta["mp_param_dtypes"]
+    assert dtypes["layers.0.attn_norm.weight"] == torch.bfloat16 and dtypes["embed.weight"] == torch.float32
+    ref = o1.original(*example)
+    s = sqnr(ref, o2.module(*example))
+    assert s > 40, f"O2 SQNR {s:.1f} dB"
+    with pytest.raises(ValueError, match="opt_level"):
+        _convert("mlp", "bf16", opt_level="O3")

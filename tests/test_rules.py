@@ -201,3 +201,22 @@ def test_non_utf8_rules_file_is_a_rules_error(tmp_path):
     path.write_bytes("[op]\nlinear = \"half\" # caf\xe9\n".encode("latin-1"))
     with pytest.raises(RulesError, match="UTF-8"):
         load_rules([path])
+
+
+def test_module_rule_ops_entries(tmp_path):
+    rules = _write(tmp_path, "ops.toml", """
+        [module_type]
+        Norm = { precision = "fp32", ops = { mul = "half", "p*" = { precision = "fp32", reason = "squares" } } }
+    """)
+    got = _precisions(converter.convert(Outer(), (torch.randn(2, 8),), rules=[rules]))
+    assert got["mul"][0] == "bf16" and got["mul"][1].endswith("ops.toml:[module_type].Norm.ops.mul")
+    assert got["pow_1"][0] == "fp32" and "Norm.ops.p*" in got["pow_1"][1]
+    assert got["rsqrt"][0] == "fp32" and got["rsqrt"][1].endswith("ops.toml:[module_type].Norm")
+    bad = _write(tmp_path, "bad_ops.toml", """
+        [module_type]
+        Norm = { precision = "fp32", ops = { mull = "half" } }
+    """)
+    with pytest.raises(RulesError, match=r"\[module_type\]\.Norm\.ops\.mull: unknown op name 'mull'; did you mean 'mul'"):
+        load_rules([bad])
+    with pytest.raises(RulesError, match="ops: must be a table"):
+        load_rules([_write(tmp_path, "bad2.toml", '[module]\n"a" = { precision = "fp32", ops = "x" }\n')])

@@ -1,0 +1,447 @@
+"""Measurements for the audit report: casts, saved activations and numerics on the example inputs.
+
+The report's static numbers come from ``node.meta``; this module checks them by running the model
+(DESIGN §8, "how to measure"):
+
+* **casts** — :class:`CastCounter`, a ``TorchDispatchMode`` that counts the ``aten._to_copy`` calls
+  that change one floating dtype into another, with their bytes (numel · (src + dst itemsize)).
+  A cast whose input is a parameter or buffer of the module is a *weight* cast; the others are
+  *activation* casts. It runs during the saved-activation forward below (grad on), on the
+  converted module and on ``torch.autocast`` over the original.
+* **saved activations** — ``torch.autograd.graph.saved_tensors_hooks`` records every tensor
+  autograd saves for backward during one forward (grad enabled, the module's own train/eval
+  mode). Bytes are counted once per storage (views share it). Storages of parameters and buffers
+  are not activations and are excluded; half copies of parameters (O1 weight casts, autocast's
+  weight casts) are reported apart as ``weight_copy`` bytes: under O2 they are the stored
+  parameters themselves.
+* **numerics** — the output of the converted module, and of ``torch.autocast`` on the original,
+  against the fp32 original: SQNR = 20·log10(‖ref‖/‖ref−out‖) in dB over all floating outputs,
+  and the maximum absolute error. Run in eval mode when the module supports it (dropout off).
+* **per-node error attribution** — one pass over the converted graph that evaluates every node on
+  the converted values (*mixed*) and on fp32 reference values (the same graph with the inserted
+  casts made identities, which is the fp32 model), and once more, only where an input's dtype
+  differs between the two, on the reference inputs rounded to the converted dtypes (*local*).
+  For each node it reports the
+  *cumulative* SQNR (mixed vs reference output) and the *local* SQNR: the node run on the
+  reference inputs rounded to the dtypes they have in the converted graph, against the reference
+  output, i.e. the error this node adds by itself. The nodes with the lowest local SQNR are the
+  ones to pin to fp32 first.
+
+An SQNR of ``None`` means the outputs are identical (no error). Measuring never changes the
+models: buffers (BatchNorm statistics), train/eval mode and the RNG state are restored.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.fx
+from torch.fx.node import map_arg
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .meta import DTYPES
+
+__all__ = [
+    "measure",
+    "CastCounter",
+    "count_casts",
+    "saved_activations",
+    "compare_outputs",
+    "sqnr_db",
+    "node_errors",
+]
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+#: an SQNR below this means the output is unrelated to the reference (also used for -inf)
+_SQNR_FLOOR = -300.0
+
+
+# ---------------------------------------------------------------------------------------------
+# state handling
+
+
+def _storage_ptrs(module: torch.nn.Module) -> set[int]:
+    tensors = list(module.parameters()) + list(module.buffers())
+    return {t.untyped_storage().data_ptr() for t in tensors if t.device.type != "meta"}
+
+
+@contextlib.contextmanager
+def _preserved(*modules: torch.nn.Module) -> Iterator[None]:
+    """Restore buffers, train/eval flags and the RNG state after running ``modules``."""
+    saved = []
+    for module in modules:
+        buffers = {name: buf.detach().clone() for name, buf in module.named_buffers()}
+        flags = {name: sub.training for name, sub in module.named_modules()}
+        saved.append((module, buffers, flags))
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            for module, buffers, flags in saved:
+                with torch.no_grad():
+                    for name, buf in module.named_buffers():
+                        if name in buffers:
+                            buf.copy_(buffers[name])
+                for name, sub in module.named_modules():
+                    if name in flags:
+                        sub.training = flags[name]
+
+
+def _try_eval(*modules: torch.nn.Module) -> bool:
+    """Put every module in eval mode, or none (export's ``.module()`` refuses ``eval()``)."""
+    try:
+        for module in modules:
+            module.eval()
+    except NotImplementedError:
+        return False
+    return True
+
+
+def _run(module: torch.nn.Module, args: tuple, kwargs: dict, *, seed: int = 0) -> Any:
+    torch.manual_seed(seed)
+    return module(*args, **kwargs)
+
+
+def _device_type(module: torch.nn.Module) -> str:
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        return tensor.device.type
+    return "cpu"
+
+
+def _autocast(dtype_name: str, module: torch.nn.Module):
+    """``torch.autocast`` on the module's device with the target half dtype."""
+    return torch.autocast(_device_type(module), dtype=DTYPES[dtype_name])
+
+
+# ---------------------------------------------------------------------------------------------
+# casts
+
+
+class CastCounter(TorchDispatchMode):
+    """Counts dtype-changing ``aten._to_copy`` calls between floating dtypes, with their bytes.
+
+    ``weight_ptrs`` are the storages of the module's parameters and buffers: a cast reading one
+    of them is a weight cast. ``weight_copies`` collects the storages those casts produce.
+    """
+
+    def __init__(self, weight_ptrs: set[int]):
+        super().__init__()
+        self.weight_ptrs = weight_ptrs
+        self.casts: list[dict] = []
+        self.weight_copies: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and isinstance(out, torch.Tensor):
+            src = args[0]
+            if src.dtype != out.dtype and src.dtype in _FLOATS and out.dtype in _FLOATS:
+                on_weight = src.untyped_storage().data_ptr() in self.weight_ptrs
+                if on_weight:
+                    self.weight_copies.add(out.untyped_storage().data_ptr())
+                self.casts.append({
+                    "shape": list(src.shape),
+                    "src": str(src.dtype).replace("torch.", ""),
+                    "dtype": str(out.dtype).replace("torch.", ""),
+                    "bytes": src.numel() * (src.element_size() + out.element_size()),
+                    "on_weight": on_weight,
+                })
+        return out
+
+    def summary(self) -> dict:
+        act = [c for c in self.casts if not c["on_weight"]]
+        weight = [c for c in self.casts if c["on_weight"]]
+        return {
+            "casts": len(act),
+            "cast_bytes": sum(c["bytes"] for c in act),
+            "weight_casts": len(weight),
+            "weight_cast_bytes": sum(c["bytes"] for c in weight),
+        }
+
+
+def count_casts(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, *, autocast: Optional[str] = None) -> dict:
+    """Run one forward (no grad) and count its casts; ``autocast="bf16"`` runs under torch.autocast."""
+    counter = CastCounter(_storage_ptrs(module))
+    ctx = _autocast(autocast, module) if autocast else contextlib.nullcontext()
+    with _preserved(module), torch.no_grad(), ctx, counter:
+        _run(module, args, kwargs or {})
+    return counter.summary()
+
+
+# ---------------------------------------------------------------------------------------------
+# saved activations
+
+
+def saved_activations(
+    module: torch.nn.Module,
+    args: tuple,
+    kwargs: Optional[dict] = None,
+    *,
+    autocast: Optional[str] = None,
+    count_casts: bool = True,
+) -> dict:
+    """Bytes autograd saves for backward in one forward, per unique storage (see module docstring).
+
+    With ``count_casts`` the same forward runs under a :class:`CastCounter`: it tells the half
+    copies of parameters apart (``weight_copy_bytes``) and its summary is returned as ``casts``.
+    Without it (faster: no Python dispatch), every non-parameter storage counts as an activation.
+    """
+    params = _storage_ptrs(module)
+    seen: dict[int, int] = {}
+    keep: list[torch.Tensor] = []  # hold every saved tensor so that no storage address is reused
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        keep.append(tensor)
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in params:
+            seen[ptr] = storage.nbytes()
+        return tensor
+
+    counter = CastCounter(params) if count_casts else None
+    ctx = _autocast(autocast, module) if autocast else contextlib.nullcontext()
+    with _preserved(module), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            (counter if counter is not None else contextlib.nullcontext()), ctx:
+        out = _run(module, args, kwargs or {})
+    del out
+    copies = sum(b for p, b in seen.items() if counter is not None and p in counter.weight_copies)
+    total = sum(seen.values())
+    result = {"activation_bytes": total - copies, "weight_copy_bytes": copies, "tensors": len(seen)}
+    if counter is not None:
+        result["casts"] = counter.summary()
+    keep.clear()
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# numerics
+
+
+def _float_leaves(value: Any) -> list[torch.Tensor]:
+    if hasattr(value, "to_tuple") and not isinstance(value, (tuple, list, dict, torch.Tensor)):
+        value = value.to_tuple()
+    leaves = pytree.tree_leaves(value)
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.dtype in _FLOATS]
+
+
+def sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> Optional[float]:
+    """20·log10(‖ref‖/‖ref−out‖) in dB over finite positions; ``None`` when identical."""
+    ref = ref.detach().double().flatten()
+    out = out.detach().double().flatten()
+    finite = torch.isfinite(ref) & torch.isfinite(out)
+    ref, out = ref[finite], out[finite]
+    err = float((ref - out).norm())
+    if err == 0.0:
+        return None
+    norm = float(ref.norm())
+    if norm == 0.0:
+        return _SQNR_FLOOR
+    return max(_SQNR_FLOOR, 20.0 * math.log10(norm / err))
+
+
+def compare_outputs(ref: Any, out: Any) -> dict:
+    """SQNR and max |error| of ``out`` against ``ref`` over all floating output tensors."""
+    refs, outs = _float_leaves(ref), _float_leaves(out)
+    pairs = [(r, o) for r, o in zip(refs, outs) if r.shape == o.shape]
+    if not pairs:
+        return {"sqnr_db": None, "max_abs_err": 0.0, "numel": 0, "nonfinite_mismatch": 0, "compared": 0}
+    if len(pairs) == 1:
+        r, o = pairs[0][0].detach().double().flatten(), pairs[0][1].detach().double().flatten()
+    else:
+        r = torch.cat([p[0].detach().double().flatten() for p in pairs])
+        o = torch.cat([p[1].detach().double().flatten() for p in pairs])
+    finite = torch.isfinite(r) & torch.isfinite(o)
+    mismatch = 0
+    if not bool(finite.all()):
+        same_nonfinite = (~torch.isfinite(r) & (r == o)) | (torch.isnan(r) & torch.isnan(o))
+        mismatch = int((~finite & ~same_nonfinite).sum())
+        r, o = r[finite], o[finite]
+    diff = r - o
+    err = float(torch.linalg.vector_norm(diff))
+    norm = float(torch.linalg.vector_norm(r))
+    if err == 0.0:
+        sqnr = None
+    elif norm == 0.0:
+        sqnr = _SQNR_FLOOR
+    else:
+        sqnr = max(_SQNR_FLOOR, 20.0 * math.log10(norm / err))
+    return {
+        "sqnr_db": _round(sqnr),
+        "max_abs_err": float(diff.abs().max()) if diff.numel() else 0.0,
+        "numel": int(finite.numel()),
+        "nonfinite_mismatch": mismatch,
+        "compared": len(pairs),
+    }
+
+
+def _round(value: Optional[float], digits: int = 2) -> Optional[float]:
+    return None if value is None else round(value, digits)
+
+
+# ---------------------------------------------------------------------------------------------
+# per-node error attribution
+
+
+def _flat_inputs(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> list:
+    """The values of ``gm``'s placeholders for a call ``gm(*args, **kwargs)``."""
+    codegen = gm.graph._codegen
+    info = getattr(codegen, "pytree_info", None)
+    if info is not None and info.in_spec is not None:
+        import torch.fx._pytree as fx_pytree
+
+        return list(fx_pytree.tree_flatten_spec((tuple(args), dict(kwargs)), info.in_spec))
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    values = list(args)
+    for p in placeholders[len(args):]:
+        if p.target in kwargs:
+            values.append(kwargs[p.target])
+        elif p.args:
+            values.append(p.args[0])
+        else:
+            values.append(None)
+    return values
+
+
+def _like(ref: Any, mixed: Any) -> Any:
+    """``ref`` with the dtypes that ``mixed`` has (a fresh copy, safe for in-place ops)."""
+    if isinstance(ref, torch.Tensor) and isinstance(mixed, torch.Tensor):
+        if ref.dtype != mixed.dtype and ref.dtype in _FLOATS and mixed.dtype in _FLOATS:
+            return ref.to(mixed.dtype)
+        return ref.clone()
+    if isinstance(ref, (tuple, list)) and isinstance(mixed, (tuple, list)) and len(ref) == len(mixed):
+        return tuple(_like(r, m) for r, m in zip(ref, mixed))
+    if isinstance(ref, dict) and isinstance(mixed, dict):
+        return {k: _like(v, mixed.get(k)) for k, v in ref.items()}
+    return ref
+
+
+def _dtypes_differ(ref: Any, mixed: Any) -> bool:
+    if isinstance(ref, torch.Tensor) and isinstance(mixed, torch.Tensor):
+        return ref.dtype != mixed.dtype
+    if isinstance(ref, (tuple, list)) and isinstance(mixed, (tuple, list)):
+        return any(_dtypes_differ(r, m) for r, m in zip(ref, mixed))
+    return False
+
+
+def _reported(node: torch.fx.Node) -> bool:
+    info = node.meta.get("mp_info")
+    return info is not None and "mp" in node.meta and info.kind not in ("cast", "passive")
+
+
+def node_errors(gm: torch.fx.GraphModule, args: tuple, kwargs: Optional[dict] = None, *, worst: int = 10) -> dict:
+    """Per-node cumulative and local SQNR of the converted graph (see the module docstring)."""
+    kwargs = kwargs or {}
+    interp = torch.fx.Interpreter(gm)
+    flat = iter(_flat_inputs(gm, args, kwargs))
+    nodes = list(gm.graph.nodes)
+    last_use: dict[torch.fx.Node, int] = {}
+    for i, node in enumerate(nodes):
+        for inp in node.all_input_nodes:
+            last_use[inp] = i
+    mixed: dict[torch.fx.Node, Any] = {}
+    ref: dict[torch.fx.Node, Any] = {}
+    per_node: dict[str, dict] = {}
+
+    def call(node: torch.fx.Node, env_args, env_kwargs):
+        return getattr(interp, node.op)(node.target, env_args, env_kwargs)
+
+    with torch.no_grad():
+        for i, node in enumerate(nodes):
+            if node.op == "placeholder":
+                value = next(flat, None)
+                mixed[node] = value
+                ref[node] = value.clone() if isinstance(value, torch.Tensor) else value
+            elif node.op == "get_attr":
+                mixed[node] = ref[node] = interp.fetch_attr(str(node.target))
+            elif node.op == "output":
+                break
+            else:
+                rec = node.meta.get("mp_cast")
+                in_ref = map_arg((node.args, node.kwargs), lambda n: ref[n])
+                in_mixed = map_arg((node.args, node.kwargs), lambda n: mixed[n])
+                local = None
+                if _reported(node) and any(_dtypes_differ(ref[n], mixed[n]) for n in node.all_input_nodes):
+                    local = call(node, *_like(in_ref, in_mixed))
+                mixed[node] = call(node, *in_mixed)
+                if rec is not None and rec.inserted:
+                    ref[node] = ref[node.args[0]]  # the fp32 model has no such cast
+                else:
+                    ref[node] = call(node, *in_ref)
+                if _reported(node) and _float_leaves(ref[node]):
+                    cumulative = compare_outputs(ref[node], mixed[node])
+                    row = {"sqnr_db": cumulative["sqnr_db"], "max_abs_err": cumulative["max_abs_err"], "local_sqnr_db": None}
+                    if local is not None:
+                        row["local_sqnr_db"] = compare_outputs(ref[node], local)["sqnr_db"]
+                    per_node[node.name] = row
+            for inp in node.all_input_nodes:
+                if last_use.get(inp) == i:
+                    mixed.pop(inp, None)
+                    ref.pop(inp, None)
+    ranked = sorted(
+        (name for name, row in per_node.items() if row["local_sqnr_db"] is not None),
+        key=lambda name: per_node[name]["local_sqnr_db"],
+    )
+    by_name = {n.name: n for n in nodes}
+    worst_rows = []
+    for name in ranked[:worst]:
+        info, decision = by_name[name].meta["mp_info"], by_name[name].meta["mp"]
+        worst_rows.append({"name": name, "op": info.op, "module": info.module, "precision": decision.precision, **per_node[name]})
+    return {"per_node": per_node, "worst": worst_rows}
+
+
+# ---------------------------------------------------------------------------------------------
+# everything
+
+
+def measure(conv, *, autocast: bool = True, per_node: bool = True, worst: int = 10) -> dict:
+    """All measurements for ``conv`` (a :class:`converter.Conversion`) on its example inputs.
+
+    Returns ``{"memory": ..., "numerics": ..., "measured_casts": ...}``; attach it to the report
+    with ``conv.report.add_measurements(result)``. The original model and the converted module are
+    left exactly as they were.
+    """
+    t0 = time.perf_counter()
+    gm: torch.fx.GraphModule = conv.module
+    original: torch.nn.Module = conv.original
+    args, kwargs = conv.example_inputs
+    precision = conv.precision
+    out: dict = {}
+
+    # one forward with grad in the modules' own train/eval mode: saved activations and casts
+    saved = {"converted": saved_activations(gm, args, kwargs),
+             "fp32": saved_activations(original, args, kwargs, count_casts=False)}
+    if autocast:
+        saved["autocast"] = saved_activations(original, args, kwargs, autocast=precision)
+    out["measured_casts"] = {k: v["casts"] for k, v in saved.items() if "casts" in v}
+    fp32_bytes = saved["fp32"]["activation_bytes"]
+    memory = {
+        "saved_activation_bytes": {k: v["activation_bytes"] for k, v in saved.items()},
+        "saved_weight_copy_bytes": {k: v["weight_copy_bytes"] for k, v in saved.items()},
+        "saved_ratio": (saved["converted"]["activation_bytes"] / fp32_bytes) if fp32_bytes else None,
+        "saved_ratio_autocast": (saved["autocast"]["activation_bytes"] / fp32_bytes) if (autocast and fp32_bytes) else None,
+        "saved_method": "saved_tensors_hooks, one forward with grad, unique storages, parameters and buffers excluded; "
+                        "half copies of parameters counted apart (weight_copy)",
+    }
+    out["memory"] = memory
+
+    # numerics (eval mode when possible)
+    with _preserved(gm, original), torch.no_grad():
+        mode = "eval" if _try_eval(gm, original) else "as-is"
+        ref = _run(original, args, kwargs)
+        converted = _run(gm, args, kwargs)
+        numerics: dict = {"mode": mode, "precision": precision, "vs_fp32": compare_outputs(ref, converted)}
+        if autocast:
+            with _autocast(precision, original):
+                auto = _run(original, args, kwargs)
+            numerics["autocast_vs_fp32"] = compare_outputs(ref, auto)
+            numerics["vs_autocast"] = compare_outputs(auto, converted)
+        if per_node:
+            errors = node_errors(gm, args, kwargs, worst=worst)
+            numerics["per_node"] = errors["per_node"]
+            numerics["worst"] = errors["worst"]
+    out["numerics"] = numerics
+    out["measure_s"] = round(time.perf_counter() - t0, 3)
+    return out

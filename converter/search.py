@@ -1,0 +1,696 @@
+"""Accuracy search: a small set of nodes to keep in fp32 so that the outputs meet a tolerance.
+
+Used by the calibrate stage when ``tolerance`` is given (``calibration_options={"tolerance": 30}``,
+``--tolerance 30``). Three parts:
+
+1. **Emulation** (:class:`HalfEmulator`). A precision assignment is evaluated on the still-fp32
+   graph by rounding through the half dtype exactly where the converted model changes dtype:
+   every input a half node casts, and its output. The arithmetic between is fp32. This is exact
+   for the correctly rounded ops (add, mul, div, sqrt...: fp32 has more than 2p+2 bits for both
+   half formats, so rounding the fp32 result equals the half op), equal up to summation order for
+   matmul-class ops whose half kernels accumulate in fp32, and avoids fp16 arithmetic, which is
+   about 200× slower than bf16 on this CPU. One evaluation is one forward pass over the
+   validation batches; the counter counts every pass that runs (a configuration evaluated before is
+   looked up, not counted).
+2. **Ranking** (:func:`rank_sensitivity`). One instrumented pass computes, for every half node
+   ``i``, the local error of running it alone in half, ``δᵢ = half(fᵢ(half(inputs))) − fᵢ(inputs)``
+   (exact, nonlinear: catastrophic cancellation inside the node is seen), and a backward pass gives
+   ``gᵢ = Jᵢᵀv`` for a random output direction ``v``. ``(gᵢ·δᵢ)²`` is an unbiased estimate of
+   ``‖Jᵢδᵢ‖²``, the first-order output error energy that node ``i`` alone adds (E[(vᵀe)²] = ‖e‖²
+   for v ~ N(0, I)), averaged over the batches and ``projections`` directions. A node whose
+   rounding overflows (inf) ranks first. This pass is charged as 2 + 2·projections evaluations
+   (a forward that runs the half nodes twice, and backward passes at twice a forward).
+3. **Search** (:func:`search_ranked`) over the ranked list: keep the top-k in fp32 with k = 1, 2,
+   4, ... until the tolerance is met, bisect k between the last failing and the first passing
+   prefix, then prune: drop each kept node, least sensitive first, when the rest still passes.
+   With a ranking that puts the ``m`` culprits first this costs about ``2·log2(m) + m``
+   evaluations, against O(m·log n) for the graph-order bisection of onnxconverter-common's
+   ``auto_convert_mixed_precision`` (:func:`bisect_graph_order`, kept as the benchmark baseline).
+
+The kept nodes get a ``Decision`` pinned to fp32 (table ``calibration``, pattern ``tolerance``),
+placement is re-run, and the final assignment is verified once more by emulation. The reference
+is the original model, so keeping *every* half node in fp32 always meets a tolerance; that is no
+conversion, so the search keeps at most all but one (or ``max_keep``). When the tolerance cannot
+be met that way, or within ``max_evaluations`` candidate evaluations,
+:class:`~converter.calibrate.ToleranceNotMet` carries the best SQNR and set reached.
+"""
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+
+import torch
+import torch.fx
+from torch.fx.node import map_arg
+from torch.utils import _pytree as pytree
+
+from .calibrate import ToleranceNotMet, _BufferGuard, _num, copy_graph, progress_bar, replace_decisions
+from .meta import DTYPES, HALF_NAMES, Decision, Match, RuleRef, TensorSpec
+from .ops import castable_arg_positions
+
+__all__ = [
+    "Tolerance",
+    "Outcome",
+    "HalfEmulator",
+    "rank_sensitivity",
+    "search_ranked",
+    "bisect_graph_order",
+    "accuracy_search",
+    "sqnr_db",
+    "SEARCH_REF",
+]
+
+SEARCH_REF = RuleRef(file="<accuracy-search>", table="calibration", pattern="tolerance")
+#: ops whose output is random: their half error is the output rounding only (no second run)
+_RANDOM_OPS = re.compile(r"dropout|rrelu|bernoulli|rand|multinomial|normal")
+
+
+# ---------------------------------------------------------------------------------------------
+# tolerance
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """What the outputs must meet: an SQNR in dB against fp32, and/or ``allclose(rtol, atol)``."""
+
+    sqnr_db: Optional[float] = None
+    rtol: Optional[float] = None
+    atol: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        if self.sqnr_db is None and self.rtol is None and self.atol is None:
+            raise ValueError("a tolerance needs an SQNR in dB, or rtol/atol")
+        for name in ("rtol", "atol"):
+            value = getattr(self, name)
+            if value is not None and not value >= 0:
+                raise ValueError(f"tolerance {name} must be >= 0, got {value}")
+
+    @classmethod
+    def parse(cls, value: Any) -> "Tolerance":
+        """``30`` / ``"30"`` / ``"30dB"`` (SQNR), ``{"sqnr": 30}``, ``{"rtol": 1e-2, "atol": 1e-3}``,
+        ``"rtol=1e-2,atol=1e-3"``, or a :class:`Tolerance`."""
+        if isinstance(value, Tolerance):
+            return value
+        if isinstance(value, bool):
+            raise ValueError(f"tolerance must be a number of dB or rtol/atol, got {value!r}")
+        if isinstance(value, (int, float)):
+            return cls(sqnr_db=float(value))
+        if isinstance(value, Mapping):
+            unknown = set(value) - {"sqnr", "sqnr_db", "rtol", "atol"}
+            if unknown:
+                raise ValueError(f"unknown tolerance key(s) {sorted(unknown)}; use sqnr, rtol, atol")
+            sqnr = value.get("sqnr", value.get("sqnr_db"))
+            rtol, atol = value.get("rtol"), value.get("atol")
+            if (rtol is None) != (atol is None):  # allclose with one of them: the other defaults like numpy's
+                rtol = 1e-5 if rtol is None else rtol
+                atol = 1e-8 if atol is None else atol
+            return cls(sqnr_db=None if sqnr is None else float(sqnr), rtol=None if rtol is None else float(rtol),
+                       atol=None if atol is None else float(atol))
+        if isinstance(value, str):
+            text = value.strip().lower().replace(" ", "")
+            match = re.fullmatch(r"(?:sqnr[=:])?([-+0-9.e]+)(?:db)?", text)
+            if match:
+                return cls(sqnr_db=float(match.group(1)))
+            parts = {}
+            for item in filter(None, re.split(r"[,;]", text)):
+                key, _, number = item.partition("=")
+                try:
+                    parts[key] = float(number.removesuffix("db"))
+                except ValueError:
+                    raise ValueError(f"cannot read tolerance {value!r}: use e.g. 30 (dB) or rtol=1e-2,atol=1e-3") from None
+            return cls.parse(parts)
+        raise ValueError(f"tolerance must be a number (SQNR dB), a mapping or a string, got {type(value).__name__}")
+
+    def __str__(self) -> str:
+        parts = []
+        if self.sqnr_db is not None:
+            parts.append(f"SQNR >= {self.sqnr_db:g} dB")
+        if self.rtol is not None:
+            parts.append(f"allclose(rtol={self.rtol:g}, atol={self.atol:g})")
+        return " and ".join(parts)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One evaluated assignment: whether it meets the tolerance, its SQNR and allclose margin."""
+
+    ok: bool
+    sqnr_db: float
+    allclose_ratio: Optional[float] = None  # max |out - ref| / (atol + rtol |ref|); <= 1 passes
+
+
+def sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
+    """``20·log10(‖ref‖ / ‖ref − out‖)`` in float64; -inf when ``out`` is not finite."""
+    ref = ref.detach().double().reshape(-1)
+    out = out.detach().double().reshape(-1)
+    if not bool(torch.isfinite(out).all()):
+        return -math.inf
+    err = float(torch.linalg.vector_norm(ref - out))
+    sig = float(torch.linalg.vector_norm(ref))
+    if err == 0.0:
+        return math.inf
+    if sig == 0.0:
+        return -math.inf
+    return 20.0 * math.log10(sig / err)
+
+
+def _float_outputs(value: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def _judge(tol: Tolerance, refs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> Outcome:
+    ref = torch.cat([r.detach().double().reshape(-1) for r in refs]) if refs else torch.zeros(0, dtype=torch.float64)
+    out = torch.cat([o.detach().double().reshape(-1) for o in outs]) if outs else torch.zeros(0, dtype=torch.float64)
+    q = sqnr_db(ref, out)
+    ok = True
+    ratio = None
+    if tol.sqnr_db is not None:
+        ok = q >= tol.sqnr_db
+    if tol.rtol is not None:
+        if not bool(torch.isfinite(out).all()):
+            ratio = math.inf
+        else:
+            bound = tol.atol + tol.rtol * ref.abs()
+            excess = (ref - out).abs()
+            ratio = float((excess / bound).max()) if bound.numel() and bool((bound > 0).all()) else (
+                0.0 if bool((excess == 0).all()) else math.inf)
+        ok = ok and ratio <= 1.0
+    return Outcome(ok=ok, sqnr_db=q, allclose_ratio=ratio)
+
+
+# ---------------------------------------------------------------------------------------------
+# emulation
+
+
+def _round(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` rounded through ``dtype`` (floating tensors only; structure kept)."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() and value.dtype != torch.float64 and value.dtype != dtype:
+            return value.to(dtype).to(value.dtype)
+        return value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_round(v, dtype) for v in value)
+    return value
+
+
+def _half_nodes(gm: torch.fx.GraphModule) -> dict[str, str]:
+    """Node name -> precision for every compute node that currently runs in half."""
+    out = {}
+    for node in gm.graph.nodes:
+        info = node.meta.get("mp_info")
+        decision = node.meta.get("mp")
+        if info is not None and decision is not None and info.kind == "compute" and decision.precision in HALF_NAMES:
+            out[node.name] = decision.precision
+    return out
+
+
+def _emulated_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The nodes whose precision an assignment may set: compute nodes with floating outputs."""
+    out = []
+    for node in gm.graph.nodes:
+        info = node.meta.get("mp_info")
+        if info is None or info.kind != "compute" or node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        out.append(node)
+    return out
+
+
+def _castable_args(node: torch.fx.Node) -> list[tuple[Any, ...]]:
+    """(where, producer) pairs for the inputs the rewrite would cast, mirroring rewrite's rule."""
+    info = node.meta["mp_info"]
+    positions = castable_arg_positions(info.op, len(node.args))
+    found: list = []
+
+    def visit(arg):
+        if isinstance(arg, torch.fx.Node):
+            value = arg.meta.get("mp_value")
+            if isinstance(value, TensorSpec) and value.is_convertible and arg not in found:
+                found.append(arg)
+        return arg
+
+    if positions is None:
+        map_arg(node.args, visit)
+        map_arg(node.kwargs, visit)
+    else:
+        for pos in positions:
+            if pos < len(node.args):
+                map_arg(node.args[pos], visit)
+    return found
+
+
+class HalfEmulator:
+    """Evaluates precision assignments of ``gm`` (still fp32) on ``batches`` by rounding at dtype boundaries.
+
+    ``base`` maps node name -> half precision for the nodes that run in half (the current
+    decisions, by default); :meth:`evaluate_keep` evaluates ``base`` with some nodes moved to fp32,
+    :meth:`evaluate` any assignment. ``runs`` counts the forward passes over the batches actually
+    executed (the fp32 reference included); repeated configurations are memoised.
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule, batches: Sequence[tuple[tuple, dict]], *, tolerance: Any,
+                 base: Optional[Mapping[str, str]] = None, seed: int = 0):
+        self.gm = gm
+        self.batches = list(batches)
+        self.tolerance = Tolerance.parse(tolerance)
+        self.base = dict(base if base is not None else _half_nodes(gm))
+        self.seed = seed
+        self.runs = 0
+        self.memo: dict = {}
+        graph, mapping = copy_graph(gm)
+        nodes = _emulated_nodes(gm)
+        self.index = {n.name: i for i, n in enumerate(nodes)}
+        self.order = [n.name for n in nodes]
+        state: list = [None] * len(nodes)
+        self.state = state
+
+        def _mp_qin(i, x):
+            d = state[i]
+            return x if d is None else _round(x, d)
+
+        def _mp_qout(i, y):
+            d = state[i]
+            return y if d is None else _round(y, d)
+
+        # 1) every input a node would cast goes through its own rounding (raw producers here) ...
+        for i, old in enumerate(nodes):
+            new = mapping[old]
+            replaced = {}
+            for p in _castable_args(old):
+                with graph.inserting_before(new):
+                    replaced[mapping[p]] = graph.call_function(_mp_qin, (i, mapping[p]))
+            if not replaced:
+                continue
+            positions = castable_arg_positions(old.meta["mp_info"].op, len(old.args))
+            swap = lambda a, _r=replaced: _r.get(a, a) if isinstance(a, torch.fx.Node) else a  # noqa: E731
+            if positions is None:
+                new.args = map_arg(new.args, swap)
+                new.kwargs = map_arg(new.kwargs, swap)
+            else:
+                args = list(new.args)
+                for pos in positions:
+                    if pos < len(args):
+                        args[pos] = map_arg(args[pos], swap)
+                new.args = tuple(args)
+        # 2) ... and every output through the producer's rounding, seen by all its users
+        for i, old in enumerate(nodes):
+            new = mapping[old]
+            with graph.inserting_after(new):
+                q = graph.call_function(_mp_qout, (i, new))
+            new.replace_all_uses_with(q, delete_user_cb=lambda user, _q=q: user is not _q)
+        graph.lint()
+        self.module = torch.fx.GraphModule(gm, graph, class_name="HalfEmulation")
+        self.references = self._run()  # the fp32 reference: every state None
+        self.runs += 1
+
+    # -- running ---------------------------------------------------------------------------------
+    def _run(self) -> list[list[torch.Tensor]]:
+        outs = []
+        with torch.no_grad(), _BufferGuard(self.gm):
+            for b, (args, kwargs) in enumerate(self.batches):
+                torch.manual_seed(self.seed + b)  # random ops (dropout) draw the same numbers every run
+                outs.append([t.detach() for t in _float_outputs(self.module(*args, **kwargs))])
+        return outs
+
+    @staticmethod
+    def _key(assignment: Mapping[str, str]) -> tuple:
+        return tuple(sorted((k, v) for k, v in assignment.items() if v in HALF_NAMES))
+
+    def _keep_assignment(self, keep: Iterable[str]) -> dict[str, str]:
+        kept = set(keep)
+        return {k: v for k, v in self.base.items() if k not in kept}
+
+    def known_keep(self, keep: Iterable[str]) -> bool:
+        """Whether :meth:`evaluate_keep` would answer from the memo (no run)."""
+        return self._key(self._keep_assignment(keep)) in self.memo
+
+    def evaluate(self, assignment: Mapping[str, str], *, memo: bool = True) -> Outcome:
+        """Run with ``assignment`` (node name -> fp16/bf16; absent nodes fp32)."""
+        key = self._key(assignment)
+        if memo and key in self.memo:
+            return self.memo[key]
+        for i in range(len(self.state)):
+            self.state[i] = None
+        for name, precision in key:
+            if name in self.index:
+                self.state[self.index[name]] = DTYPES[precision]
+        try:
+            outs = self._run()
+        finally:
+            for i in range(len(self.state)):
+                self.state[i] = None
+        self.runs += 1
+        refs = [t for batch in self.references for t in batch]
+        flat = [t for batch in outs for t in batch]
+        result = _judge(self.tolerance, refs, flat)
+        self.memo[key] = result
+        return result
+
+    def evaluate_keep(self, keep: Iterable[str], *, memo: bool = True) -> Outcome:
+        """``base`` with the nodes in ``keep`` moved to fp32."""
+        return self.evaluate(self._keep_assignment(keep), memo=memo)
+
+
+# ---------------------------------------------------------------------------------------------
+# ranking
+
+
+@dataclass(frozen=True)
+class Sensitivity:
+    """One node's estimated output error energy when it alone runs in half."""
+
+    name: str
+    score: float  # sum over batches of E[(g·δ)²] ≈ ‖J δ‖²
+    est_sqnr_db: float  # 10·log10(‖ref‖² / score): the SQNR if only this node were half
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "score": _num(self.score), "est_sqnr_db": _num(self.est_sqnr_db)}
+
+
+def _call(node_op: str, target: Any, root: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+    if node_op == "call_function":
+        return target(*args, **kwargs)
+    if node_op == "call_method":
+        return getattr(args[0], target)(*args[1:], **kwargs)
+    sub = root.get_submodule(target)
+    return sub(*args, **kwargs)
+
+
+def rank_sensitivity(gm: torch.fx.GraphModule, batches: Sequence[tuple[tuple, dict]], *, base: Mapping[str, str],
+                     projections: int = 1, seed: int = 0) -> list[Sensitivity]:
+    """Rank the half nodes of ``base`` by the output error each adds alone (see the module docstring)."""
+    if projections < 1:
+        raise ValueError(f"projections must be >= 1, got {projections}")
+    graph, mapping = copy_graph(gm)
+    nodes = [n for n in _emulated_nodes(gm) if n.name in base]
+    slots: list = [None] * len(nodes)
+
+    def make_probe(i: int, old: torch.fx.Node) -> Callable:
+        dtype = DTYPES[base[old.name]]
+        info = old.meta["mp_info"]
+        positions = castable_arg_positions(info.op, len(old.args))
+        random_op = bool(_RANDOM_OPS.search(info.op))
+        op, target = old.op, old.target
+
+        def _mp_sense(y, *args, **kwargs):
+            with torch.no_grad():
+                if random_op:
+                    z = _round(y, dtype)
+                else:
+                    def rnd(a):
+                        return _round(a.detach(), dtype) if isinstance(a, torch.Tensor) else a
+
+                    def det(a):
+                        return a.detach() if isinstance(a, torch.Tensor) else a
+
+                    if positions is None:
+                        r_args = tuple(pytree.tree_map(rnd, a) for a in args)
+                        r_kwargs = {k: pytree.tree_map(rnd, v) for k, v in kwargs.items()}
+                    else:
+                        r_args = tuple(pytree.tree_map(rnd if p in positions else det, a) for p, a in enumerate(args))
+                        r_kwargs = {k: pytree.tree_map(det, v) for k, v in kwargs.items()}
+                    z = _round(_call(op, target, gm, r_args, r_kwargs), dtype)
+                ys = [t for t in pytree.tree_leaves(y) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+                zs = [t for t in pytree.tree_leaves(z) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+                deltas = [zz.float() - yy.detach().float() for yy, zz in zip(ys, zs)]
+            slots[i] = (ys, deltas)
+            return None
+
+        return _mp_sense
+
+    for i, old in enumerate(nodes):
+        new = mapping[old]
+        with graph.inserting_after(new):
+            graph.call_function(make_probe(i, old), (new,) + tuple(new.args), dict(new.kwargs))
+    module = torch.fx.GraphModule(gm, graph, class_name="SensitivityProbe")
+    scores = [0.0] * len(nodes)
+    overflow = [False] * len(nodes)
+    ref_energy = 0.0
+    gen = torch.Generator().manual_seed(seed)
+    with _BufferGuard(gm):
+        for b, (args, kwargs) in enumerate(batches):
+            for i in range(len(slots)):
+                slots[i] = None
+            torch.manual_seed(seed + b)
+            with torch.enable_grad():
+                out = module(*args, **kwargs)
+                outs = [t for t in _float_outputs(out) if t.requires_grad]
+                ref_energy += sum(float(t.detach().double().pow(2).sum()) for t in _float_outputs(out))
+                wrt, owner = [], []
+                for i, slot in enumerate(slots):
+                    if slot is None:
+                        continue
+                    ys, deltas = slot
+                    for y, d in zip(ys, deltas):
+                        if not bool(torch.isfinite(d).all()):
+                            overflow[i] = True
+                        if y.requires_grad:
+                            wrt.append(y)
+                            owner.append((i, d))
+                if not outs or not wrt:
+                    continue
+                for k in range(projections):
+                    vs = [torch.randn(t.shape, generator=gen, dtype=t.dtype) for t in outs]
+                    dot = sum((t * v).sum() for t, v in zip(outs, vs))
+                    grads = torch.autograd.grad(dot, wrt, allow_unused=True, retain_graph=k + 1 < projections)
+                    per_node: dict[int, float] = {}
+                    for g, (i, d) in zip(grads, owner):
+                        if g is None:
+                            continue
+                        per_node[i] = per_node.get(i, 0.0) + float((g.double() * d.double()).nan_to_num(0.0, 0.0, 0.0).sum())
+                    for i, value in per_node.items():
+                        scores[i] += value * value / projections
+    result = []
+    for i, node in enumerate(nodes):
+        score = math.inf if overflow[i] else scores[i]
+        est = -math.inf if score == math.inf else (math.inf if score == 0 else 10 * math.log10(max(ref_energy, 1e-300) / score))
+        result.append(Sensitivity(node.name, score, est))
+    order = {n.name: i for i, n in enumerate(nodes)}
+    result.sort(key=lambda s: (-s.score, order[s.name]))
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# search
+
+
+class _Budget:
+    """``evaluate_keep`` with a cap on the runs and a record of the best result reached."""
+
+    def __init__(self, emulator: HalfEmulator, max_evaluations: int):
+        self.em = emulator
+        self.max = max_evaluations
+        self.start = emulator.runs
+        self.best: Optional[tuple[float, tuple[str, ...]]] = None
+
+    def __call__(self, keep: Sequence[str]) -> Outcome:
+        if self.em.runs - self.start >= self.max and not self.em.known_keep(keep):
+            raise _OutOfBudget()
+        out = self.em.evaluate_keep(keep)
+        if self.best is None or out.sqnr_db > self.best[0]:
+            self.best = (out.sqnr_db, tuple(keep))
+        return out
+
+
+class _OutOfBudget(Exception):
+    pass
+
+
+def search_ranked(evaluate_keep: Callable[[Sequence[str]], Outcome], ranked: Sequence[str], *,
+                  max_keep: Optional[int] = None, prune: bool = True, max_prune: int = 16) -> list[str]:
+    """The smallest passing prefix of ``ranked`` (galloping + bisection), then pruned.
+
+    ``evaluate_keep(nodes)`` evaluates the assignment with ``nodes`` in fp32. The empty set is
+    assumed to fail (the caller checked it). Raises ``LookupError`` when even the longest allowed
+    prefix fails.
+    """
+    n = len(ranked) if max_keep is None else min(len(ranked), max_keep)
+    if n <= 0:
+        raise LookupError("no node may be kept in fp32")
+    lo, hi = 0, None
+    k = 1
+    while hi is None:
+        k = min(k, n)
+        if evaluate_keep(ranked[:k]).ok:
+            hi = k
+        else:
+            lo = k
+            if k == n:
+                raise LookupError(f"keeping the {n} most sensitive node(s) in fp32 is not enough")
+            k *= 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if evaluate_keep(ranked[:mid]).ok:
+            hi = mid
+        else:
+            lo = mid
+    keep = list(ranked[:hi])
+    if prune and 1 < len(keep) <= max_prune:
+        for node in list(reversed(keep)):
+            trial = [x for x in keep if x != node]
+            if trial and evaluate_keep(trial).ok:
+                keep = trial
+    return keep
+
+
+def bisect_graph_order(evaluate_keep: Callable[[Sequence[str]], Outcome], nodes: Sequence[str]) -> tuple[list[str], int]:
+    """BASELINE: onnxconverter-common's ``auto_convert_mixed_precision`` segment bisection.
+
+    Nodes in graph order form one segment. Repeatedly take the largest undecided segment and try
+    converting it to half while every other segment not yet known good stays fp32: success marks
+    it good, failure splits it in two halves (a failing single node is bad). The final assignment
+    (every non-good node in fp32) is validated once more, as onnxconverter-common does. Returns the
+    fp32 set and the number of attempts, final validation included (the fp32 reference run is not
+    included: the caller adds it, as for :func:`search_ranked`).
+    """
+    segments = [[0, len(nodes), "?"]]  # start, size, state: ? / good / bad
+    attempts = 0
+
+    def blocked(skip) -> list[str]:
+        out = []
+        for seg in segments:
+            if seg is not skip and seg[2] != "good":
+                out.extend(nodes[seg[0]: seg[0] + seg[1]])
+        return out
+
+    while True:
+        pending = [s for s in segments if s[2] == "?"]
+        if not pending:
+            break
+        seg = pending[0]
+        for s in pending:
+            if s[1] > seg[1]:
+                seg = s
+        attempts += 1
+        if evaluate_keep(blocked(seg)).ok:
+            seg[2] = "good"
+        elif seg[1] == 1:
+            seg[2] = "bad"
+        else:
+            half = seg[1] // 2
+            at = segments.index(seg)
+            segments[at: at + 1] = [[seg[0], half, "?"], [seg[0] + half, seg[1] - half, "?"]]
+    final = blocked(None)
+    attempts += 1
+    evaluate_keep(final)
+    return final, attempts
+
+
+# ---------------------------------------------------------------------------------------------
+# the stage's entry point
+
+
+def _pin(original: Mapping[str, Decision], keep: Sequence[str], ranks: Mapping[str, int],
+         sens: Mapping[str, Sensitivity], tol: Tolerance, base_sqnr: float) -> dict[str, Decision]:
+    """fp32 decisions for the kept nodes, with the evidence and what they were before the search."""
+    overrides = {}
+    for name in keep:
+        old = original[name]
+        s = sens.get(name)
+        est = f"alone in {old.precision} ~{s.est_sqnr_db:.1f} dB" if s is not None and math.isfinite(s.est_sqnr_db) else (
+            f"alone in {old.precision} it overflows" if s is not None and s.score == math.inf else "")
+        reason = (f"accuracy search: kept in fp32 to meet {tol} (sensitivity rank {ranks.get(name, 0) + 1}"
+                  f"{'; ' + est if est else ''}; SQNR before the search {base_sqnr:.1f} dB) (was {old.precision} by {old.rule})")
+        match = Match(rule=SEARCH_REF, precision="fp32", level=-1, level_name="calibration", reason=reason)
+        overrides[name] = old.replace(precision="fp32", requested="fp32", rule=SEARCH_REF, reason=reason,
+                                           matches=(match,) + tuple(old.matches), unmatched=False)
+    return overrides
+
+
+def accuracy_search(
+    gm: torch.fx.GraphModule,
+    batches: Sequence[tuple[tuple, dict]],
+    *,
+    tolerance: Any,
+    target: str,
+    rules: Any = None,
+    placement: str = "mincut",
+    keep_io_types: bool = True,
+    fresh: Optional[Mapping[str, Decision]] = None,
+    progress: bool = False,
+    max_evaluations: int = 64,
+    max_keep: Optional[int] = None,
+    projections: int = 1,
+    prune: bool = True,
+    max_batches: Optional[int] = 8,
+    seed: int = 0,
+) -> dict:
+    """Pin the fewest nodes to fp32 so that ``gm``'s outputs meet ``tolerance``; returns the report dict.
+
+    ``batches`` are normalised ``(args, kwargs)`` pairs (the calibration inputs; the first
+    ``max_batches`` are used). ``max_evaluations`` bounds the candidate evaluations, ``max_keep``
+    the size of the fp32 set. Decisions of the kept nodes are replaced and placement re-run
+    (``fresh`` are the pre-placement decisions, see :func:`converter.calibrate.replace_decisions`).
+    """
+    from .calibrate import _fresh_decisions
+
+    t0 = time.perf_counter()
+    tol = Tolerance.parse(tolerance)
+    batches = list(batches)[: max_batches] if max_batches else list(batches)
+    if not batches:
+        raise ValueError("accuracy search: no batches to evaluate on")
+    base = _half_nodes(gm)
+    original = {n.name: n.meta["mp"] for n in gm.graph.nodes if "mp" in n.meta}
+    em = HalfEmulator(gm, batches, tolerance=tol, base=base, seed=seed)
+    budget = _Budget(em, max_evaluations)
+    report: dict = {"tolerance": str(tol), "batches": len(batches), "candidates": len(base)}
+    bar = progress_bar(progress)
+    with bar:
+        task = bar.add_task("accuracy search", total=None)
+        first = budget(())
+        report["initial_sqnr_db"] = _num(first.sqnr_db)
+        ranking_cost = 0
+        keep: list[str] = []
+        sens: dict[str, Sensitivity] = {}
+        ranks: dict[str, int] = {}
+        if not first.ok:
+            ranked = rank_sensitivity(gm, batches, base=base, projections=projections, seed=seed)
+            ranking_cost = 2 + 2 * projections
+            bar.advance(task)
+            sens = {s.name: s for s in ranked}
+            ranks = {s.name: i for i, s in enumerate(ranked)}
+            report["ranking"] = [s.to_dict() for s in ranked[:10]]
+            # at least one node must stay in half: keeping every candidate is no conversion at all
+            limit = len(ranked) - 1 if max_keep is None else min(max_keep, len(ranked) - 1)
+            try:
+                keep = search_ranked(budget, [s.name for s in ranked], max_keep=limit, prune=prune)
+            except (LookupError, _OutOfBudget) as exc:
+                best_sqnr, best_set = budget.best if budget.best else (first.sqnr_db, ())
+                why = str(exc) if isinstance(exc, LookupError) else f"{max_evaluations} evaluations were not enough"
+                raise ToleranceNotMet(best_sqnr, best_set, tolerance=tol, evaluations=ranking_cost + em.runs, why=why) from None
+        # pin, re-place, verify the assignment placement produced (it may move follow neighbours)
+        if keep:
+            if fresh is None:
+                if rules is None:
+                    raise ValueError("accuracy_search needs rules= (or fresh=) to re-run placement")
+                fresh = _fresh_decisions(gm, rules, target)
+            for _ in range(len(base) + 1):
+                overrides = _pin(original, keep, ranks, sens, tol, first.sqnr_db)
+                current = {n.name: n.meta["mp"] for n in gm.graph.nodes if "mp" in n.meta}
+                # earlier calibration decisions (overflow fallback) stay; this search's pins are replaced
+                kept_before = {k: d for k, d in current.items() if d.rule.table == "calibration" and d.rule != SEARCH_REF}
+                replace_decisions(gm, {**{k: v for k, v in kept_before.items() if k not in overrides}, **overrides},
+                                  fresh=fresh, target=target, placement=placement, keep_io_types=keep_io_types)
+                final = em.evaluate(_half_nodes(gm))
+                if final.ok:
+                    break
+                extra = [s.name for s in sorted(sens.values(), key=lambda s: -s.score) if s.name not in keep]
+                if not extra or (max_keep is not None and len(keep) >= max_keep):
+                    raise ToleranceNotMet(final.sqnr_db, keep, tolerance=tol, evaluations=ranking_cost + em.runs,
+                                          why="the assignment after re-placement does not meet it")
+                keep.append(extra[0])
+        else:
+            final = first
+    report.update({
+        "met": True,
+        "kept_fp32": list(keep),
+        "sqnr_db": _num(final.sqnr_db),
+        "allclose_ratio": final.allclose_ratio,
+        # every forward-equivalent pass: the fp32 reference, the candidate runs, and the ranking
+        "evaluations": em.runs + ranking_cost,
+        "evaluation_breakdown": {"reference": 1, "candidates": em.runs - 1, "ranking": ranking_cost},
+        "seconds": time.perf_counter() - t0,
+    })
+    return report
