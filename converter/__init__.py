@@ -29,6 +29,7 @@ __all__ = [
     "PassError",
     "LossScaler",
     "MixedPrecisionTrainer",
+    "ToleranceNotMet",
     "load_rules",
     "normalize_precision",
     "__version__",
@@ -41,6 +42,10 @@ def __getattr__(name: str):
         from .scaler import LossScaler
 
         return LossScaler
+    if name == "ToleranceNotMet":
+        from .calibrate import ToleranceNotMet
+
+        return ToleranceNotMet
     if name == "MixedPrecisionTrainer":
         from .trainer import MixedPrecisionTrainer
 

@@ -110,6 +110,11 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tracer", choices=("auto", "fx", "export"), default="auto",
                    help="auto tries torch.fx then torch.export (default auto)")
     p.add_argument("--entry", metavar="NAME", default=None, help="the model factory (or module-level model) to use instead of build_model/model")
+    p.add_argument("--opt-level", dest="opt_level", choices=("O1", "O2"), default="O1",
+                   help="how parameters will be stored for training: O1 fp32 (weight casts count in placement), "
+                        "O2 half where every consumer is half, with fp32 master weights in the trainer (default O1)")
+    p.add_argument("--no-measure", dest="no_measure", action="store_true",
+                   help="skip measuring memory and numerics against fp32 and torch.autocast for the report")
 
 
 def build_parsers(only: Optional[str] = None) -> dict[str, argparse.ArgumentParser]:
@@ -282,16 +287,23 @@ def _capture_message(exc, model_name: str, model_file: str, tracer: str) -> str:
     return f"{model_file}: the {tracer} tracer could not capture {model_name} ({detail}); try --tracer {other} or --tracer auto"
 
 
-def _convert(ns, ui: _UI, mf, precision: str, rules, *, calibration=None, calibration_options=None):
+def _convert(ns, ui: _UI, mf, precision: str, rules, *, calibration=None, calibration_options=None, measure=True):
     from .api import convert
     from .capture import CaptureError
 
     with ui.status(f"Converting {mf.name} to {precision}…"):
         try:
-            return convert(mf.model, mf.example_inputs, precision=precision, rules=rules, tracer=ns.tracer,
-                           calibration=calibration, calibration_options=calibration_options)
+            conv = convert(mf.model, mf.example_inputs, precision=precision, rules=rules, tracer=ns.tracer,
+                           calibration=calibration, calibration_options=calibration_options,
+                           opt_level=getattr(ns, "opt_level", "O1"))
         except CaptureError as exc:
             raise UsageError(_capture_message(exc, type(mf.model).__name__, mf.name, ns.tracer)) from exc
+    if measure and not getattr(ns, "no_measure", False):
+        from .measure import measure as _measure
+
+        with ui.status("Measuring memory and numerics against fp32 and torch.autocast…"):
+            conv.report.add_measurements(_measure(conv))
+    return conv
 
 
 def _default_out(model: str, suffix: str) -> Path:
@@ -344,6 +356,8 @@ def _cmd_convert(ns, ui: _UI) -> int:
         if not calibration:
             raise UsageError(f"{mf.name}: calibration_inputs() gave no inputs; return at least one or drop --calibrate")
         options = {"progress": not (ui.quiet or ui.json)}
+        if mf.loss_fn is not None:
+            options["loss_fn"] = mf.loss_fn
         if tolerance is not None:
             options["tolerance"] = tolerance
 
@@ -502,7 +516,7 @@ def _cmd_explain(ns, ui: _UI) -> int:
     precision = _precision(ns.precision)
     rules = _load_rules(ns.rules)
     mf = _load_model(ns.model, ns.entry)
-    conv = _convert(ns, ui, mf, precision, rules)
+    conv = _convert(ns, ui, mf, precision, rules, measure=False)
     nodes = {n.name: n for n in conv.module.graph.nodes}
     node = nodes.get(ns.node)
     if node is None or "mp" not in node.meta:
