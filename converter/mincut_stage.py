@@ -61,6 +61,13 @@ def build_problem(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, opt_l
     fixed[_OUT + "fp32"] = "fp32"
     fixed[_OUT + "half"] = "half"
     known = set(fixed) | set(free) | set(promote)
+    reads: dict[torch.fx.Node, set] = {}  # consumer -> the producers its precision applies to
+
+    def castable(user: torch.fx.Node) -> set:
+        got = reads.get(user)
+        if got is None:
+            got = reads[user] = set(castable_inputs(user))
+        return got
 
     for node in gm.graph.nodes:
         value = node.meta.get("mp_value")
@@ -84,7 +91,7 @@ def build_problem(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, opt_l
             if uinfo is not None and uinfo.kind == "alias" and uinfo.inplace and user.args and user.args[0] is node:
                 pending.extend(user.users)
                 continue
-            if user.name in known and node in castable_inputs(user):
+            if user.name in known and node in castable(user):
                 consumers.append(user.name)
         if consumers:
             tensors.append(Tensor(producer=root.name, cost=cast_cost(value.numel), consumers=tuple(dict.fromkeys(consumers))))
