@@ -413,3 +413,17 @@ def test_graph_needing_the_model_file_is_refused(work, capfd):
     assert snapshot(work) == ["wrapped.py"]
     code, out, err = run(capfd, "wrapped.py", "--tracer", "export", "-q")
     assert code == 0, err
+
+
+def test_audit_export_only_hf_model(work, capfd):
+    """Issue 4: `mpconvert audit` works on an HF model that only torch.export can capture."""
+    pytest.importorskip("transformers")
+    code, out, err = run(capfd, "audit", SAMPLES / "hf_gpt2.py", "--json", "--no-measure")
+    assert code == 0, err
+    payload = json.loads(out)
+    report = json.loads((work / "hf_gpt2_audit" / "report.json").read_text())
+    assert report["tracer"] == "export" and "fx" in report["capture_errors"], report.get("capture_errors")
+    assert report["summary"]["compute_nodes"] == payload["summary"]["compute_nodes"] > 0
+    assert sum(report["summary"]["by_precision"].values()) == report["summary"]["compute_nodes"]
+    html = (work / "hf_gpt2_audit" / "report.html").read_text()
+    assert "Converted" in html and "GPT2LMHeadModel" in html

@@ -69,3 +69,22 @@ def test_hf_matmuls_in_bf16_and_softmax_norms_in_fp32(hf_case):
     out.float().sum().backward()
     bad = [n for n, p in conv.module.named_parameters() if p.grad is not None and p.grad.dtype != torch.float32]
     assert not bad, bad
+
+
+@pytest.mark.parametrize("name", ["hf_gpt2", "hf_bert"])
+def test_hf_samples_convert_to_fp16_and_train(name, one_thread):
+    model, (args, kwargs) = _sample(name)
+    conv = converter.convert(model, (args, kwargs), precision="fp16")
+    assert conv.tracer == "export" and conv.precision == "fp16"
+    ref = first_tensor(model(*args, **kwargs))
+    out = first_tensor(conv.module(*args, **kwargs))
+    s = sqnr(ref, out)
+    assert out.dtype == torch.float32 and s > 40, f"{name} fp16 SQNR {s:.1f} dB"
+    rec = DtypeRecorder()
+    with torch.no_grad(), rec:
+        conv.module(*args, **kwargs)
+    mats = rec.dtypes_of("addmm", "mm", "bmm")
+    assert mats and all(set(d) == {torch.float16} for d in mats), mats
+    out.float().pow(2).mean().backward()
+    grads = [p.grad for p in conv.module.parameters() if p.requires_grad]
+    assert grads and all(g is not None and g.dtype == torch.float32 for g in grads)

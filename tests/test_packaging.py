@@ -12,6 +12,42 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _run(cmd, **kw):
+    return subprocess.run(cmd, capture_output=True, text=True, **kw)
+
+
+@pytest.mark.slow
+def test_fresh_venv_non_editable_install(tmp_path):
+    """Issue 2: in a fresh venv, `pip install torch==2.13.0` then a non-editable `pip install .`;
+    convert() with the default rules works, and the rules are found inside the installed package."""
+    venv = tmp_path / "venv"
+    made = _run([sys.executable, "-m", "venv", str(venv)])
+    assert made.returncode == 0, made.stderr[-2000:]
+    py = str(venv / "bin" / "python")
+    torch_version = __import__("torch").__version__.split("+")[0]
+    steps = [
+        [py, "-m", "pip", "install", "-q", f"torch=={torch_version}"],
+        [py, "-m", "pip", "install", "-q", str(ROOT)],
+    ]
+    for step in steps:
+        done = _run(step, cwd=tmp_path)
+        assert done.returncode == 0, (step, done.stderr[-3000:])
+    script = textwrap.dedent("""
+        import pathlib, torch, converter
+        assert "site-packages" in converter.__file__, converter.__file__
+        assert (pathlib.Path(converter.__file__).parent / "rules" / "default.toml").is_file()
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.LayerNorm(8))
+        conv = converter.convert(model, (torch.randn(2, 8),))
+        print(conv.report.line)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = _run([py, "-c", script], cwd=tmp_path, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "Converted 2/3 compute nodes" in run.stdout, run.stdout
+    cli = _run([str(venv / "bin" / "mpconvert"), "--version"], cwd=tmp_path, env=env)
+    assert cli.returncode == 0 and cli.stdout.strip(), cli.stderr
+
+
 @pytest.mark.slow
 def test_non_editable_install_converts_with_default_rules(tmp_path):
     target = tmp_path / "site"
