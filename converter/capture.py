@@ -27,7 +27,7 @@ import torch.fx
 from .meta import NodeInfo, TensorSpec
 from .ops import CAST_OPS, NORM_OPS, canonical_op, explicit_dtype, is_inplace
 
-__all__ = ["Captured", "CaptureError", "capture", "normalize_inputs", "annotate", "TRACED_THROUGH"]
+__all__ = ["Captured", "CaptureError", "capture", "normalize_inputs", "annotate", "placeholder_values", "TRACED_THROUGH"]
 
 #: nn modules the FX tracer traces into (their forward is one functional call on their parameters)
 TRACED_THROUGH = (
@@ -175,11 +175,18 @@ class _Propagator(torch.fx.Interpreter):
         return result
 
 
-def _propagate(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> None:
-    """Run the example inputs once to learn every node's shapes and dtypes; leave no trace."""
-    saved = {name: buf.detach().clone() for name, buf in gm.named_buffers()}
-    placeholders = [p for p in gm.graph.nodes if p.op == "placeholder"]
-    # symbolic_trace keeps every forward parameter as a placeholder: fill defaults for missing ones
+def placeholder_values(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> list:
+    """The values of ``gm``'s placeholders for a call ``gm(*args, **kwargs)``.
+
+    Export graphs flatten their inputs with a pytree spec; symbolic_trace keeps every forward
+    parameter as a placeholder, so missing ones take their defaults.
+    """
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    if info is not None and info.in_spec is not None:
+        import torch.fx._pytree as fx_pytree
+
+        return list(fx_pytree.tree_flatten_spec((tuple(args), dict(kwargs)), info.in_spec))
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     values = list(args)
     for p in placeholders[len(args):]:
         if p.target in kwargs:
@@ -188,6 +195,13 @@ def _propagate(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> None:
             values.append(p.args[0])
         else:
             values.append(None)
+    return values
+
+
+def _propagate(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> None:
+    """Run the example inputs once to learn every node's shapes and dtypes; leave no trace."""
+    saved = {name: buf.detach().clone() for name, buf in gm.named_buffers()}
+    values = placeholder_values(gm, args, kwargs)
     try:
         with torch.no_grad():
             _Propagator(gm).run(*values)

@@ -411,7 +411,7 @@ def generate_model_source(conv, *, model_file: Optional[str] = None) -> ModelSou
     pytree_info = getattr(codegen, "pytree_info", None)
     signature = None
     prologue: list[str] = []
-    output = None
+    output = None  # set below for export graphs: how to return the model's output structure
     io_note = "The forward takes the same arguments as the original model's forward and returns the same structure."
     if pytree_info is not None and pytree_info.in_spec is not None:
         in_spec = pytree_info.in_spec

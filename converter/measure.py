@@ -287,22 +287,9 @@ def _round(value: Optional[float], digits: int = 2) -> Optional[float]:
 
 def _flat_inputs(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> list:
     """The values of ``gm``'s placeholders for a call ``gm(*args, **kwargs)``."""
-    codegen = gm.graph._codegen
-    info = getattr(codegen, "pytree_info", None)
-    if info is not None and info.in_spec is not None:
-        import torch.fx._pytree as fx_pytree
+    from .capture import placeholder_values
 
-        return list(fx_pytree.tree_flatten_spec((tuple(args), dict(kwargs)), info.in_spec))
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    values = list(args)
-    for p in placeholders[len(args):]:
-        if p.target in kwargs:
-            values.append(kwargs[p.target])
-        elif p.args:
-            values.append(p.args[0])
-        else:
-            values.append(None)
-    return values
+    return placeholder_values(gm, args, kwargs)
 
 
 def _like(ref: Any, mixed: Any) -> Any:

@@ -286,7 +286,6 @@ def _cast_to(node) -> Optional[int]:
 
 def _fold_initializer_casts(model) -> int:
     """Replace Cast(initializer or Constant) by an initializer of the target dtype. Returns the count."""
-    import onnx
     from onnx import numpy_helper
 
     graph = model.graph

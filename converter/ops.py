@@ -24,6 +24,7 @@ __all__ = [
     "is_inplace",
     "explicit_dtype",
     "castable_arg_positions",
+    "map_castable_args",
 ]
 
 # Module classes -> canonical op (for leaf modules that stay call_module nodes).
@@ -306,6 +307,22 @@ def castable_arg_positions(op_name: str, nargs: int) -> Optional[tuple[int, ...]
     if op_name in NORM_OPS:
         return (0,)
     return None
+
+
+def map_castable_args(node: torch.fx.Node, op_name: str, fn) -> None:
+    """Apply ``fn`` to every node the op's precision applies to, in place (see castable_arg_positions)."""
+    from torch.fx.node import map_arg
+
+    positions = castable_arg_positions(op_name, len(node.args))
+    if positions is None:
+        node.args = map_arg(node.args, fn)
+        node.kwargs = map_arg(node.kwargs, fn)
+        return
+    args = list(node.args)
+    for pos in positions:
+        if pos < len(args):
+            args[pos] = map_arg(args[pos], fn)
+    node.args = tuple(args)
 
 
 @functools.lru_cache(maxsize=1)

@@ -22,7 +22,6 @@ import difflib
 import hashlib
 import html
 import io
-import json
 import re
 from pathlib import Path
 from typing import Any, Iterable, Optional, Union
@@ -159,7 +158,6 @@ def _md_table(header: list[str], rows: Iterable[list[Any]]) -> str:
 def to_markdown(report: Report) -> str:
     """report.md: the summary line, memory, numerics, ops, modules, casts and every node."""
     s = report.summary
-    m = report.memory
     by = s["by_precision"]
     out: list[str] = []
     out.append(f"# Precision audit: {md_escape(report.model or 'model')}")

@@ -22,7 +22,7 @@ import torch.fx
 from torch.fx.node import map_arg
 
 from .meta import BUILTIN, DTYPES, CastRecord, NodeInfo, RuleRef, TensorSpec, name_of
-from .ops import CAST_OPS, NATIVE_PROMOTE_OPS, castable_arg_positions, explicit_dtype
+from .ops import CAST_OPS, NATIVE_PROMOTE_OPS, explicit_dtype, map_castable_args
 
 __all__ = ["rewrite", "inserted_casts", "runtime_dtype"]
 
@@ -118,7 +118,6 @@ def rewrite(gm: torch.fx.GraphModule, *, keep_io_types: bool = True) -> None:
         want = DTYPES[decision.precision]
         if decision.requested == "promote" and _promotes_natively(node, info, want, cache):
             continue
-        positions = castable_arg_positions(info.op, len(node.args))
         reason = f"{node.name} ({info.op}) runs in {decision.precision}: {decision.reason}"
 
         def convert(arg, _want=want, _node=node, _reason=reason, _rule=decision.rule):
@@ -132,15 +131,7 @@ def rewrite(gm: torch.fx.GraphModule, *, keep_io_types: bool = True) -> None:
                 return arg
             return get_cast(arg, _want, _node, _rule, _reason)
 
-        if positions is None:
-            node.args = map_arg(node.args, convert)
-            node.kwargs = map_arg(node.kwargs, convert)
-        else:
-            args = list(node.args)
-            for pos in positions:
-                if pos < len(args):
-                    args[pos] = map_arg(args[pos], convert)
-            node.args = tuple(args)
+        map_castable_args(node, info.op, convert)
     _record_param_dtypes(gm)
     graph.lint()
     gm.recompile()

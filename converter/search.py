@@ -44,12 +44,11 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 import torch.fx
-from torch.fx.node import map_arg
 from torch.utils import _pytree as pytree
 
 from .calibrate import ToleranceNotMet, _BufferGuard, _num, copy_graph, progress_bar, replace_decisions
-from .meta import DTYPES, HALF_NAMES, Decision, Match, RuleRef, TensorSpec
-from .ops import castable_arg_positions
+from .meta import DTYPES, HALF_NAMES, Decision, Match, RuleRef
+from .ops import castable_arg_positions, map_castable_args
 
 __all__ = [
     "Tolerance",
@@ -218,27 +217,11 @@ def _emulated_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return out
 
 
-def _castable_args(node: torch.fx.Node) -> list[tuple[Any, ...]]:
-    """(where, producer) pairs for the inputs the rewrite would cast, mirroring rewrite's rule."""
-    info = node.meta["mp_info"]
-    positions = castable_arg_positions(info.op, len(node.args))
-    found: list = []
+def _castable_args(node: torch.fx.Node) -> list:
+    """The producers whose values the rewrite would cast for ``node`` (the rewrite's own rule)."""
+    from .place import castable_inputs
 
-    def visit(arg):
-        if isinstance(arg, torch.fx.Node):
-            value = arg.meta.get("mp_value")
-            if isinstance(value, TensorSpec) and value.is_convertible and arg not in found:
-                found.append(arg)
-        return arg
-
-    if positions is None:
-        map_arg(node.args, visit)
-        map_arg(node.kwargs, visit)
-    else:
-        for pos in positions:
-            if pos < len(node.args):
-                map_arg(node.args[pos], visit)
-    return found
+    return castable_inputs(node)
 
 
 class HalfEmulator:
@@ -283,17 +266,8 @@ class HalfEmulator:
                     replaced[mapping[p]] = graph.call_function(_mp_qin, (i, mapping[p]))
             if not replaced:
                 continue
-            positions = castable_arg_positions(old.meta["mp_info"].op, len(old.args))
             swap = lambda a, _r=replaced: _r.get(a, a) if isinstance(a, torch.fx.Node) else a  # noqa: E731
-            if positions is None:
-                new.args = map_arg(new.args, swap)
-                new.kwargs = map_arg(new.kwargs, swap)
-            else:
-                args = list(new.args)
-                for pos in positions:
-                    if pos < len(args):
-                        args[pos] = map_arg(args[pos], swap)
-                new.args = tuple(args)
+            map_castable_args(new, old.meta["mp_info"].op, swap)
         # 2) ... and every output through the producer's rounding, seen by all its users
         for i, old in enumerate(nodes):
             new = mapping[old]
