@@ -251,6 +251,12 @@ class MixedPrecisionTrainer:
         # (fqn, half model param, fp32 master) for every trainable half-stored parameter (O2).
         self._masters: list[tuple[str, nn.Parameter, nn.Parameter]] = []
         self._copy_groups: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+        # O2 harvest: (half model param, fp32 master) pairs, and one persistent fp32 gradient buffer per
+        # master (allocated on first use), so a step's harvest copies into memory it already owns.
+        self._pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
+        self._grad_bufs: list[torch.Tensor | None] = []
+        # Every parameter of the model, listed once so zero_grad() need not walk the module tree.
+        self._model_params: list[nn.Parameter] = list(self._inner.parameters())
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
 
         if master_weights:
@@ -326,6 +332,8 @@ class MixedPrecisionTrainer:
             if id(param) in master_of:
                 self._optimizer.state[master_of[id(param)]] = self._optimizer.state.pop(param)
         self._copy_groups = self._group_by_dtype()
+        self._pairs = [(param, master) for _fqn, param, master in self._masters]
+        self._grad_bufs = [None] * len(self._pairs)
 
     def _group_by_dtype(self) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
         groups: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
@@ -378,9 +386,12 @@ class MixedPrecisionTrainer:
         if self._micro != 0:
             return
         self._optimizer.zero_grad(set_to_none=True)
-        self._inner.zero_grad(set_to_none=True)
-        for _fqn, _param, master in self._masters:
-            master.grad = None
+        for param in self._model_params:
+            if param.grad is not None:
+                param.grad = None
+        for _param, master in self._pairs:
+            if master.grad is not None:
+                master.grad = None
 
     def backward(self, loss: torch.Tensor) -> None:
         """Divide by ``accumulation_steps``, scale (fp16), run backward; O2 moves grads into fp32 masters."""
@@ -398,24 +409,37 @@ class MixedPrecisionTrainer:
         self._harvest_half_grads()
 
     def _harvest_half_grads(self) -> None:
-        """Accumulate half gradients into the fp32 master gradients and free them (O2)."""
-        fresh_masters, fresh_grads, add_masters, add_grads = [], [], [], []
-        for _fqn, param, master in self._masters:
-            if param.grad is None:
+        """Accumulate half gradients into the fp32 master gradients and free them (O2).
+
+        A master without a gradient gets its persistent fp32 buffer, filled by one ``_foreach_copy_``
+        (the exact widening of the half gradient); a master that already has one (an accumulation
+        window, or a gradient the caller set) is added to in fp32 with one ``_foreach_add_``.
+        """
+        copy_dst: list[torch.Tensor] = []
+        copy_src: list[torch.Tensor] = []
+        add_dst: list[torch.Tensor] = []
+        add_src: list[torch.Tensor] = []
+        bufs = self._grad_bufs
+        for index, (param, master) in enumerate(self._pairs):
+            grad = param.grad
+            if grad is None:
                 continue
-            if master.grad is None:
-                master.grad = torch.empty_like(master)
-                fresh_masters.append(master.grad)
-                fresh_grads.append(param.grad)
-            else:
-                add_masters.append(master.grad)
-                add_grads.append(param.grad)
-        if fresh_masters:
-            torch._foreach_copy_(fresh_masters, fresh_grads)
-        if add_masters:
-            torch._foreach_add_(add_masters, add_grads)
-        for _fqn, param, _master in self._masters:
             param.grad = None
+            master_grad = master.grad
+            if master_grad is None:
+                buf = bufs[index]
+                if buf is None:
+                    buf = bufs[index] = torch.empty_like(master)
+                master.grad = buf
+                copy_dst.append(buf)
+                copy_src.append(grad)
+            else:
+                add_dst.append(master_grad)
+                add_src.append(grad)
+        if copy_dst:
+            torch._foreach_copy_(copy_dst, copy_src)
+        if add_dst:
+            torch._foreach_add_(add_dst, add_src)
 
     def _all_reduce_fp32_grads(self) -> None:
         """O2 under DDP: average the fp32 master grads (and fp32-stored grads) across ranks."""

@@ -69,8 +69,18 @@ def _main_tensor(out):
 _STANDALONE = textwrap.dedent(
     """
     import importlib.util, sys
+    # -I keeps the repo off sys.path; where mpconvert is installed (CI installs it into the venv that
+    # also holds torch) the package is blocked outright: any import of it now fails.
+    if importlib.util.find_spec("converter") is not None:
+        sys.modules["converter"] = None
     import torch
     assert importlib.util.find_spec("converter") is None, "converter must not be importable here"
+    try:
+        import converter  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        raise AssertionError("converter imported")
     jobs = torch.load(sys.argv[1], weights_only=True)
     results = {}
     for name, (model_py, args, kwargs) in jobs.items():
@@ -81,7 +91,7 @@ _STANDALONE = textwrap.dedent(
         with torch.no_grad():
             out = model(*args, **kwargs)
         results[name] = out if isinstance(out, torch.Tensor) else out["logits"]
-        results[name + ".modules"] = sorted(n for n in sys.modules if n.split(".")[0] in ("converter", "transformers"))
+        results[name + ".modules"] = sorted(n for n, m in sys.modules.items() if m is not None and n.split(".")[0] in ("converter", "transformers"))
     torch.save(results, sys.argv[2])
     """
 )

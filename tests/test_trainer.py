@@ -500,3 +500,32 @@ def test_precision_aliases_and_scaler_choice():
                                  precision="bf16-mixed", loss_scale=None).scaler is None
     default = MixedPrecisionTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
     assert default.scaler.get_scale() == 2.0**16 and default.scaler.state_dict()["dynamic"]
+
+
+def test_o2_harvest_reuses_fp32_buffers_and_accumulates_exactly_in_fp32():
+    """The persistent master-grad buffers: exact widening on the first micro-batch, fp32 sum across the window,
+    no value carried over from an earlier window, and zero_grad() leaves no gradient anywhere."""
+    model = _tiny()
+    trainer = MixedPrecisionTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16",
+                                    master_weights=True, accumulation_steps=2)
+    params = list(model.parameters())
+    first_ptrs = None
+    for step in range(3):
+        expected = None
+        for micro in range(2):
+            x, y = _batch(2 * step + micro, torch.bfloat16)
+            trainer.zero_grad()
+            loss = _mse(model, x, y) / 2
+            half_grads = torch.autograd.grad(loss, params)
+            trainer.backward(_mse(model, x, y))
+            widened = [g.float() for g in half_grads]
+            expected = widened if expected is None else [e + w for e, w in zip(expected, widened)]
+            for master, want in zip(trainer.master_params, expected):
+                assert master.grad.dtype == torch.float32 and torch.equal(master.grad, want)
+            assert all(p.grad is None for p in params)
+            trainer.step()
+        ptrs = [m.grad.data_ptr() for m in trainer.master_params]
+        first_ptrs = first_ptrs or ptrs
+        assert ptrs == first_ptrs
+    trainer.zero_grad()
+    assert all(p.grad is None for p in params) and all(m.grad is None for m in trainer.master_params)
