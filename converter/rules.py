@@ -175,6 +175,8 @@ class Rules:
             index[level] = (exact, globs)
         object.__setattr__(self, "_index", index)
         object.__setattr__(self, "_cache", {level: {} for level in LEVELS})
+        defaults = [rule for rule in self.rules if rule.level == "default"]
+        object.__setattr__(self, "_default", defaults[-1] if defaults else None)
 
     def _rules_matching(self, level: str, name: str) -> tuple[Rule, ...]:
         cache = self._cache[level]
@@ -277,10 +279,8 @@ class Rules:
         return tuple(r for r in self.rules if r.level == level)
 
     def default_rule(self) -> Optional[Rule]:
-        for rule in reversed(self.rules):
-            if rule.level == "default":
-                return rule
-        return None
+        """The ``[default]`` rule read last, if any file has one."""
+        return self._default
 
     def setting(self, key: str, fallback=None):
         return self.settings.get(key, fallback)
