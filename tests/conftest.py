@@ -1,6 +1,15 @@
-"""Shared fixtures."""
+"""Shared fixtures and the hypothesis profile."""
+import os
+
 import pytest
 import torch
+from hypothesis import settings
+
+# CI must be reproducible: the same examples on every run (and no example database). Locally the
+# fuzzers keep exploring new examples; `HYPOTHESIS_PROFILE=ci` reproduces CI's run.
+settings.register_profile("ci", derandomize=True, database=None)
+if os.environ.get("CI") == "true" or os.environ.get("HYPOTHESIS_PROFILE") == "ci":
+    settings.load_profile("ci")
 
 
 @pytest.fixture
