@@ -234,7 +234,28 @@ def capture(model: torch.nn.Module, example_inputs: Any, *, tracer: str = "auto"
     if gm is None:
         raise CaptureError({k: v for k, v in errors.items() if not k.startswith("_")})
     annotate(gm, root_type=type(model).__name__)
+    opaque = _opaque_leaves(gm)
+    if tracer == "auto" and used == "fx" and opaque:
+        # FX kept modules it cannot see into (nn.MultiheadAttention, RNNs...) as fp32 leaves;
+        # torch.export traces through them, so prefer it when it works.
+        try:
+            exported = _trace_export(copy.deepcopy(model), args, kwargs)
+        except Exception as exc:  # keep the FX graph; the opaque modules stay fp32 (reported)
+            errors["export"] = _short(exc)
+        else:
+            annotate(exported, root_type=type(model).__name__)
+            errors["fx"] = f"opaque leaf modules {', '.join(sorted(set(opaque)))}: used torch.export to convert inside them"
+            gm, used = exported, "export"
     return Captured(gm=gm, tracer=used, args=args, kwargs=kwargs, errors={k: v for k, v in errors.items() if not k.startswith("_")})
+
+
+def _opaque_leaves(gm: torch.fx.GraphModule) -> list[str]:
+    """Class names of leaf modules FX could not trace into and that hold parameters."""
+    return [
+        node.meta["mp_info"].module_type
+        for node in gm.graph.nodes
+        if node.op == "call_module" and node.meta.get("mp_info") is not None and "opaque leaf module" in node.meta["mp_info"].why
+    ]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -310,19 +310,35 @@ def castable_arg_positions(op_name: str, nargs: int) -> Optional[tuple[int, ...]
 
 
 def map_castable_args(node: torch.fx.Node, op_name: str, fn) -> None:
-    """Apply ``fn`` to every node the op's precision applies to, in place (see castable_arg_positions)."""
+    """Apply ``fn`` to every node the op's precision applies to, in place (see castable_arg_positions).
+
+    ``node.args`` is only reassigned when ``fn`` replaced something: every assignment makes FX
+    re-walk the arguments and update use lists, which dominates the rewrite on large graphs.
+    """
     from torch.fx.node import map_arg
+
+    changed = False
+
+    def track(arg):
+        nonlocal changed
+        new = fn(arg)
+        if new is not arg:
+            changed = True
+        return new
 
     positions = castable_arg_positions(op_name, len(node.args))
     if positions is None:
-        node.args = map_arg(node.args, fn)
-        node.kwargs = map_arg(node.kwargs, fn)
+        args = map_arg(node.args, track)
+        kwargs = map_arg(node.kwargs, track)
+        if changed:
+            node.args, node.kwargs = args, kwargs
         return
     args = list(node.args)
     for pos in positions:
         if pos < len(args):
-            args[pos] = map_arg(args[pos], fn)
-    node.args = tuple(args)
+            args[pos] = map_arg(args[pos], track)
+    if changed:
+        node.args = tuple(args)
 
 
 @functools.lru_cache(maxsize=1)

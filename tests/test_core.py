@@ -299,3 +299,31 @@ def test_opt_level_o2_placement_treats_weight_casts_as_free():
     assert s > 40, f"O2 SQNR {s:.1f} dB"
     with pytest.raises(ValueError, match="opt_level"):
         _convert("mlp", "bf16", opt_level="O3")
+
+
+class WithMHA(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, x):
+        y, _ = self.attn(x, x, x, need_weights=False)
+        return self.norm(x + y)
+
+
+def test_auto_prefers_export_over_opaque_fx_leaves():
+    """symbolic_trace keeps nn.MultiheadAttention as an opaque fp32 leaf; auto then uses export,
+    which traces into it so its projections run in half."""
+    x = torch.randn(2, 5, 16)
+    fx = converter.convert(WithMHA(), (x,), tracer="fx")
+    assert fx.tracer == "fx"
+    opaque = [r for r in fx.report.nodes if r["module_type"] == "MultiheadAttention"]
+    assert opaque and {r["precision"] for r in opaque} == {"fp32"} and "opaque leaf module" in opaque[0]["reason"]
+    auto = converter.convert(WithMHA(), (x,))
+    assert auto.tracer == "export" and "opaque leaf modules MultiheadAttention" in auto.report.extra["capture_errors"]["fx"]
+    linears = [r for r in auto.report.nodes if r["op"] == "linear"]
+    assert len(linears) >= 2 and {r["precision"] for r in linears} == {"bf16"}, linears
+    model = WithMHA().eval()
+    s = sqnr(model(x), converter.convert(model, (x,)).module(x))
+    assert s > 35, f"SQNR {s:.1f} dB"
