@@ -68,6 +68,7 @@ class Conversion:
     original: torch.nn.Module
     example_inputs: tuple
     timings: dict = field(default_factory=dict)
+    options: dict = field(default_factory=dict)  # keep_io_types, placement, opt_level: to redo it in another dtype
 
     @property
     def decisions(self) -> Mapping[str, Decision]:
@@ -163,6 +164,7 @@ def convert(
         original=model,
         example_inputs=(captured.args, captured.kwargs),
         timings=timings,
+        options={"keep_io_types": keep_io_types, "placement": placement, "opt_level": opt_level},
     )
 
 

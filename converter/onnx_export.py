@@ -667,7 +667,8 @@ def _variant(conv, precision: str, notes: list[str]):
         return conv
     from .api import convert
 
-    other = convert(conv.original, conv.example_inputs, precision=precision, rules=conv.rules, tracer=conv.tracer)
+    other = convert(conv.original, conv.example_inputs, precision=precision, rules=conv.rules, tracer=conv.tracer,
+                    **getattr(conv, "options", {}))
     mapping = {conv.precision: precision}
     before = {k: mapping.get(d.precision, d.precision) for k, d in conv.decisions.items()}
     after = {k: d.precision for k, d in other.decisions.items()}

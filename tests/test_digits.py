@@ -5,7 +5,6 @@ of fp32 with the same seed, data order and epochs.
 """
 from __future__ import annotations
 
-import pytest
 import torch
 from sklearn.datasets import load_digits
 from torch import nn

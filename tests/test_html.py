@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import importlib.util
 import json
 import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -19,6 +17,7 @@ import torch
 from torch import nn
 
 import converter
+from helpers import load_sample
 from converter.measure import measure
 from converter.render import to_html, write_reports
 
@@ -32,12 +31,6 @@ needs_chromium = pytest.mark.skipif(
 )
 
 
-def load_sample(name: str):
-    spec = importlib.util.spec_from_file_location(f"html_sample_{name}", ROOT / "samples" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 class EvilModel(nn.Module):

@@ -2,11 +2,9 @@
 memory and numerics measurements, the rollups, Markdown/terminal escaping, and ``explain``."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import converter
+from helpers import load_sample
 from converter.measure import measure
 from converter.render import explain, md_escape, print_report, to_markdown, write_reports
 
@@ -23,12 +22,6 @@ SAMPLES = ["mlp", "cnn", "tiny_transformer", "hf_gpt2", "hf_bert"]
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-def load_sample(name: str):
-    spec = importlib.util.spec_from_file_location(f"report_sample_{name}", ROOT / "samples" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 _CONVERTED: dict[str, converter.Conversion] = {}
