@@ -333,17 +333,22 @@ def measure_sqnr(variants: dict[str, Variant], names: list[str]) -> dict[str, di
     return result
 
 
+def _phased_step(v: Variant, recorder: Any) -> None:
+    """One training step under ``recorder`` (a dispatch mode with a ``phase`` attribute), phase by phase."""
+    v.zero_grad()
+    with recorder:
+        recorder.phase = "fwd"
+        loss = loss_of(v.forward())
+        recorder.phase = "bwd"
+        v.backward(loss)
+        recorder.phase = "opt"
+        v.optimizer_step()
+
+
 def measure_casts(v: Variant) -> dict[str, Any]:
     """Casts of one step: ``_to_copy`` in fwd and bwd (DESIGN §8), dtype-changing copies anywhere."""
     counter = CastCounter()
-    v.zero_grad()
-    with counter:
-        counter.phase = "fwd"
-        loss = loss_of(v.forward())
-        counter.phase = "bwd"
-        v.backward(loss)
-        counter.phase = "opt"
-        v.optimizer_step()
+    _phased_step(v, counter)
     n, b = counter.totals(phases=("fwd", "bwd"))
     nf, bf = counter.totals(phases=("fwd",))
     nc, bc = counter.totals(op="copy")
@@ -394,14 +399,7 @@ def profile_variants(variants: dict[str, Variant], names: tuple[str, ...], *, cl
         for name in names:
             v = variants[name]
             timer = OpTimer("cpu" if clock == "cpu" else "wall")
-            v.zero_grad()
-            with timer:
-                timer.phase = "fwd"
-                loss = loss_of(v.forward())
-                timer.phase = "bwd"
-                v.backward(loss)
-                timer.phase = "opt"
-                v.optimizer_step()
+            _phased_step(v, timer)
             if rep:  # the first is a warm-up
                 per_rep[name].append(timer)
     result: dict[str, Any] = {}

@@ -23,7 +23,7 @@ import torch.fx
 
 from .capture import Captured, CaptureError, capture
 from .decide import BannedOpError, decide
-from .meta import Decision
+from .meta import Decision, GraphMeta
 from .place import place
 from .report import Report, build_report
 from .rewrite import rewrite
@@ -110,6 +110,9 @@ def _pipeline(model, example_inputs, *, precision, rules, tracer, keep_io_types,
     done.append("capture")
     timings["capture_s"] = time.perf_counter() - t0
     gm = captured.gm
+    gm.meta["mp_graph"] = GraphMeta(tracer=captured.tracer, precision=target,
+                                    capture_errors=tuple(f"{k}: {v}" for k, v in captured.errors.items()),
+                                    rule_files=rule_set.files)
     t1 = time.perf_counter()
     _run_stage("decide", done, decide, gm, rule_set, precision=target)
     _run_stage("place", done, place, gm, target=target, strategy=placement, keep_io_types=keep_io_types, opt_level=opt_level)

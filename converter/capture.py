@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 import re
 import sys
-import traceback
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -230,9 +229,8 @@ def capture(model: torch.nn.Module, example_inputs: Any, *, tracer: str = "auto"
             break
         except Exception as exc:  # any tracer failure is reported with its reason, then the next is tried
             errors[name] = _short(exc)
-            errors.setdefault("_traceback_" + name, traceback.format_exc())
     if gm is None:
-        raise CaptureError({k: v for k, v in errors.items() if not k.startswith("_")})
+        raise CaptureError(errors)
     annotate(gm, root_type=type(model).__name__)
     opaque = _opaque_leaves(gm)
     if tracer == "auto" and used == "fx" and opaque:
@@ -246,7 +244,7 @@ def capture(model: torch.nn.Module, example_inputs: Any, *, tracer: str = "auto"
             annotate(exported, root_type=type(model).__name__)
             errors["fx"] = f"opaque leaf modules {', '.join(sorted(set(opaque)))}: used torch.export to convert inside them"
             gm, used = exported, "export"
-    return Captured(gm=gm, tracer=used, args=args, kwargs=kwargs, errors={k: v for k, v in errors.items() if not k.startswith("_")})
+    return Captured(gm=gm, tracer=used, args=args, kwargs=kwargs, errors=errors)
 
 
 def _opaque_leaves(gm: torch.fx.GraphModule) -> list[str]:

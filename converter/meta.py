@@ -28,6 +28,7 @@ __all__ = [
     "Match",
     "Decision",
     "CastRecord",
+    "GraphMeta",
     "BUILTIN",
     "dtype_of",
     "name_of",

@@ -29,10 +29,6 @@ def _lab(precision: str) -> str:
     return "half" if precision in HALF_NAMES else "fp32"
 
 
-def _consumer_label_node(node: torch.fx.Node) -> str:
-    return node.name
-
-
 def build_problem(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, opt_level: str = "O1") -> PlacementProblem:
     fixed: dict[str, str] = {}
     free: list[str] = []

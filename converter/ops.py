@@ -292,13 +292,8 @@ def explicit_dtype(node: torch.fx.Node, op_name: str) -> Optional[Any]:
     for value in list(node.args[1:]) + list(node.kwargs.values()):
         if isinstance(value, torch.dtype):
             return value if value.is_floating_point else None
-        if isinstance(value, torch.fx.Node) and op_name == "to":
-            val = value.meta.get("val")
-            if isinstance(val, torch.dtype):
-                return value
-            vals = value.meta.get("mp_value")
-            if isinstance(vals, torch.dtype):
-                return value
+        if isinstance(value, torch.fx.Node) and op_name == "to" and isinstance(value.meta.get("mp_value"), torch.dtype):
+            return value
     return None
 
 

@@ -85,7 +85,7 @@ def _label(node: torch.fx.Node, current: dict[torch.fx.Node, str]) -> Optional[s
     return None
 
 
-def _simple(gm: torch.fx.GraphModule, target: str) -> None:
+def _simple(gm: torch.fx.GraphModule) -> None:
     current: dict[torch.fx.Node, str] = {}
     for node in gm.graph.nodes:
         decision = node.meta.get("mp")
@@ -129,7 +129,7 @@ def place(gm: torch.fx.GraphModule, *, target: str, strategy: str = "mincut", ke
 
         place_mincut(gm, target=target, keep_io_types=keep_io_types, opt_level=opt_level)
     else:
-        _simple(gm, target)
+        _simple(gm)
     _resolve_aliases(gm)
 
 

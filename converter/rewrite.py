@@ -15,6 +15,7 @@ necessary.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -65,7 +66,7 @@ def rewrite(gm: torch.fx.GraphModule, *, keep_io_types: bool = True) -> None:
         if key in casts:
             cast = casts[key]
             rec: CastRecord = cast.meta["mp_cast"]
-            cast.meta["mp_cast"] = CastRecord(**{**rec.__dict__, "consumers": rec.consumers + (consumer.name,)})
+            cast.meta["mp_cast"] = dataclasses.replace(rec, consumers=rec.consumers + (consumer.name,))
             return cast
         src_dtype = runtime_dtype(src, cache)
         spec: TensorSpec = src.meta["mp_value"]

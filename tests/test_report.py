@@ -453,3 +453,12 @@ def test_calibration_section_and_explain():
     assert "## Calibration" in report.to_markdown()
     assert 'id="calibration"' in report.to_html()
     assert validate(json.loads(report.to_json()), SCHEMA_V1) == []
+
+
+def test_explain_from_a_bare_graph_module_knows_precision_and_tracer():
+    """The GraphModule carries gm.meta["mp_graph"], so explain() needs nothing else."""
+    conv = converter.convert(load_sample("mlp").build_model(), load_sample("mlp").example_inputs(), precision="fp16")
+    graph = conv.module.meta["mp_graph"]
+    assert (graph.tracer, graph.precision, graph.rule_files) == ("fx", "fp16", ("default.toml",))
+    text = explain(conv.module, "fc1")
+    assert "precision: fp16" in text, text
