@@ -23,6 +23,7 @@ from typing import Any, Optional
 import torch
 import torch.fx
 
+from .graphmodule import new_graph_module
 from .meta import NodeInfo, TensorSpec
 from .ops import CAST_OPS, NORM_OPS, canonical_op, explicit_dtype, is_inplace
 
@@ -136,7 +137,7 @@ class _Tracer(torch.fx.Tracer):
 def _trace_fx(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
     tracer = _Tracer()
     graph = tracer.trace(model)
-    gm = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
+    gm = new_graph_module(tracer.root, graph, type(model).__name__)
     _propagate(gm, args, kwargs)
     return gm
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch.fx
 
+from .graphmodule import pauses_gc
 from .meta import BUILTIN, Decision, RuleRef, name_of
 from .rules import Rules
 
@@ -24,6 +25,7 @@ def decision_reason(level: str, pattern: str, file: str, reason: str, scope: str
     return f"{base}: {reason}" if reason else base
 
 
+@pauses_gc
 def decide(gm: torch.fx.GraphModule, rules: Rules, *, precision: str) -> None:
     """Annotate every call node of ``gm`` with a :class:`Decision` (see module docstring)."""
     for node in gm.graph.nodes:

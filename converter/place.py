@@ -19,6 +19,7 @@ import torch
 import torch.fx
 
 from .capture import input_nodes
+from .graphmodule import pauses_gc
 from .meta import DTYPES, HALF_NAMES, Decision, name_of
 from .ops import castable_arg_positions
 
@@ -110,6 +111,7 @@ def _simple(gm: torch.fx.GraphModule) -> None:
         current[node] = label
 
 
+@pauses_gc
 def place(gm: torch.fx.GraphModule, *, target: str, strategy: str = "mincut", keep_io_types: bool = True,
           opt_level: str = "O1") -> None:
     """Resolve every unresolved precision in ``gm`` (see module docstring).

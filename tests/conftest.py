@@ -11,6 +11,9 @@ settings.register_profile("ci", derandomize=True, database=None)
 if os.environ.get("CI") == "true" or os.environ.get("HYPOTHESIS_PROFILE") == "ci":
     settings.load_profile("ci")
 
+# every conversion in the suite lints the rewritten graph (off by default: ~15 % of a large pass)
+os.environ.setdefault("MPCONVERT_CHECK", "1")
+
 
 @pytest.fixture
 def one_thread():
