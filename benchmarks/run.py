@@ -432,7 +432,7 @@ def _estimate_step_s(v: Variant, device: torch.device, clock: str, n: int = 2) -
 
 def run_model(spec: ModelSpec, *, device: torch.device, half: torch.dtype, optimizer: str, min_rounds: int,
               max_rounds: int, budget_s: float, block_s: float, warmup: int, profile: bool, clock: str = "wall",
-              rules: list[str] | None = None,
+              rules: list[str] | None = None, portable: bool = False,
               log: Callable[[str], None] = print) -> dict[str, Any]:
     import converter
 
@@ -444,12 +444,15 @@ def run_model(spec: ModelSpec, *, device: torch.device, half: torch.dtype, optim
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     precision = "fp16" if half == torch.float16 else "bf16"
 
-    has_opt_level = "opt_level" in inspect.signature(converter.convert).parameters
+    convert_params = inspect.signature(converter.convert).parameters
+    has_opt_level = "opt_level" in convert_params
+    # converted for the device it runs on (its lowerings), unless --portable
+    target = {} if portable or "device" not in convert_params else {"device": device.type}
     convs: dict[str, Any] = {}
     conversion: dict[str, Any] = {}
     for level in ("O1", "O2") if has_opt_level else ("O1",):
         t0 = time.perf_counter()
-        extra = {"opt_level": level} if has_opt_level else {}
+        extra = ({"opt_level": level} if has_opt_level else {}) | target
         conv = converter.convert(copy.deepcopy(model), (args, kwargs), precision=precision, rules=rules, **extra)
         total_s = time.perf_counter() - t0
         summary = conv.report.summary if isinstance(conv.report.summary, dict) else {}
@@ -457,7 +460,8 @@ def run_model(spec: ModelSpec, *, device: torch.device, half: torch.dtype, optim
         conversion[level] = {
             "tracer": conv.tracer, "capture_s": conv.timings.get("capture_s"), "pass_s": conv.timings.get("pass_s"),
             "total_s": total_s, "graph_casts": summary.get("casts"), "graph_weight_casts": summary.get("weight_casts"),
-            "half_flop_fraction": summary.get("half_flop_fraction"),
+            "half_flop_fraction": summary.get("half_flop_fraction"), "device": target.get("device"),
+            "lowered": conv.report.to_dict().get("lowered", []), "codegen_s": conv.timings.get("codegen_s"),
         }
         log(f"[{spec.name}] {level}: converted via {conv.tracer} in {total_s:.2f}s (capture "
             f"{conv.timings.get('capture_s', math.nan):.3f}s, pass {conv.timings.get('pass_s', math.nan):.3f}s)")
@@ -655,6 +659,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    "block of about this many ms (sub-ms steps are not timed one by one)")
     p.add_argument("--warmup", type=int, help="discarded rounds (default 3; --quick 1)")
     p.add_argument("--rules", nargs="+", help="rule files layered over the defaults for the converted variants")
+    p.add_argument("--portable", action="store_true", help="convert without naming the device (no device lowerings; "
+                   "by default the converted variants are converted for the device they run on)")
     p.add_argument("--profile", action="store_true", help="also store per-op times (fwd/bwd/opt) of every variant: where O2 loses to the floor")
     p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/<device>.json); Markdown next to it")
     p.add_argument("--from-json", type=Path, help="only regenerate the Markdown of an existing JSON")
@@ -699,7 +705,7 @@ def main(argv: list[str] | None = None) -> int:
         "schema": SCHEMA,
         "machine": machine_info(device),
         "config": {"argv": argv, "quick": a.quick, "precision": a.precision, "optimizer": a.optimizer, "clock": clock,
-                   "rules": a.rules or [],
+                   "rules": a.rules or [], "portable": a.portable,
                    "rules_text": {str(r): Path(r).read_text() for r in (a.rules or []) if Path(r).is_file()},
                    "min_rounds": min_rounds, "max_rounds": a.max_rounds, "budget_s": budget,
                    "block_ms": a.block_ms, "warmup_rounds": warmup},
@@ -713,7 +719,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         results["models"][name] = run_model(
             MODELS[name], device=device, half=half, optimizer=a.optimizer, min_rounds=min_rounds,
-            max_rounds=a.max_rounds, budget_s=budget, block_s=a.block_ms / 1e3, warmup=warmup, profile=a.profile, clock=clock, rules=a.rules)
+            max_rounds=a.max_rounds, budget_s=budget, block_s=a.block_ms / 1e3, warmup=warmup, profile=a.profile, clock=clock, rules=a.rules,
+            portable=a.portable)
     results["wall_s"] = time.perf_counter() - t_all
     results["targets"] = check_targets(results)
     out.parent.mkdir(parents=True, exist_ok=True)

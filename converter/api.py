@@ -23,6 +23,8 @@ import torch.fx
 
 from .capture import Captured, CaptureError, capture
 from .decide import BannedOpError, decide
+from .graphmodule import materialize
+from .lower import lower
 from .meta import Decision, GraphMeta
 from .place import place
 from .report import Report, build_report
@@ -100,7 +102,7 @@ def _run_stage(name: str, done: list[str], fn, *args, **kwargs):
 
 
 def _pipeline(model, example_inputs, *, precision, rules, tracer, keep_io_types, placement, calibration=None,
-              calibration_options=None, opt_level="O1"):
+              calibration_options=None, opt_level="O1", device=None):
     target = normalize_precision(precision)
     rule_set = load_rules(rules)
     done: list[str] = []
@@ -115,6 +117,8 @@ def _pipeline(model, example_inputs, *, precision, rules, tracer, keep_io_types,
                                     rule_files=rule_set.files)
     t1 = time.perf_counter()
     _run_stage("decide", done, decide, gm, rule_set, precision=target)
+    lowered = _run_stage("lower", done, lower, gm, device=device)
+    gm.meta["mp_graph"].extra.update(device=device, lowered=tuple(lowered))
     _run_stage("place", done, place, gm, target=target, strategy=placement, keep_io_types=keep_io_types, opt_level=opt_level)
     if calibration is not None:
         from .calibrate import calibrate_and_redecide
@@ -122,7 +126,10 @@ def _pipeline(model, example_inputs, *, precision, rules, tracer, keep_io_types,
         _run_stage("calibrate", done, calibrate_and_redecide, gm, calibration, rules=rule_set, target=target,
                    placement=placement, keep_io_types=keep_io_types, **(calibration_options or {}))
     _run_stage("rewrite", done, rewrite, gm, keep_io_types=keep_io_types)
-    timings["pass_s"] = time.perf_counter() - t1
+    t2 = time.perf_counter()
+    timings["pass_s"] = t2 - t1
+    _run_stage("codegen", done, materialize, gm)
+    timings["codegen_s"] = time.perf_counter() - t2
     return captured, rule_set, target, timings
 
 
@@ -138,6 +145,7 @@ def convert(
     placement: str = "mincut",
     calibration_options: Optional[dict] = None,
     opt_level: str = "O1",
+    device: Optional[str] = None,
 ) -> Conversion:
     """Convert ``model`` to mixed precision.
 
@@ -150,14 +158,19 @@ def convert(
     are part of the cost), ``O2`` in half where every consumer is half, with fp32 master weights
     in :class:`MixedPrecisionTrainer` (``master_weights=True``); placement then treats weight casts
     as free. ``conv.module`` keeps fp32 parameters either way; the trainer stores them for O2.
+    ``device``: the device the model will train on, which enables that device's lowerings
+    (:mod:`converter.lower`; ``"cpu"``: bf16 attention as matmul·softmax·matmul, 2-4x faster than
+    PyTorch's CPU bf16 flash kernel). None (default): a portable graph, nothing device-specific.
     """
     captured, rule_set, target, timings = _pipeline(
         model, example_inputs, precision=precision, rules=rules, tracer=tracer, keep_io_types=keep_io_types,
         placement=placement, calibration=calibration, calibration_options=calibration_options, opt_level=opt_level,
+        device=device,
     )
     gm = captured.gm
     report = build_report(gm, precision=target, tracer=captured.tracer, rules=rule_set.to_dict(),
-                          extra={"capture_errors": captured.errors, "timings": timings, "opt_level": opt_level})
+                          extra={"capture_errors": captured.errors, "timings": timings, "opt_level": opt_level,
+                                 "device": device, "lowered": list(gm.meta["mp_graph"].extra.get("lowered", ()))})
     return Conversion(
         module=gm,
         report=report,
@@ -167,7 +180,7 @@ def convert(
         original=model,
         example_inputs=(captured.args, captured.kwargs),
         timings=timings,
-        options={"keep_io_types": keep_io_types, "placement": placement, "opt_level": opt_level},
+        options={"keep_io_types": keep_io_types, "placement": placement, "opt_level": opt_level, "device": device},
     )
 
 
@@ -179,6 +192,8 @@ def audit(
     rules: Union[None, str, Path, Iterable, Rules] = None,
     tracer: str = "auto",
     placement: str = "mincut",
+    device: Optional[str] = None,
 ) -> Report:
     """Decide and place only: the report of what :func:`convert` would do; the model is untouched."""
-    return convert(model, example_inputs, precision=precision, rules=rules, tracer=tracer, placement=placement).report
+    return convert(model, example_inputs, precision=precision, rules=rules, tracer=tracer, placement=placement,
+                   device=device).report

@@ -45,6 +45,11 @@ def outputs(tmp_path_factory):
         conv = _convert(name)
         out = emit(conv, base / f"{name}_mp", model_file=str(SAMPLES / f"{name}.py"))
         result[name] = (conv, out)
+    # converted for CPU: attention lowered to matmul/softmax/matmul nodes (converter.lower)
+    conv = _convert("tiny_transformer", device="cpu")
+    assert conv.report.to_dict()["lowered"], "the CPU conversion lowered no attention"
+    result["tiny_transformer_cpu"] = (conv, emit(conv, base / "tiny_transformer_cpu_mp",
+                                                 model_file=str(SAMPLES / "tiny_transformer.py")))
     return result
 
 

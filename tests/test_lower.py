@@ -1,0 +1,232 @@
+"""converter.lower: CPU attention lowering (bf16 SDPA -> matmul . softmax . matmul).
+
+Oracles: the fused SDPA on the same bf16 inputs (the lowering must compute the same function:
+an inverted or missing mask, a wrong scale or a transposed key is off by O(1)), the fp32 model
+(SQNR), and a TorchDispatchMode that sees which kernels run in which dtype.
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import converter
+from converter.lower import lower
+from tests.helpers import CastCounter, DtypeRecorder, first_tensor, load_sample, sqnr, split_inputs
+
+SDPA_KERNELS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math",
+                "scaled_dot_product_attention")
+
+
+class Attn(nn.Module):
+    """q/k/v projections around one SDPA call with the given options."""
+
+    def __init__(self, d=32, heads=4, **sdpa):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, d)
+        self.heads = heads
+        self.sdpa = sdpa
+
+    def forward(self, x):
+        return self.attend(x, None)
+
+    def attend(self, x, mask):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        extra = dict(self.sdpa, attn_mask=mask) if mask is not None else self.sdpa
+        o = F.scaled_dot_product_attention(q, k, v, **extra)
+        return self.out(o.transpose(1, 2).reshape(b, t, d))
+
+
+class MaskedAttn(Attn):
+    def forward(self, x, mask):
+        return self.attend(x, mask)
+
+
+def _sdpa_nodes(gm):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and "scaled_dot_product" in str(n.target)]
+
+
+def _fused_reference(model, args):
+    """The same model with every tensor in bf16 and the fused kernel: what the lowering replaces."""
+    ref = copy.deepcopy(model).to(torch.bfloat16)
+    cast = [a.to(torch.bfloat16) if a.is_floating_point() else a for a in args]
+    with torch.no_grad():
+        return ref(*cast).float()
+
+
+CASES = {
+    "plain": ({}, None),
+    "causal": ({"is_causal": True}, None),
+    "scale": ({"scale": 0.3}, None),
+    "bool_mask": ({}, "bool"),
+    "padding_mask": ({}, "padding"),  # additive 0 / -inf: exact in bf16
+    "bias_mask": ({}, "bias"),  # a real-valued additive bias (ALiBi-like)
+}
+# dB the lowered graph may lose against the fused conversion: the lowered scores are rounded to
+# bf16 before a real-valued bias is added (as PyTorch's math SDPA backend does); 0/-inf masks add
+# no rounding
+ALLOWED_LOSS_DB = {"bias_mask": 2.5}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_lowered_attention_computes_the_fused_function(case):
+    torch.manual_seed(0)
+    opts, mask_kind = CASES[case]
+    model = (MaskedAttn if mask_kind else Attn)(**opts).eval()
+    x = torch.randn(2, 12, 32)
+    args = [x]
+    if mask_kind == "bool":
+        mask = torch.rand(12, 12) > 0.3
+        mask.fill_diagonal_(True)  # no fully-masked row
+        args.append(mask)
+    elif mask_kind == "padding":
+        args.append(torch.zeros(12, 12).masked_fill(torch.rand(12, 12) > 0.7, -math.inf).fill_diagonal_(0.0))
+    elif mask_kind == "bias":
+        args.append(torch.randn(12, 12) * 2)
+    conv = converter.convert(copy.deepcopy(model), tuple(args), device="cpu")
+    assert _sdpa_nodes(conv.module) == [], f"{case}: the SDPA node is still there"
+    assert conv.report.to_dict()["lowered"] == ["scaled_dot_product_attention"]
+    with torch.no_grad():
+        got = conv.module(*args).float()
+        ref32 = model(*args)
+    fused = _fused_reference(model, args)
+    # same function as the fused bf16 kernel, up to bf16 rounding of the scores
+    close = sqnr(fused, got)
+    assert close > 30, f"{case}: lowered vs fused bf16 SDPA only {close:.1f} dB apart"
+    # and as accurate against fp32 as the portable (fused) conversion
+    portable = converter.convert(copy.deepcopy(model), tuple(args))
+    with torch.no_grad():
+        fused_conv = portable.module(*args).float()
+    lowered_db, fused_db = sqnr(ref32, got), sqnr(ref32, fused_conv)
+    assert lowered_db > fused_db - ALLOWED_LOSS_DB.get(case, 1.0), f"{case}: lowered {lowered_db:.2f} dB vs fused {fused_db:.2f} dB against fp32"
+
+
+def test_runtime_kernels_and_dtypes():
+    """No SDPA kernel runs; both attention matmuls and the softmax run in bf16; no extra cast."""
+    torch.manual_seed(0)
+    model = Attn(is_causal=True).eval()
+    x = torch.randn(2, 12, 32)
+    lowered = converter.convert(copy.deepcopy(model), (x,), device="cpu")
+    portable = converter.convert(copy.deepcopy(model), (x,))
+    rec = DtypeRecorder()
+    with torch.no_grad(), rec:
+        lowered.module(x)
+    ran = {name for name, _ in rec.calls}
+    assert not ran & set(SDPA_KERNELS), f"an SDPA kernel still ran: {ran & set(SDPA_KERNELS)}"
+    assert rec.dtypes_of("_softmax") == [(torch.bfloat16,)]
+    bmm = rec.dtypes_of("bmm")
+    assert len(bmm) == 2 and all(d == (torch.bfloat16, torch.bfloat16) for d in bmm), bmm
+    counts = []
+    for conv in (lowered, portable):
+        counter = CastCounter(conv.module.parameters())
+        with counter:
+            first_tensor(conv.module(x)).float().sum().backward()
+        counts.append((counter.casts, counter.bytes))
+    assert counts[0] == counts[1], f"lowered casts {counts[0]} != fused casts {counts[1]} (fwd+bwd)"
+    assert lowered.report.summary["casts"] == portable.report.summary["casts"]
+
+
+def test_backward_matches_fp32():
+    torch.manual_seed(0)
+    model = Attn(is_causal=True).train()
+    x = torch.randn(2, 12, 32)
+    conv = converter.convert(copy.deepcopy(model), (x,), device="cpu")
+    model(x).pow(2).mean().backward()
+    conv.module(x).float().pow(2).mean().backward()
+    ref = dict(model.named_parameters())
+    for name, param in conv.module.named_parameters():
+        assert param.grad is not None and param.grad.dtype == torch.float32, name
+        db = sqnr(ref[name].grad, param.grad)
+        assert db > 25, f"{name}: gradient SQNR {db:.1f} dB against fp32"
+
+
+def test_provenance_names_the_attention_rule():
+    torch.manual_seed(0)
+    model = Attn().eval()
+    x = torch.randn(2, 12, 32)
+    conv = converter.convert(copy.deepcopy(model), (x,), device="cpu")
+    nodes = [n for n in conv.module.graph.nodes if "mp_lowered" in n.meta]
+    ops = [n.meta["mp_info"].op for n in nodes]
+    assert ops == ["mul", "transpose", "matmul", "softmax", "matmul"], ops
+    for node in nodes:
+        decision = node.meta["mp"]
+        assert decision.precision == "bf16"
+        assert decision.rule.pattern == "scaled_dot_product_attention", decision.rule
+        assert "lowered from scaled_dot_product_attention" in decision.reason
+    entry = next(e for e in conv.report.to_dict()["nodes"] if e["op"] == "softmax")
+    assert entry["precision"] == "bf16" and "lowered" in entry["reason"]
+    # the attention FLOPs are still counted, now on the two matmuls
+    portable = converter.convert(copy.deepcopy(model), (x,))
+    assert conv.report.to_dict()["summary"]["half_flop_fraction"] == pytest.approx(
+        portable.report.to_dict()["summary"]["half_flop_fraction"])
+
+
+@pytest.mark.parametrize("why, kwargs, opts", [
+    ("portable", {}, {}),
+    ("cuda target", {"device": "cuda"}, {}),
+    ("fp16 could overflow the scores", {"device": "cpu", "precision": "fp16"}, {}),
+    ("attention dropout", {"device": "cpu"}, {"dropout_p": 0.1}),
+])
+def test_not_lowered(why, kwargs, opts):
+    torch.manual_seed(0)
+    model = Attn(**opts).eval()
+    x = torch.randn(2, 12, 32)
+    conv = converter.convert(copy.deepcopy(model), (x,), **kwargs)
+    assert len(_sdpa_nodes(conv.module)) == 1, why
+    assert conv.report.to_dict()["lowered"] == [], why
+
+
+@pytest.mark.parametrize("layer", ["attention_fp32", "cpu"])
+def test_fp32_attention_rule_is_respected(layer):
+    """An attention the rules keep in fp32 is left alone: the lowering only replaces half attention."""
+    torch.manual_seed(0)
+    model = Attn().eval()
+    x = torch.randn(2, 12, 32)
+    conv = converter.convert(copy.deepcopy(model), (x,), device="cpu", rules=[layer])
+    (node,) = _sdpa_nodes(conv.module)
+    assert node.meta["mp"].precision == "fp32"
+    assert conv.report.to_dict()["lowered"] == []
+
+
+def test_transformer_encoder_export_graph():
+    """nn.TransformerEncoder (captured with torch.export): every attention lowered, encoder SQNR kept."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False).eval()
+    x = torch.randn(2, 16, 64)
+    lowered = converter.convert(copy.deepcopy(model), (x,), device="cpu")
+    portable = converter.convert(copy.deepcopy(model), (x,))
+    assert lowered.tracer == "export"
+    assert len(_sdpa_nodes(portable.module)) == 2 and _sdpa_nodes(lowered.module) == []
+    with torch.no_grad():
+        ref = model(x)
+        a, b = sqnr(ref, lowered.module(x)), sqnr(ref, portable.module(x))
+    assert a > b - 1.0, f"lowered {a:.2f} dB vs fused {b:.2f} dB"
+
+
+def test_lower_stage_rejects_unknown_device():
+    sample = load_sample("tiny_transformer")
+    conv = converter.convert(sample.build_model(), sample.example_inputs())
+    with pytest.raises(ValueError, match="device must be one of"):
+        lower(conv.module, device="tpu")
+    with pytest.raises(ValueError, match="device must be one of"):
+        converter.convert(sample.build_model(), sample.example_inputs(), device="gpu")
+
+
+def test_causal_sample_with_rmsnorm():
+    """The sample transformer (FX capture, is_causal SDPA in every other block, hand-written RMSNorm)."""
+    sample = load_sample("tiny_transformer")
+    model = sample.build_model().eval()
+    args, kwargs = split_inputs(sample.example_inputs())
+    conv = converter.convert(copy.deepcopy(model), sample.example_inputs(), device="cpu")
+    assert conv.tracer == "fx" and conv.report.to_dict()["lowered"]
+    with torch.no_grad():
+        db = sqnr(first_tensor(model(*args, **kwargs)), first_tensor(conv.module(*args, **kwargs)))
+    assert db > 45, f"sample transformer lowered: {db:.2f} dB against fp32"
+    assert not math.isnan(db)
