@@ -162,6 +162,30 @@ def _storage_plan(inner: nn.Module, half: torch.dtype) -> dict[str, torch.dtype]
     return {name: _fallback_storage_dtype(owners.get(name, ""), half) for name in params}
 
 
+@dataclasses.dataclass
+class _FlatGroup:
+    """O2 buffers of one (device, half dtype): model params, fp32 masters and master grads as views."""
+
+    model_flat: torch.Tensor
+    master_flat: torch.Tensor
+    grad_flat: torch.Tensor
+    models: list = dataclasses.field(default_factory=list)
+    masters: list = dataclasses.field(default_factory=list)
+    grads: list = dataclasses.field(default_factory=list)
+    _ptrs: tuple = ()
+
+    def pin(self) -> None:
+        self._ptrs = tuple(t.data_ptr() for t in self.models + self.masters)
+
+    def intact(self) -> bool:
+        """Every parameter and master still lives in the flat buffers."""
+        return tuple(t.data_ptr() for t in self.models + self.masters) == self._ptrs
+
+    def grads_in_place(self) -> bool:
+        """Every master's gradient is its view of ``grad_flat`` (none missing, none replaced)."""
+        return all(m.grad is g for m, g in zip(self.masters, self.grads))
+
+
 class MixedPrecisionTrainer:
     """Drives the backward/step of a mixed-precision model: scaling, master weights, clipping, DDP.
 
@@ -250,7 +274,9 @@ class MixedPrecisionTrainer:
         self._stats = TrainStats(scale=self._scaler.get_scale() if self._scaler is not None else 1.0)
         # (fqn, half model param, fp32 master) for every trainable half-stored parameter (O2).
         self._masters: list[tuple[str, nn.Parameter, nn.Parameter]] = []
-        self._copy_groups: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+        # O2 storage: flat buffers of half params, fp32 masters and master grads (see _flatten)
+        self._flat_groups: list[_FlatGroup] = []
+        self._loose_groups: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
         # O2 harvest: (half model param, fp32 master) pairs, and one persistent fp32 gradient buffer per
         # master (allocated on first use), so a step's harvest copies into memory it already owns.
         self._pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
@@ -331,17 +357,62 @@ class MixedPrecisionTrainer:
         for param in list(self._optimizer.state.keys()):
             if id(param) in master_of:
                 self._optimizer.state[master_of[id(param)]] = self._optimizer.state.pop(param)
-        self._copy_groups = self._group_by_dtype()
         self._pairs = [(param, master) for _fqn, param, master in self._masters]
         self._grad_bufs = [None] * len(self._pairs)
+        self._flatten()
 
-    def _group_by_dtype(self) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
-        groups: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        for _fqn, param, master in self._masters:
-            models, masters = groups.setdefault(param.dtype, ([], []))
-            models.append(param)
-            masters.append(master)
-        return list(groups.values())
+    def _flatten(self) -> None:
+        """Lay the half params, their fp32 masters and the masters' grads out in flat buffers.
+
+        One buffer of each per (device, half dtype), parameters as views into it: the master→model
+        copy is then one ``copy_`` per buffer and the gradient norm one reduction, instead of one
+        kernel per parameter (on a 2-layer d128 encoder that is 0.15 ms of a 4.4 ms step).
+        Non-contiguous parameters keep their own storage and go through ``_foreach_copy_``.
+        """
+        by_key: dict[tuple, list[int]] = {}
+        loose: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for index, (param, master) in enumerate(self._pairs):
+            if param.is_contiguous() and master.is_contiguous():
+                by_key.setdefault((param.device, param.dtype), []).append(index)
+            else:
+                models, masters = loose.setdefault(param.dtype, ([], []))
+                models.append(param)
+                masters.append(master)
+        self._loose_groups = list(loose.values())
+        self._flat_groups = []
+        for (device, dtype), indices in by_key.items():
+            total = sum(self._pairs[i][0].numel() for i in indices)
+            group = _FlatGroup(model_flat=torch.empty(total, dtype=dtype, device=device),
+                               master_flat=torch.empty(total, dtype=torch.float32, device=device),
+                               grad_flat=torch.zeros(total, dtype=torch.float32, device=device))
+            offset = 0
+            with torch.no_grad():
+                for index in indices:
+                    param, master = self._pairs[index]
+                    span = slice(offset, offset + param.numel())
+                    offset = span.stop
+                    view = group.model_flat[span].view_as(param)
+                    view.copy_(param.detach())
+                    param.data = view
+                    view = group.master_flat[span].view_as(master)
+                    view.copy_(master.detach())
+                    master.data = view
+                    self._grad_bufs[index] = group.grad_flat[span].view_as(master)
+                    group.models.append(param)
+                    group.masters.append(master)
+                    group.grads.append(self._grad_bufs[index])
+            group.pin()
+            self._flat_groups.append(group)
+
+    def _copy_masters_to_model(self) -> None:
+        with torch.no_grad():
+            for group in self._flat_groups:
+                if group.intact():
+                    group.model_flat.copy_(group.master_flat)
+                else:  # a parameter was re-pointed (e.g. moved with .to()): copy one by one
+                    torch._foreach_copy_(group.models, group.masters)
+            for models, masters in self._loose_groups:
+                torch._foreach_copy_(models, masters)
 
     def _install_embedding_shrink(self, alpha: Any) -> None:
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 < alpha <= 1.0:
@@ -481,10 +552,18 @@ class MixedPrecisionTrainer:
         params = [p for p in self._optimizer_params() if p.grad is not None]
         if self._max_grad_norm is not None:
             return torch.nn.utils.clip_grad_norm_(params, self._max_grad_norm)
-        grads = [p.grad for p in params]
-        if not grads:
+        # a flat master-grad buffer whose every view is its master's grad is normed in one go
+        norms, covered = [], set()
+        for group in self._flat_groups:
+            if group.grads_in_place():
+                norms.append(torch.linalg.vector_norm(group.grad_flat))
+                covered.update(id(m) for m in group.masters)
+        grads = [p.grad for p in params if id(p) not in covered]
+        if grads:
+            norms.extend(torch._foreach_norm(grads))
+        if not norms:
             return torch.zeros(())
-        return torch.nn.utils.get_total_norm(grads)
+        return torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
 
     def step(self, *, closure: Any = None) -> bool:
         """Finish an accumulation window: unscale, check, clip, step, copy masters back.
@@ -530,9 +609,7 @@ class MixedPrecisionTrainer:
             if stepped:
                 optimizer.step()
         if stepped and self._masters:
-            with torch.no_grad():
-                for models, masters in self._copy_groups:
-                    torch._foreach_copy_(models, masters)
+            self._copy_masters_to_model()
 
         self._stats.steps += int(stepped)
         self._stats.skipped += int(not stepped)

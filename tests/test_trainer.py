@@ -97,14 +97,16 @@ def test_o2_obeys_converter_param_dtype_map():
                       "1.bias": torch.float32, "2.weight": torch.float16, "2.bias": torch.float32}, dtypes
     assert len(trainer.master_params) == 4
 
-    # One fused master->model copy per storage dtype (fp16 group, bf16 group), nothing else.
+    # One master->model copy per storage dtype (fp16 buffer, bf16 buffer), nothing else: the half
+    # params and their masters are views into one flat buffer each.
     loss = sum(p.float().sum() for p in gm.parameters())
     trainer.zero_grad()
     trainer.backward(loss)
     with _OpCounter() as counter:
         assert trainer.step()
-    copies = [op for op in counter.ops if "_foreach_copy_" in op]
-    assert copies == ["aten._foreach_copy_.default"] * 2, counter.ops
+    copies = [op for op in counter.ops if "copy_" in op]
+    assert copies == ["aten.copy_.default"] * 2, counter.ops
+    assert len({p.untyped_storage().data_ptr() for p in gm.parameters() if p.dtype == torch.float16}) == 1
     for (name, param), master in zip(
         [(n, p) for n, p in gm.named_parameters() if p.dtype != torch.float32], trainer.master_params
     ):
@@ -529,3 +531,21 @@ def test_o2_harvest_reuses_fp32_buffers_and_accumulates_exactly_in_fp32():
         assert ptrs == first_ptrs
     trainer.zero_grad()
     assert all(p.grad is None for p in params) and all(m.grad is None for m in trainer.master_params)
+
+
+def test_o2_flat_buffers_survive_a_repointed_parameter():
+    """A half param whose storage is replaced after setup (``p.data = ...``, ``.to()``) still gets
+    its master copied back; the flat fast path must not write into the orphaned buffer only."""
+    torch.manual_seed(0)
+    gm = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)))
+    gm.meta["mp_param_dtypes"] = {n: torch.bfloat16 for n, _ in gm.named_parameters()}
+    trainer = MixedPrecisionTrainer(gm, torch.optim.SGD(gm.parameters(), lr=0.5), precision="bf16", master_weights=True)
+    weight = gm.get_parameter("0.weight")
+    weight.data = weight.data.clone()  # leaves the flat buffer
+    for _ in range(3):
+        trainer.zero_grad()
+        trainer.backward(gm(torch.randn(4, 8, dtype=torch.bfloat16)).float().pow(2).mean())
+        assert trainer.step()
+    for (_name, param), master in zip(gm.named_parameters(), trainer.master_params):
+        assert torch.equal(param, master.to(torch.bfloat16)), _name
+    assert not torch.equal(weight.float(), torch.zeros_like(weight.float()))
