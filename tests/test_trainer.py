@@ -549,3 +549,30 @@ def test_o2_flat_buffers_survive_a_repointed_parameter():
     for (_name, param), master in zip(gm.named_parameters(), trainer.master_params):
         assert torch.equal(param, master.to(torch.bfloat16)), _name
     assert not torch.equal(weight.float(), torch.zeros_like(weight.float()))
+
+
+def test_o2_drops_the_weight_casts_half_storage_made_identities():
+    """A converted O2 graph loses exactly its weight casts to half-stored params; outputs unchanged."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4))
+    x = torch.randn(8, 16)
+    conv = converter.convert(model, (x,), opt_level="O2")
+    gm = conv.module
+    weight_casts = [n for n in gm.graph.nodes if "mp_cast" in n.meta and n.meta["mp_cast"].on_weight]
+    assert len(weight_casts) == 4  # both Linear weights and biases; LayerNorm params stay fp32
+    with torch.no_grad():
+        before = gm(x)
+    trainer = MixedPrecisionTrainer(gm, torch.optim.SGD(gm.parameters(), lr=0.1), precision="bf16", master_weights=True)
+    assert trainer.dropped_weight_casts == 4
+    assert not [n for n in gm.graph.nodes if "mp_cast" in n.meta and n.meta["mp_cast"].on_weight]
+    with _OpCounter() as counter, torch.no_grad():
+        after = gm(x)
+    assert torch.equal(before, after), (before - after).abs().max()
+    # only the 4 activation casts run: input->bf16, GELU out->fp32 (LayerNorm), LayerNorm out->bf16,
+    # logits->fp32; the 4 weight casts (no-ops since the params are bf16) are gone from the graph
+    assert counter.ops.count("aten._to_copy.default") == 4, counter.ops
+    trainer.zero_grad()
+    trainer.backward(gm(x).pow(2).mean())
+    assert trainer.step()
+    o1 = MixedPrecisionTrainer(copy.deepcopy(conv.module), torch.optim.SGD(gm.parameters(), lr=0.1), precision="bf16")
+    assert o1.dropped_weight_casts == 0
