@@ -26,6 +26,15 @@ Only bf16 is lowered: fp16 scores could overflow where the fused kernel's fp32 s
 (bf16 has fp32's range). Calls with a non-zero ``dropout_p``, ``enable_gqa=True``, both a mask
 and ``is_causal``, or non-literal flags keep the fused op. The lowered nodes record the
 attention's rule and say why they exist (``explain`` shows it).
+
+**CPU: batch norm on bf16 activations.** A ``batch_norm`` the rules keep in fp32 whose input a
+bf16 op produces is given that bf16 input directly: PyTorch's CPU kernel takes bf16 activations
+with fp32 weight, bias and running statistics and computes in fp32, so its output is
+bit-identical to upcasting the input (exact), normalising in fp32 and rounding to bf16, and its
+backward likewise. The statistics and parameters stay fp32 (Apex's ``keep_batchnorm_fp32``
+means the same); what changes is that the input autograd saves is bf16, not an fp32 copy, and the
+two casts around the norm disappear. The node's decision keeps its rule, its precision becomes
+bf16 (its activations' dtype) and its reason says why.
 """
 from __future__ import annotations
 
@@ -46,6 +55,7 @@ DEVICES = ("cpu", "cuda")
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
 _LOWERED_PRECISIONS = ("bf16",)
+_HALF_IO_NORMS = ("batch_norm",)
 
 
 @pauses_gc
@@ -61,7 +71,13 @@ def lower(gm: torch.fx.GraphModule, *, device: Optional[str]) -> list[str]:
     for node in list(gm.graph.nodes):
         info: Optional[NodeInfo] = node.meta.get("mp_info")
         decision: Optional[Decision] = node.meta.get("mp")
-        if info is None or decision is None or info.op != "scaled_dot_product_attention":
+        if info is None or decision is None:
+            continue
+        if info.op in _HALF_IO_NORMS:
+            if _half_io_norm(node, decision):
+                lowered.append(node.name)
+            continue
+        if info.op != "scaled_dot_product_attention":
             continue
         if decision.precision not in _LOWERED_PRECISIONS:
             continue
@@ -71,6 +87,25 @@ def lower(gm: torch.fx.GraphModule, *, device: Optional[str]) -> list[str]:
         _lower_attention(gm, node, info, decision, call)
         lowered.append(node.name)
     return lowered
+
+
+def _half_io_norm(node: torch.fx.Node, decision: Decision) -> bool:
+    """Give an fp32 batch norm its bf16-produced input as is (see module docstring)."""
+    if decision.precision != "fp32" or node.op not in ("call_function", "call_module") or not node.args:
+        return False
+    src = node.args[0]
+    if not isinstance(src, torch.fx.Node):
+        return False
+    made_by: Optional[Decision] = src.meta.get("mp")
+    src_info: Optional[NodeInfo] = src.meta.get("mp_info")
+    if made_by is None or src_info is None or src_info.kind != "compute" or made_by.precision not in _LOWERED_PRECISIONS:
+        return False
+    why = (f"CPU: runs on the {made_by.precision} activations {src.name} produces, with fp32 statistics, weight "
+           f"and bias (the mixed-type kernel computes in fp32: bit-identical to an fp32 norm of the exactly "
+           f"upcast input, rounded to {made_by.precision}); autograd saves the {made_by.precision} input")
+    node.meta["mp"] = decision.replace(precision=made_by.precision, reason=f"{decision.reason}; {why}")
+    node.meta["mp_lowered"] = why
+    return True
 
 
 def _sdpa_call(node: torch.fx.Node) -> Optional[dict[str, Any]]:

@@ -111,6 +111,18 @@ def test_convert_json_summary(work, capfd):
     assert any("bit-exactly" in c for c in payload["checks"])
 
 
+def test_tune_for_cpu_lowers_attention(work, capfd):
+    code, out, err = run(capfd, SAMPLES / "tiny_transformer.py", "--json", "--out", work / "tt", "--tune-for", "cpu",
+                         "--no-measure")
+    assert code == 0, err
+    report = json.loads((work / "tt" / "report.json").read_text())
+    assert report["device"] == "cpu" and report["lowered"] == ["scaled_dot_product_attention"], report.get("lowered")
+    assert "torch.softmax" in (work / "tt" / "model.py").read_text()
+    assert any("bit-exactly" in c for c in json.loads(out)["checks"])
+    code, out, err = run(capfd, SAMPLES / "tiny_transformer.py", "--tune-for", "tpu")
+    assert_bad_input(code, out, err, "--tune-for")
+
+
 def test_audit_writes_reports(work, capfd):
     code, out, err = run(capfd, "audit", SAMPLES / "cnn.py", "--json")
     assert code == 0, err

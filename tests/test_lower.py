@@ -230,3 +230,93 @@ def test_causal_sample_with_rmsnorm():
         db = sqnr(first_tensor(model(*args, **kwargs)), first_tensor(conv.module(*args, **kwargs)))
     assert db > 45, f"sample transformer lowered: {db:.2f} dB against fp32"
     assert not math.isnan(db)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: batch norm on bf16 activations
+
+
+class ConvBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1, bias=False)  # a bias before BN has a ~0 gradient
+        self.bn = nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        return self.bn(self.conv(x))
+
+
+def test_batch_norm_on_bf16_activations_is_the_fp32_norm_rounded():
+    """Bit-identical to the portable conversion (bf16 conv, exact upcast, fp32 norm) rounded to bf16,
+    forward and backward, with the running statistics updated identically in fp32."""
+    torch.manual_seed(0)
+    model = ConvBN().train()
+    x = torch.randn(4, 3, 8, 8)
+    lowered = converter.convert(copy.deepcopy(model), (x,), device="cpu")
+    portable = converter.convert(copy.deepcopy(model), (x,))
+    assert lowered.report.to_dict()["lowered"] == ["bn"]
+    bn = lowered.module.graph.find_nodes(op="call_module", target="bn")[0]
+    assert bn.meta["mp"].precision == "bf16" and bn.meta["mp"].rule == portable.decisions["bn"].rule
+    assert "fp32 statistics" in bn.meta["mp"].reason
+    rec = DtypeRecorder()
+    with rec:
+        out = lowered.module(x)
+    ref = portable.module(x)
+    assert rec.dtypes_of("native_batch_norm") == [(torch.bfloat16,) + (torch.float32,) * 4]
+    assert torch.equal(out, ref.to(torch.bfloat16).float()), (out - ref).abs().max()
+    for name in ("running_mean", "running_var"):
+        a, b = lowered.module.get_buffer(f"bn.{name}"), portable.module.get_buffer(f"bn.{name}")
+        assert a.dtype == torch.float32 and torch.equal(a, b), name
+    probe = torch.randn_like(out)  # (a plain sum would make the norm's input gradient ~0)
+    (out * probe).sum().backward()
+    (ref * probe).sum().backward()
+    for name, param in lowered.module.named_parameters():
+        other = portable.module.get_parameter(name).grad
+        assert param.grad.dtype == torch.float32
+        # the same gradient up to where the fp32 result is rounded to bf16 (the conv's input grad)
+        db = sqnr(other, param.grad)
+        assert db > 45, f"{name}: gradient {db:.1f} dB from the portable conversion's"
+
+
+def test_batch_norm_after_an_fp32_producer_stays_fp32():
+    """Only an input a bf16 op produced is exact in bf16; an fp32 producer keeps the fp32 norm."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.BatchNorm1d(8), nn.Linear(8, 4))  # the norm reads the fp32 graph input
+    conv = converter.convert(model, (torch.randn(16, 8),), device="cpu")
+    assert conv.report.to_dict()["lowered"] == []
+    assert conv.decisions["_0"].precision == "fp32"
+
+
+def test_cnn_sample_saves_no_more_than_autocast():
+    sample = load_sample("cnn")
+    model = sample.build_model().train()
+    args, kwargs = split_inputs(sample.example_inputs())
+    conv = converter.convert(copy.deepcopy(model), sample.example_inputs(), device="cpu", opt_level="O2")
+    portable = converter.convert(copy.deepcopy(model), sample.example_inputs(), opt_level="O2")
+    assert conv.report.to_dict()["lowered"] == ["b1_bn", "b2_bn", "b3_bn"]
+    # per forward: the casts up to fp32 before each norm and back down after it are gone (8 -> 4)
+    assert (portable.report.summary["casts"], conv.report.summary["casts"]) == (8, 4)
+    with torch.no_grad():
+        ref = first_tensor(model(*args, **kwargs))
+        ours, theirs = sqnr(ref, first_tensor(conv.module(*args, **kwargs))), sqnr(ref, first_tensor(portable.module(*args, **kwargs)))
+    assert ours >= theirs - 0.5, f"lowered {ours:.2f} dB vs portable {theirs:.2f} dB"
+
+    def saved_bytes(fn):
+        seen = {}
+
+        def pack(t):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        params = {p.untyped_storage().data_ptr() for p in list(model.parameters()) + list(conv.module.parameters())}
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn()
+        return sum(n for ptr, n in seen.items() if ptr not in params)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        amp = saved_bytes(lambda: model(*args, **kwargs))
+    # the O2 storage: half params where the map says so (as MixedPrecisionTrainer stores them)
+    for name, dtype in conv.module.meta["mp_param_dtypes"].items():
+        conv.module.get_parameter(name).data = conv.module.get_parameter(name).data.to(dtype)
+    ours = saved_bytes(lambda: conv.module(*args, **kwargs))
+    assert ours <= amp, f"saved activations {ours} B vs autocast {amp} B"
