@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from .meta import HALF_NAMES
+from .meta import HALF_NAMES, TensorSpec
 from .place import alias_root, cast_cost, castable_inputs
 from .placement import PlacementProblem, Tensor, solve_mincut
 
@@ -29,6 +29,14 @@ def _lab(precision: str) -> str:
     return "half" if precision in HALF_NAMES else "fp32"
 
 
+def _dtype_lab(dtype: torch.dtype) -> str:
+    return "fp32" if dtype == torch.float32 else "half"
+
+
+def _convertible(value) -> bool:
+    return isinstance(value, TensorSpec) and value.is_convertible
+
+
 def build_problem(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, opt_level: str = "O1") -> PlacementProblem:
     fixed: dict[str, str] = {}
     free: list[str] = []
@@ -39,11 +47,11 @@ def build_problem(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, opt_l
         info = node.meta.get("mp_info")
         value = node.meta.get("mp_value")
         if node.op in ("placeholder", "get_attr"):
-            if hasattr(value, "is_convertible") and value.is_convertible:
+            if _convertible(value):
                 if node.op == "get_attr" and str(node.target) in params:
                     free.append(node.name)  # O2: stored in the dtype its consumers want
                 else:
-                    fixed[node.name] = _lab({torch.float32: "fp32"}.get(value.dtype, "half"))
+                    fixed[node.name] = _dtype_lab(value.dtype)
             continue
         decision = node.meta.get("mp")
         if decision is None or info is None:
@@ -67,7 +75,7 @@ def build_problem(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, opt_l
 
     for node in gm.graph.nodes:
         value = node.meta.get("mp_value")
-        if not (hasattr(value, "is_convertible") and value.is_convertible):
+        if not _convertible(value):
             continue
         info = node.meta.get("mp_info")
         if info is not None and info.kind == "alias" and info.inplace:
@@ -82,7 +90,7 @@ def build_problem(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, opt_l
             uinfo = user.meta.get("mp_info")
             if user.op == "output":
                 if keep_io_types:
-                    consumers.append(_OUT + _lab({torch.float32: "fp32"}.get(value.dtype, "half")))
+                    consumers.append(_OUT + _dtype_lab(value.dtype))
                 continue
             if uinfo is not None and uinfo.kind == "alias" and uinfo.inplace and user.args and user.args[0] is node:
                 pending.extend(user.users)

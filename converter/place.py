@@ -20,7 +20,7 @@ import torch.fx
 
 from .capture import input_nodes
 from .graphmodule import pauses_gc
-from .meta import DTYPES, HALF_NAMES, Decision, name_of
+from .meta import DTYPES, HALF_NAMES, Decision, TensorSpec, name_of
 from .ops import castable_arg_positions
 
 __all__ = ["place", "STRATEGIES", "cast_cost", "alias_root", "castable_inputs"]
@@ -64,7 +64,7 @@ def castable_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
     out = []
     for n in candidates:
         value = n.meta.get("mp_value")
-        if hasattr(value, "is_convertible") and value.is_convertible:
+        if isinstance(value, TensorSpec) and value.is_convertible:
             out.append(n)
     return out
 
