@@ -161,6 +161,8 @@ def test_provenance_names_the_attention_rule():
         assert "lowered from scaled_dot_product_attention" in decision.reason
     entry = next(e for e in conv.report.to_dict()["nodes"] if e["op"] == "softmax")
     assert entry["precision"] == "bf16" and "lowered" in entry["reason"]
+    assert "| tuned for | cpu · lowered: scaled_dot_product_attention |" in conv.report.to_markdown()
+    assert "tuned for cpu · lowered: scaled_dot_product_attention" in conv.report.to_html()
     # the attention FLOPs are still counted, now on the two matmuls
     portable = converter.convert(copy.deepcopy(model), (x,))
     assert conv.report.to_dict()["summary"]["half_flop_fraction"] == pytest.approx(
