@@ -68,7 +68,7 @@ def measure(blocks: int, repeat: int, clock) -> dict:
         rewrite(gm)
         passes.append(clock() - t0)
         t0 = clock()
-        materialize(gm)  # FX code generation for the final graph, deferred by the lazy GraphModule
+        gm = materialize(gm)  # FX code generation for the final graph, deferred by the lazy GraphModule
         codegens.append(clock() - t0)
     pass_s, trace_s, codegen_s = statistics.median(passes), statistics.median(traces), statistics.median(codegens)
     return {"blocks": blocks, "nodes": nodes, "pass_s": pass_s, "us_per_node": 1e6 * pass_s / nodes,

@@ -128,7 +128,7 @@ def _pipeline(model, example_inputs, *, precision, rules, tracer, keep_io_types,
     _run_stage("rewrite", done, rewrite, gm, keep_io_types=keep_io_types)
     t2 = time.perf_counter()
     timings["pass_s"] = t2 - t1
-    _run_stage("codegen", done, materialize, gm)
+    captured.gm = gm = _run_stage("codegen", done, materialize, gm)
     timings["codegen_s"] = time.perf_counter() - t2
     return captured, rule_set, target, timings
 

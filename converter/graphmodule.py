@@ -5,7 +5,8 @@
   capture time is wasted work, and on a 9k-node graph code generation costs more than the whole
   pass. :func:`new_graph_module` builds torch's ``_LazyGraphModule`` (the one inductor uses), whose
   ``recompile()`` only marks the code stale; the code is generated once, for the final graph, by
-  :func:`materialize` (``convert`` calls it and reports the time as ``codegen_s``) or on first use.
+  :func:`materialize`, which hands back a plain GraphModule (``convert`` calls it and reports the
+  time as ``codegen_s``).
   Where torch lacks that class, a plain GraphModule is built and nothing changes but the timing.
 * :func:`gc_paused`: a pass allocates tens of thousands of small, acyclic records; CPython's
   cyclic collector runs repeatedly over the whole heap meanwhile (~10 % of the pass on a 9k-node
@@ -34,11 +35,19 @@ def new_graph_module(root: torch.nn.Module, graph: torch.fx.Graph, class_name: s
     return cls(root, graph, class_name)
 
 
-def materialize(gm: torch.fx.GraphModule) -> None:
-    """Generate ``gm``'s code now if it is stale (a no-op for eager GraphModules)."""
-    real = getattr(gm, "real_recompile", None)
-    if real is not None:
-        real()
+def materialize(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm`` as a plain GraphModule with its code generated (an eager one is returned as is).
+
+    A lazy GraphModule is rebuilt as ``torch.fx.GraphModule`` over the same graph, parameters and
+    submodules (nothing is copied), which generates the code once. The plain class matters:
+    TorchScript cannot compile ``_LazyGraphModule``'s methods, and ``torch.jit.script`` worked on
+    converted models before capture became lazy.
+    """
+    if _LazyGraphModule is None or not isinstance(gm, _LazyGraphModule):
+        return gm
+    plain = torch.fx.GraphModule(gm, gm.graph, type(gm).__name__)
+    plain.meta.update(gm.meta)
+    return plain
 
 
 @contextlib.contextmanager

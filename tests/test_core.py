@@ -327,3 +327,20 @@ def test_auto_prefers_export_over_opaque_fx_leaves():
     model = WithMHA().eval()
     s = sqnr(model(x), converter.convert(model, (x,)).module(x))
     assert s > 35, f"SQNR {s:.1f} dB"
+
+
+def test_module_is_a_plain_graphmodule_with_code_generated_once():
+    """Capture builds a lazy GraphModule (no code for a graph that is rewritten anyway); convert
+    hands back a plain one, generated once after the rewrite: TorchScript compiles it."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    sample = load_sample("tiny_transformer")
+    conv = converter.convert(sample.build_model(), sample.example_inputs())
+    assert not isinstance(conv.module, _LazyGraphModule)
+    assert set(conv.timings) >= {"capture_s", "pass_s", "codegen_s"}
+    assert ".to(torch.bfloat16)" in conv.module.code
+    assert conv.module.meta["mp_graph"].tracer == "fx" and "mp_param_dtypes" in conv.module.meta
+    scripted = torch.jit.script(conv.module)
+    args, kwargs = split_inputs(sample.example_inputs())
+    with torch.no_grad():
+        assert torch.equal(first_tensor(scripted(*args, **kwargs)), first_tensor(conv.module(*args, **kwargs)))
