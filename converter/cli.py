@@ -497,23 +497,9 @@ def _cmd_audit(ns, ui: _UI) -> int:
 
 
 def _print_table(report, ui: _UI) -> None:
-    try:
-        from .render import print_report
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("converter.render",):
-            raise
-        print_report = None
-    if print_report is not None:
-        print_report(report, ui.console)
-        return
-    from rich.table import Table
+    from .render import print_report  # rich tables: imported only when printing
 
-    table = Table(title=f"{report.precision} audit ({report.tracer})", title_justify="left")
-    for col in ("precision", "nodes"):
-        table.add_column(col)
-    for key, value in report.summary["by_precision"].items():
-        table.add_row(key, str(value))
-    ui.console.print(table)
+    print_report(report, ui.console)
 
 
 def _cmd_explain(ns, ui: _UI) -> int:
@@ -545,53 +531,9 @@ def _cmd_explain(ns, ui: _UI) -> int:
 
 
 def _explain_text(conv, node_name: str) -> str:
-    try:
-        from .render import explain
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("converter.render",):
-            raise
-        explain = None
-    if explain is not None:
-        return explain(conv, node_name)
-    return format_explanation(conv.module, node_name)
+    from .render import explain
 
-
-def format_explanation(gm, node_name: str) -> str:
-    """The decision chain of one node, from ``meta["mp_info"]`` and ``meta["mp"]`` only."""
-    from .rules import LEVELS
-
-    node = next(n for n in gm.graph.nodes if n.name == node_name)
-    info = node.meta.get("mp_info")
-    decision = node.meta["mp"]
-    levels = list(LEVELS) + ["default"]
-    where = f" in {info.module} ({info.module_type})" if info is not None and info.module else ""
-    source = f", source {info.source}" if info is not None and info.source else ""
-    lines = [f"{node_name}: op {getattr(info, 'op', '?')}{where}{source}"]
-    lines.append(f"  precision: {decision.precision} (requested {decision.requested}) — decided by {decision.rule}")
-    lines.append(f"  why: {decision.reason}")
-    lines.append("  precedence: " + " > ".join(levels) + "; among module rules the innermost module wins; later files win ties")
-    if decision.matches:
-        lines.append("  rules that matched, highest precedence first:")
-        for i, m in enumerate(decision.matches):
-            mark = "*" if i == 0 else " "
-            scope = f" via module {m.scope!r}" if m.scope else ""
-            reason = f" — {m.reason}" if m.reason else ""
-            lines.append(f"   {mark} [{m.level_name}] (level {m.level + 1} of {len(levels)}) {m.rule} -> {m.precision}{scope}{reason}")
-        winner = decision.matches[0]
-        if decision.requested in ("fixed", "alias"):
-            lines.append(f"  winner: none of the rules applies: {decision.reason}")
-        else:
-            beaten = len(decision.matches) - 1
-            lines.append(
-                f"  winner: {winner.rule} ({winner.level_name}, the highest precedence level that matched"
-                + (f"; it overrides {beaten} other match{'es' if beaten != 1 else ''}" if beaten else "")
-                + ")"
-            )
-            if winner.precision in ("follow", "promote"):
-                lines.append(f"  placement then chose {decision.precision} for this {winner.precision} node")
-    else:
-        lines.append("  no rule matched: kept in fp32 and listed as unmatched (never lowered silently)")
-    return "\n".join(lines)
+    return explain(conv, node_name)
 
 
 def _cmd_rules_check(ns, ui: _UI) -> int:
