@@ -461,7 +461,7 @@ def run_model(spec: ModelSpec, *, device: torch.device, half: torch.dtype, optim
             "tracer": conv.tracer, "capture_s": conv.timings.get("capture_s"), "pass_s": conv.timings.get("pass_s"),
             "total_s": total_s, "graph_casts": summary.get("casts"), "graph_weight_casts": summary.get("weight_casts"),
             "half_flop_fraction": summary.get("half_flop_fraction"), "device": target.get("device"),
-            "lowered": conv.report.to_dict().get("lowered", []), "codegen_s": conv.timings.get("codegen_s"),
+            "lowered": conv.report.extra.get("lowered", []), "codegen_s": conv.timings.get("codegen_s"),
         }
         log(f"[{spec.name}] {level}: converted via {conv.tracer} in {total_s:.2f}s (capture "
             f"{conv.timings.get('capture_s', math.nan):.3f}s, pass {conv.timings.get('pass_s', math.nan):.3f}s)")

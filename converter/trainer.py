@@ -313,7 +313,8 @@ class MixedPrecisionTrainer:
         self._flat_groups: list[_FlatGroup] = []
         self._loose_groups: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
         # O2 harvest: (half model param, fp32 master) pairs, and one persistent fp32 gradient buffer per
-        # master (allocated on first use), so a step's harvest copies into memory it already owns.
+        # master (its view of the flat grad buffer; allocated on first use for a non-contiguous param),
+        # so a step's harvest copies into memory it already owns.
         self._pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
         self._grad_bufs: list[torch.Tensor | None] = []
         # Every parameter of the model, listed once so zero_grad() need not walk the module tree.
