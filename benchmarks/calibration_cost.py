@@ -5,9 +5,9 @@ Target (issue 5): calibrating costs less than 3x the fp32 training steps on the 
 Variants, run interleaved (A B C A B C ...) after a warm-up; the median of each is reported:
 
 * ``fp32``: 20 x (``model(tokens)`` -> ``loss_fn`` -> ``backward``) on the eager model;
-* ``statistics``: :func:`converter.calibrate.collect_statistics` over the same 20 batches
+* ``statistics``: :func:`converter.numerics.calibrate.collect_statistics` over the same 20 batches
   (instrumented forward, one backward, per-node forward and gradient statistics);
-* ``calibrate``: the whole stage, :func:`converter.calibrate.calibrate_and_redecide` (statistics,
+* ``calibrate``: the whole stage, :func:`converter.numerics.calibrate.calibrate_and_redecide` (statistics,
   overflow re-decision, report data) on an fp16 conversion's decided graph.
 
 The default clock is the CPU time of the benchmark thread with one torch thread: the machine has
@@ -36,12 +36,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from converter.calibrate import calibrate_and_redecide, collect_statistics  # noqa: E402
-from converter.capture import capture  # noqa: E402
-from converter.decide import decide  # noqa: E402
-from converter.place import place  # noqa: E402
-from converter.rules import load_rules  # noqa: E402
-from converter.search import HalfEmulator, bisect_graph_order, rank_sensitivity, search_ranked  # noqa: E402
+from converter.numerics.calibrate import calibrate_and_redecide, collect_statistics  # noqa: E402
+from converter.passes.capture import capture  # noqa: E402
+from converter.passes.decide import decide  # noqa: E402
+from converter.passes.place.stage import place  # noqa: E402
+from converter.rules.loader import load_rules  # noqa: E402
+from converter.numerics.search import HalfEmulator, bisect_graph_order, rank_sensitivity, search_ranked  # noqa: E402
 
 
 def _load_sample():

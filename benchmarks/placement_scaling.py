@@ -1,4 +1,4 @@
-"""Scaling of converter.placement.solve_mincut on synthetic transformer-like problems.
+"""Scaling of converter.passes.place.solver.solve_mincut on synthetic transformer-like problems.
 
 Each layer is a pre-LN block (27 nodes): layer_norm/softmax fixed fp32,
 projections and matmuls fixed half, view/transpose/scale/dropout/gelu free,
@@ -31,7 +31,7 @@ import time
 
 import networkx as nx
 
-from converter.placement import (
+from converter.passes.place.solver import (
     FP32,
     HALF,
     PlacementProblem,

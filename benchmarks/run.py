@@ -261,7 +261,7 @@ def build_variants(model: nn.Module, conv: Any, args: tuple, kwargs: dict, *, ha
     ``conv``: the O1 conversion; ``conv_o2``: the conversion placed for O2 storage
     (``opt_level="O2"``: weight casts are free in the cost model), else a copy of ``conv``.
     """
-    from converter.trainer import MixedPrecisionTrainer
+    from converter.train.trainer import MixedPrecisionTrainer
 
     precision = "fp16" if half == torch.float16 else "bf16"
     dtype_name = precision

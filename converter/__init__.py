@@ -9,11 +9,11 @@ Public API (DESIGN §5)::
 """
 from __future__ import annotations
 
-from .api import Conversion, PassError, audit, convert, normalize_precision
-from .capture import CaptureError
-from .decide import BannedOpError
-from .report import Report
-from .rules import Rules, RulesError, load_rules
+from converter.api import Conversion, PassError, audit, convert, normalize_precision
+from converter.passes.capture import CaptureError
+from converter.passes.decide import BannedOpError
+from converter.report.build import Report
+from converter.rules.loader import Rules, RulesError, load_rules
 
 __version__ = "0.1.0"
 
@@ -39,15 +39,15 @@ __all__ = [
 def __getattr__(name: str):
     # The training wrapper is imported lazily: converting a model should not pay for it.
     if name == "LossScaler":
-        from .scaler import LossScaler
+        from converter.train.scaler import LossScaler
 
         return LossScaler
     if name == "ToleranceNotMet":
-        from .calibrate import ToleranceNotMet
+        from converter.numerics.calibrate import ToleranceNotMet
 
         return ToleranceNotMet
     if name == "MixedPrecisionTrainer":
-        from .trainer import MixedPrecisionTrainer
+        from converter.train.trainer import MixedPrecisionTrainer
 
         return MixedPrecisionTrainer
     raise AttributeError(f"module 'converter' has no attribute {name!r}")

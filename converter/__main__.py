@@ -1,4 +1,4 @@
 """``python -m converter`` is the ``mpconvert`` command."""
-from .cli import main
+from converter.cli.main import main
 
 raise SystemExit(main())

@@ -21,15 +21,15 @@ from typing import Any, Iterable, Mapping, Optional, Union
 import torch
 import torch.fx
 
-from .capture import Captured, CaptureError, capture
-from .decide import BannedOpError, decide
-from .graphmodule import materialize
-from .lower import lower
-from .meta import Decision, GraphMeta
-from .place import place
-from .report import Report, build_report
-from .rewrite import rewrite
-from .rules import Rules, RulesError, load_rules
+from converter.passes.capture import Captured, CaptureError, capture
+from converter.passes.decide import BannedOpError, decide
+from converter.ir.graphmodule import materialize
+from converter.passes.lower import lower
+from converter.ir.meta import Decision, GraphMeta
+from converter.passes.place.stage import place
+from converter.report.build import Report, build_report
+from converter.passes.rewrite import rewrite
+from converter.rules.loader import Rules, RulesError, load_rules
 
 __all__ = ["convert", "audit", "Conversion", "PassError", "normalize_precision", "PRECISION_ALIASES"]
 
@@ -79,12 +79,12 @@ class Conversion:
 
     def save(self, out_dir: Union[str, Path], *, force: bool = False, model_file: Optional[str] = None) -> Path:
         """Write the artifacts of DESIGN §7 (model.py, weights, train.py, reports) atomically."""
-        from .emit import emit
+        from converter.export.emit import emit
 
         return emit(self, Path(out_dir), force=force, model_file=model_file)
 
     def export_onnx(self, path: Union[str, Path], **kwargs) -> Any:
-        from .onnx_export import export_onnx
+        from converter.export.onnx import export_onnx
 
         return export_onnx(self, Path(path), **kwargs)
 
@@ -121,7 +121,7 @@ def _pipeline(model, example_inputs, *, precision, rules, tracer, keep_io_types,
     gm.meta["mp_graph"].extra.update(device=device, lowered=tuple(lowered))
     _run_stage("place", done, place, gm, target=target, strategy=placement, keep_io_types=keep_io_types, opt_level=opt_level)
     if calibration is not None:
-        from .calibrate import calibrate_and_redecide
+        from converter.numerics.calibrate import calibrate_and_redecide
 
         _run_stage("calibrate", done, calibrate_and_redecide, gm, calibration, rules=rule_set, target=target,
                    placement=placement, keep_io_types=keep_io_types, **(calibration_options or {}))

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import converter
-from converter.calibrate import (
+from converter.numerics.calibrate import (
     FP16_MAX,
     NodeStats,
     TensorStats,
@@ -21,11 +21,11 @@ from converter.calibrate import (
     recommend_loss_scale,
     tensor_stats,
 )
-from converter.capture import capture
-from converter.decide import decide
-from converter.place import place
-from converter.rules import Rules, load_rules
-from converter.search import sqnr_db
+from converter.passes.capture import capture
+from converter.passes.decide import decide
+from converter.passes.place.stage import place
+from converter.rules.loader import Rules, load_rules
+from converter.numerics.search import sqnr_db
 
 
 # ---------------------------------------------------------------------------------------------

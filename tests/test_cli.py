@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import converter
-from converter.cli import main
+from converter.cli.main import main
 from tests.helpers import ROOT, SAMPLES
 
 MLP = str(SAMPLES / "mlp.py")
@@ -351,7 +351,7 @@ def test_non_utf8_rules_file(work, capfd):
 
 def test_tolerance_not_met_exits_1_and_writes_nothing(work, capfd, monkeypatch):
     from converter import api
-    from converter.calibrate import ToleranceNotMet
+    from converter.numerics.calibrate import ToleranceNotMet
 
     def not_met(*_args, **kwargs):
         assert kwargs["calibration_options"]["tolerance"] == 45.0 and kwargs["calibration"]

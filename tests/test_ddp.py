@@ -20,8 +20,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from converter.scaler import LossScaler
-from converter.trainer import MixedPrecisionTrainer
+from converter.train.scaler import LossScaler
+from converter.train.trainer import MixedPrecisionTrainer
 
 WORLD = 2
 STEPS = 8

@@ -10,7 +10,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 import converter
-from converter.trainer import MixedPrecisionTrainer
+from converter.train.trainer import MixedPrecisionTrainer
 
 EPOCHS, BATCH, LR = 12, 64, 3e-3
 

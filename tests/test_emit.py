@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 import converter
-from converter import emit as emit_mod
-from converter.emit import EmitError, OutputExistsError, emit, generate_model_source
+from converter.export import emit as emit_mod
+from converter.export.emit import EmitError, OutputExistsError, emit, generate_model_source
 from tests.helpers import ROOT, SAMPLES, load_sample
 
 STDLIB_OK = {"os", "math", "operator", "builtins", "torch"}
@@ -217,7 +217,7 @@ def example_inputs():
 def train_runs(outputs, tmp_path_factory):
     """``train.py --steps 5`` for mlp (loss_fn/train_batches) and for a model file without them (O2),
     run concurrently: name -> CompletedProcess."""
-    from converter.modelfile import load_model_file
+    from converter.cli.modelfile import load_model_file
 
     base = tmp_path_factory.mktemp("train")
     model_file = base / "notrain.py"

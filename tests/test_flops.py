@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from converter.capture import capture
-from converter.flops import FLOP_OPS, node_flops
+from converter.passes.capture import capture
+from converter.report.flops import FLOP_OPS, node_flops
 
 
 def flops_by_op(model: nn.Module, *inputs, tracer: str = "fx") -> dict[str, list[int]]:
@@ -135,7 +135,7 @@ def test_batch_norm_leaf_module_and_pointwise_zero():
 
 
 def test_flop_ops_are_canonical_names():
-    from converter.ops import known_op_names
+    from converter.ir.ops import known_op_names
 
     assert FLOP_OPS <= known_op_names()
 

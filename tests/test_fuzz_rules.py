@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from converter.cli import main
-from converter.ops import known_op_names
-from converter.rules import LEVELS, PRECISIONS
+from converter.cli.main import main
+from converter.ir.ops import known_op_names
+from converter.rules.loader import LEVELS, PRECISIONS
 
 KNOWN_OPS = sorted(known_op_names())
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

@@ -18,8 +18,8 @@ from torch import nn
 
 import converter
 from helpers import load_sample
-from converter.measure import measure
-from converter.render import to_html, write_reports
+from converter.numerics.measure import measure
+from converter.report.render import to_html, write_reports
 
 ROOT = Path(__file__).resolve().parents[1]
 EVIL = "<script>alert(1)</script>"

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import converter
-from converter.lower import lower
+from converter.passes.lower import lower
 from tests.helpers import CastCounter, DtypeRecorder, first_tensor, load_sample, sqnr, split_inputs
 
 SDPA_KERNELS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math",

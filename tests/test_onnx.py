@@ -23,7 +23,7 @@ from onnx import TensorProto, helper, numpy_helper
 from torch.utils import _pytree as pytree
 
 import converter
-from converter.onnx_export import (
+from converter.export.onnx import (
     BF16_CPU_REASON,
     DEFAULT_OPSET,
     TOLERANCE_ULPS,

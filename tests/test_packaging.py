@@ -35,7 +35,7 @@ def test_fresh_venv_non_editable_install(tmp_path):
     script = textwrap.dedent("""
         import pathlib, torch, converter
         assert "site-packages" in converter.__file__, converter.__file__
-        assert (pathlib.Path(converter.__file__).parent / "rules" / "default.toml").is_file()
+        assert (pathlib.Path(converter.__file__).parent / "rules" / "builtin" / "default.toml").is_file()
         model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.LayerNorm(8))
         conv = converter.convert(model, (torch.randn(2, 8),))
         print(conv.report.line)
@@ -61,7 +61,7 @@ def test_non_editable_install_converts_with_default_rules(tmp_path):
             capture_output=True, text=True, cwd=tmp_path,
         )
     assert build.returncode == 0, build.stderr[-2000:]
-    assert (target / "converter" / "rules" / "default.toml").is_file(), sorted(p.name for p in target.iterdir())
+    assert (target / "converter" / "rules" / "builtin" / "default.toml").is_file(), sorted(p.name for p in target.iterdir())
     script = textwrap.dedent("""
         import torch, converter, pathlib
         assert pathlib.Path(converter.__file__).resolve().is_relative_to(pathlib.Path(%r).resolve()), converter.__file__

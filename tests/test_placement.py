@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from networkx.algorithms.flow import edmonds_karp, preflow_push
 
-from converter.placement import (
+from converter.passes.place.solver import (
     FP32,
     HALF,
     PlacementProblem,

@@ -14,8 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import converter
 from helpers import load_sample
-from converter.measure import measure
-from converter.render import explain, md_escape, print_report, to_markdown, write_reports
+from converter.numerics.measure import measure
+from converter.report.render import explain, md_escape, print_report, to_markdown, write_reports
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = ["mlp", "cnn", "tiny_transformer", "hf_gpt2", "hf_bert"]

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import converter
-from converter.rules import Rules, RulesError, load_rules
+from converter.rules.loader import Rules, RulesError, load_rules
 
 
 class Norm(nn.Module):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from converter.scaler import LossScaler, _unscale_grads, _update_with_tensor_ops
+from converter.train.scaler import LossScaler, _unscale_grads, _update_with_tensor_ops
 
 INF, NAN = float("inf"), float("nan")
 

@@ -8,12 +8,12 @@ import torch
 from torch import nn
 
 import converter
-from converter.calibrate import ToleranceNotMet
-from converter.capture import capture
-from converter.decide import decide
-from converter.place import place
-from converter.rules import load_rules
-from converter.search import (
+from converter.numerics.calibrate import ToleranceNotMet
+from converter.passes.capture import capture
+from converter.passes.decide import decide
+from converter.passes.place.stage import place
+from converter.rules.loader import load_rules
+from converter.numerics.search import (
     HalfEmulator,
     Outcome,
     Tolerance,

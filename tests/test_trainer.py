@@ -13,8 +13,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import converter
-from converter.scaler import LossScaler
-from converter.trainer import MixedPrecisionTrainer, TrainStats
+from converter.train.scaler import LossScaler
+from converter.train.trainer import MixedPrecisionTrainer, TrainStats
 
 INF, NAN = float("inf"), float("nan")
 

@@ -43,7 +43,7 @@ from torch.fx.node import map_arg
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .meta import DTYPES
+from converter.ir.meta import DTYPES
 
 __all__ = [
     "measure",
@@ -287,7 +287,7 @@ def _round(value: Optional[float], digits: int = 2) -> Optional[float]:
 
 def _flat_inputs(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> list:
     """The values of ``gm``'s placeholders for a call ``gm(*args, **kwargs)``."""
-    from .capture import placeholder_values
+    from converter.passes.capture import placeholder_values
 
     return placeholder_values(gm, args, kwargs)
 

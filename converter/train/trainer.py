@@ -35,7 +35,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from converter.scaler import LossScaler
+from converter.train.scaler import LossScaler
 
 __all__ = ["MixedPrecisionTrainer", "TrainStats"]
 

@@ -46,9 +46,9 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-from .calibrate import ToleranceNotMet, _BufferGuard, _num, copy_graph, progress_bar, replace_decisions
-from .meta import DTYPES, HALF_NAMES, Decision, Match, RuleRef
-from .ops import castable_arg_positions, map_castable_args
+from converter.numerics.calibrate import ToleranceNotMet, _BufferGuard, _num, copy_graph, progress_bar, replace_decisions
+from converter.ir.meta import DTYPES, HALF_NAMES, Decision, Match, RuleRef
+from converter.ir.ops import castable_arg_positions, map_castable_args
 
 __all__ = [
     "Tolerance",
@@ -219,7 +219,7 @@ def _emulated_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
 
 def _castable_args(node: torch.fx.Node) -> list:
     """The producers whose values the rewrite would cast for ``node`` (the rewrite's own rule)."""
-    from .place import castable_inputs
+    from converter.passes.place.stage import castable_inputs
 
     return castable_inputs(node)
 
@@ -598,7 +598,7 @@ def accuracy_search(
     the size of the fp32 set. Decisions of the kept nodes are replaced and placement re-run
     (``fresh`` are the pre-placement decisions, see :func:`converter.calibrate.replace_decisions`).
     """
-    from .calibrate import _fresh_decisions
+    from converter.numerics.calibrate import _fresh_decisions
 
     t0 = time.perf_counter()
     tol = Tolerance.parse(tolerance)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch.fx
 
-from .graphmodule import pauses_gc
-from .meta import BUILTIN, Decision, RuleRef, name_of
-from .rules import Rules
+from converter.ir.graphmodule import pauses_gc
+from converter.ir.meta import BUILTIN, Decision, RuleRef, name_of
+from converter.rules.loader import Rules
 
 __all__ = ["decide", "BannedOpError", "decision_reason"]
 

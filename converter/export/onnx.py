@@ -59,8 +59,8 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-from .meta import DTYPES, TensorSpec, name_of
-from .ops import CAST_OPS
+from converter.ir.meta import DTYPES, TensorSpec, name_of
+from converter.ir.ops import CAST_OPS
 
 __all__ = [
     "DEFAULT_OPSET",
@@ -185,7 +185,7 @@ def _cast_nodes_in_order(gm: torch.fx.GraphModule) -> list[tuple[str, str, torch
     * ``weight``: a cast of a parameter/buffer: the weight is stored in the target dtype (folded
       into a half initializer), so it is not an ONNX Cast.
     """
-    from .rewrite import runtime_dtype
+    from converter.passes.rewrite import runtime_dtype
 
     cache: dict = {}
     out: list[tuple[str, str, torch.dtype, torch.dtype]] = []
@@ -665,7 +665,7 @@ def _variant(conv, precision: str, notes: list[str]):
     """The conversion to export: ``conv`` itself, or the same decisions re-run for ``precision``."""
     if precision == conv.precision:
         return conv
-    from .api import convert
+    from converter.api import convert
 
     other = convert(conv.original, conv.example_inputs, precision=precision, rules=conv.rules, tracer=conv.tracer,
                     **getattr(conv, "options", {}))
@@ -708,7 +708,7 @@ def export_onnx(
     """
     import onnx
 
-    from .api import normalize_precision
+    from converter.api import normalize_precision
 
     if exporter not in ("auto", "dynamo", "torchscript"):
         raise ValueError(f"exporter must be 'auto', 'dynamo' or 'torchscript', got {exporter!r}")

@@ -519,7 +519,7 @@ def generate_model_source(conv, *, model_file: Optional[str] = None) -> ModelSou
 
     summary = conv.report.line if getattr(conv, "report", None) is not None else ""
     source_note = f"from {model_file}" if model_file else f"from {root_name}"
-    from . import __version__
+    from converter import __version__
 
     lines = [
         f'"""{root_name} converted to mixed precision ({conv.precision}) by mpconvert {__version__}, {source_note}.',
@@ -708,7 +708,7 @@ def render_train_py(conv, *, model_file: Optional[str] = None) -> str:
     """The source of train.py (see the module docstring)."""
     args, kwargs = conv.example_inputs
     spec = {"args": [_input_spec(a) for a in args], "kwargs": {k: _input_spec(v) for k, v in kwargs.items()}}
-    package_root = str(Path(__file__).resolve().parent.parent)
+    package_root = str(Path(__file__).resolve().parent.parent.parent)
     model_file_abs = str(Path(model_file).resolve()) if model_file else None
     return _TRAIN_TEMPLATE.format(
         precision=conv.precision,
@@ -1026,7 +1026,7 @@ def _write_text(path: Path, text: str) -> None:
 def _write_reports(report, directory: Path) -> list[str]:
     """report.json/.md/.html through converter.render when it exists; report.json at least."""
     try:
-        from .render import write_reports
+        from converter.report.render import write_reports
     except ModuleNotFoundError as exc:
         if exc.name not in ("converter.render", f"{__package__}.render"):
             raise

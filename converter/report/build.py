@@ -32,8 +32,8 @@ from typing import Any, Optional
 import torch
 import torch.fx
 
-from .flops import node_flops
-from .meta import HALF_NAMES, CastRecord, Decision, NodeInfo, itemsize
+from converter.report.flops import node_flops
+from converter.ir.meta import HALF_NAMES, CastRecord, Decision, NodeInfo, itemsize
 
 __all__ = ["Report", "build_report", "summary_line", "SCHEMA", "PRECEDENCE"]
 
@@ -119,12 +119,12 @@ class Report:
         raise KeyError(name)
 
     def to_markdown(self) -> str:
-        from .render import to_markdown
+        from converter.report.render import to_markdown
 
         return to_markdown(self)
 
     def to_html(self) -> str:
-        from .render import to_html
+        from converter.report.render import to_html
 
         return to_html(self)
 
@@ -311,7 +311,7 @@ def _memory(gm: torch.fx.GraphModule, casts: list[dict]) -> dict:
 
 
 def _dtype(name: str) -> torch.dtype:
-    from .meta import DTYPES
+    from converter.ir.meta import DTYPES
 
     return DTYPES.get(name, torch.float32)
 

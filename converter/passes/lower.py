@@ -44,10 +44,10 @@ from typing import Any, Optional
 import torch
 import torch.fx
 
-from .capture import _classify, _flat_specs, _spec_of
-from .graphmodule import pauses_gc
-from .meta import Decision, NodeInfo, TensorSpec
-from .ops import canonical_op
+from converter.passes.capture import _classify, _flat_specs, _spec_of
+from converter.ir.graphmodule import pauses_gc
+from converter.ir.meta import Decision, NodeInfo, TensorSpec
+from converter.ir.ops import canonical_op
 
 __all__ = ["lower", "DEVICES"]
 

@@ -18,10 +18,10 @@ from typing import Optional
 import torch
 import torch.fx
 
-from .capture import input_nodes
-from .graphmodule import pauses_gc
-from .meta import DTYPES, HALF_NAMES, Decision, TensorSpec, name_of
-from .ops import castable_arg_positions
+from converter.passes.capture import input_nodes
+from converter.ir.graphmodule import pauses_gc
+from converter.ir.meta import DTYPES, HALF_NAMES, Decision, TensorSpec, name_of
+from converter.ir.ops import castable_arg_positions
 
 __all__ = ["place", "STRATEGIES", "cast_cost", "alias_root", "castable_inputs"]
 
@@ -127,7 +127,7 @@ def place(gm: torch.fx.GraphModule, *, target: str, strategy: str = "mincut", ke
     if target not in HALF_NAMES:
         raise ValueError(f"target must be fp16 or bf16, got {target!r}")
     if strategy == "mincut":
-        from .mincut_stage import place_mincut  # local: keeps the networkx import off the simple path
+        from converter.passes.place.mincut import place_mincut  # local: keeps the networkx import off the simple path
 
         place_mincut(gm, target=target, keep_io_types=keep_io_types, opt_level=opt_level)
     else:

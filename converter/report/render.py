@@ -26,8 +26,8 @@ import re
 from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
-from .meta import HALF_NAMES
-from .report import PRECEDENCE, Report, build_report
+from converter.ir.meta import HALF_NAMES
+from converter.report.build import PRECEDENCE, Report, build_report
 
 __all__ = ["to_markdown", "to_html", "print_report", "write_reports", "explain", "md_escape", "COLORS"]
 

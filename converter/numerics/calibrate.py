@@ -54,10 +54,10 @@ import torch.fx
 from torch._utils import _flatten_dense_tensors
 from torch.utils import _pytree as pytree
 
-from .capture import normalize_inputs
-from .meta import HALF_NAMES, Decision, Match, RuleRef, TensorSpec
-from .place import castable_inputs, place
-from .rules import Rules
+from converter.passes.capture import normalize_inputs
+from converter.ir.meta import HALF_NAMES, Decision, Match, RuleRef, TensorSpec
+from converter.passes.place.stage import castable_inputs, place
+from converter.rules.loader import Rules
 
 __all__ = [
     "FP16_MAX",
@@ -766,7 +766,7 @@ def _fetch_attr(gm: torch.nn.Module, target: str) -> Any:
 
 def _setting_source(rules: Rules, key: str) -> Optional[str]:
     """The label of the last rule file whose ``[settings]`` sets ``key`` (None: nobody set it)."""
-    from .rules import rules_dir
+    from converter.rules.loader import rules_dir
 
     if key not in rules.settings:
         return None
@@ -788,7 +788,7 @@ def _setting_source(rules: Rules, key: str) -> Optional[str]:
 
 def _fresh_decisions(gm: torch.fx.GraphModule, rules: Rules, target: str) -> dict[str, Decision]:
     """What *decide* says for every node, without placement (used to reset ``follow`` nodes)."""
-    from .decide import decide
+    from converter.passes.decide import decide
 
     saved = {n: n.meta.get("mp") for n in gm.graph.nodes}
     try:
@@ -1078,7 +1078,7 @@ def calibrate_and_redecide(
     }
     gm.meta["mp_calibration"] = result
     if tolerance is not None:
-        from .search import accuracy_search
+        from converter.numerics.search import accuracy_search
 
         t2 = time.perf_counter()
         try:

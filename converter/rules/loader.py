@@ -54,8 +54,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
-from .meta import BUILTIN, Match, RuleRef
-from .ops import known_op_names
+from converter.ir.meta import BUILTIN, Match, RuleRef
+from converter.ir.ops import known_op_names
 
 __all__ = [
     "Rule",
@@ -358,13 +358,13 @@ def _entry(value, file: str, table: str, key: str, where) -> tuple[str, str, str
 def rules_dir() -> Path:
     """The directory of the built-in rule files (works for editable and normal installs)."""
     here = Path(__file__).resolve().parent
-    packaged = here / "rules"
+    packaged = here / "builtin"  # a normal install: rules/*.toml ship as converter.rules.builtin
     if packaged.is_dir():
         return packaged
-    source = here.parent / "rules"
+    source = here.parent.parent / "rules"  # a source checkout or an editable install
     if source.is_dir():
         return source
-    return Path(str(resources.files("converter") / "rules"))
+    return Path(str(resources.files("converter.rules") / "builtin"))
 
 
 def default_rules_path() -> Path:

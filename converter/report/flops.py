@@ -33,7 +33,7 @@ from typing import Any, Optional
 import torch
 import torch.fx
 
-from .meta import TensorSpec
+from converter.ir.meta import TensorSpec
 
 __all__ = ["node_flops", "FLOP_OPS", "NORM_FLOPS"]
 

@@ -23,9 +23,9 @@ from typing import Any, Optional
 import torch
 import torch.fx
 
-from .graphmodule import new_graph_module
-from .meta import NodeInfo, TensorSpec
-from .ops import CAST_OPS, NORM_OPS, canonical_op, explicit_dtype, is_inplace
+from converter.ir.graphmodule import new_graph_module
+from converter.ir.meta import NodeInfo, TensorSpec
+from converter.ir.ops import CAST_OPS, NORM_OPS, canonical_op, explicit_dtype, is_inplace
 
 __all__ = ["Captured", "CaptureError", "capture", "normalize_inputs", "annotate", "placeholder_values", "TRACED_THROUGH"]
 
@@ -91,7 +91,7 @@ def _short(exc: BaseException) -> str:
     return text[:200]
 
 
-_SKIP_FRAMES = (f"{torch.__path__[0]}", str(__import__("pathlib").Path(__file__).resolve().parent))
+_SKIP_FRAMES = (f"{torch.__path__[0]}", str(__import__("pathlib").Path(__file__).resolve().parent.parent))
 
 
 class _Tracer(torch.fx.Tracer):

@@ -23,9 +23,9 @@ import torch
 import torch.fx
 from torch.fx.node import map_arg
 
-from .graphmodule import pauses_gc
-from .meta import BUILTIN, DTYPES, CastRecord, NodeInfo, RuleRef, TensorSpec, name_of
-from .ops import CAST_OPS, NATIVE_PROMOTE_OPS, explicit_dtype, map_castable_args
+from converter.ir.graphmodule import pauses_gc
+from converter.ir.meta import BUILTIN, DTYPES, CastRecord, NodeInfo, RuleRef, TensorSpec, name_of
+from converter.ir.ops import CAST_OPS, NATIVE_PROMOTE_OPS, explicit_dtype, map_castable_args
 
 __all__ = ["rewrite", "inserted_casts", "runtime_dtype"]
 

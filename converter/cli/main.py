@@ -123,7 +123,7 @@ def _model_options(p: argparse.ArgumentParser) -> None:
 def build_parsers(only: Optional[str] = None) -> dict[str, argparse.ArgumentParser]:
     """The parsers of every command (or just ``only``), keyed by command name (``convert``,
     ``audit``, ``explain``, ``rules check``)."""
-    from . import __version__
+    from converter import __version__
 
     if only == "rules check":
         rules = _Parser(prog="mpconvert rules check", description="Validate rule files: TOML syntax, tables, keys, precisions and op names.")
@@ -248,7 +248,7 @@ class _UI:
 
 
 def _precision(value: str) -> str:
-    from .api import normalize_precision
+    from converter.api import normalize_precision
 
     try:
         return normalize_precision(value)
@@ -257,7 +257,7 @@ def _precision(value: str) -> str:
 
 
 def _load_rules(files: Optional[Sequence[str]]):
-    from .rules import load_rules
+    from converter.rules.loader import load_rules
 
     try:
         return load_rules(list(files) if files else None)
@@ -275,7 +275,7 @@ def _load_rules(files: Optional[Sequence[str]]):
 
 
 def _load_model(path: str, entry: Optional[str]):
-    from .modelfile import load_model_file
+    from converter.cli.modelfile import load_model_file
 
     return load_model_file(path, entry=entry)
 
@@ -291,8 +291,8 @@ def _capture_message(exc, model_name: str, model_file: str, tracer: str) -> str:
 
 
 def _convert(ns, ui: _UI, mf, precision: str, rules, *, calibration=None, calibration_options=None, measure=True):
-    from .api import convert
-    from .capture import CaptureError
+    from converter.api import convert
+    from converter.passes.capture import CaptureError
 
     with ui.status(f"Converting {mf.name} to {precision}…"):
         try:
@@ -302,7 +302,7 @@ def _convert(ns, ui: _UI, mf, precision: str, rules, *, calibration=None, calibr
         except CaptureError as exc:
             raise UsageError(_capture_message(exc, type(mf.model).__name__, mf.name, ns.tracer)) from exc
     if measure and not getattr(ns, "no_measure", False):
-        from .measure import measure as _measure
+        from converter.numerics.measure import measure as _measure
 
         with ui.status("Measuring memory and numerics against fp32 and torch.autocast…"):
             conv.report.add_measurements(_measure(conv))
@@ -318,7 +318,7 @@ def _default_out(model: str, suffix: str) -> Path:
 
 
 def _cmd_convert(ns, ui: _UI) -> int:
-    from .emit import check_output_dir, emit
+    from converter.export.emit import check_output_dir, emit
 
     precision = _precision(ns.precision)
     tolerance = _tolerance(ns.tolerance) if ns.tolerance is not None else None
@@ -332,7 +332,7 @@ def _cmd_convert(ns, ui: _UI) -> int:
     if ns.onnx:
         import importlib.util
 
-        missing = [m for m in ("converter.onnx_export", "onnx", "onnxruntime") if importlib.util.find_spec(m) is None]
+        missing = [m for m in ("onnx", "onnxruntime") if importlib.util.find_spec(m) is None]
         if missing:
             raise UsageError(f"--onnx is not available: {', '.join(missing)} cannot be imported; pip install 'mpconvert[onnx]' or drop --onnx")
     rules = _load_rules(ns.rules)
@@ -343,10 +343,6 @@ def _cmd_convert(ns, ui: _UI) -> int:
     calibration = None
     options = None
     if ns.calibrate or ns.tolerance is not None:
-        import importlib.util
-
-        if importlib.util.find_spec("converter.calibrate") is None:
-            raise UsageError("--calibrate is not available in this build (converter.calibrate is missing); drop --calibrate/--tolerance") from None
         if mf.calibration_inputs is None:
             raise UsageError(
                 f"--calibrate needs calibration inputs, but {mf.name} defines no calibration_inputs(); "
@@ -464,15 +460,15 @@ def _tolerance(text: str) -> Any:
 
 
 def _cmd_audit(ns, ui: _UI) -> int:
-    from .emit import check_output_dir, emit_reports
+    from converter.export.emit import check_output_dir, emit_reports
 
     precision = _precision(ns.precision)
     rules = _load_rules(ns.rules)
     out = Path(ns.out) if ns.out else _default_out(ns.model, "_audit")
     check_output_dir(out, force=ns.force)
     mf = _load_model(ns.model, ns.entry)
-    from .api import audit
-    from .capture import CaptureError
+    from converter.api import audit
+    from converter.passes.capture import CaptureError
 
     with ui.status(f"Auditing {mf.name} ({precision})…"):
         try:
@@ -497,7 +493,7 @@ def _cmd_audit(ns, ui: _UI) -> int:
 
 
 def _print_table(report, ui: _UI) -> None:
-    from .render import print_report  # rich tables: imported only when printing
+    from converter.report.render import print_report  # rich tables: imported only when printing
 
     print_report(report, ui.console)
 
@@ -531,13 +527,13 @@ def _cmd_explain(ns, ui: _UI) -> int:
 
 
 def _explain_text(conv, node_name: str) -> str:
-    from .render import explain
+    from converter.report.render import explain
 
     return explain(conv, node_name)
 
 
 def _cmd_rules_check(ns, ui: _UI) -> int:
-    from .rules import RulesError, load_rules
+    from converter.rules.loader import RulesError, load_rules
 
     results = []
     for name in ns.files:
@@ -714,10 +710,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _classify(exc: BaseException) -> tuple[int, str]:
-    from .decide import BannedOpError
-    from .emit import EmitError, VerificationError
-    from .modelfile import ModelFileError
-    from .rules import RulesError
+    from converter.passes.decide import BannedOpError
+    from converter.export.emit import EmitError, VerificationError
+    from converter.cli.modelfile import ModelFileError
+    from converter.rules.loader import RulesError
 
     if isinstance(exc, VerificationError):
         return EXIT_CHECK_FAILED, f"{exc}; nothing was written"

@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from .meta import HALF_NAMES, TensorSpec
-from .place import alias_root, cast_cost, castable_inputs
-from .placement import PlacementProblem, Tensor, solve_mincut
+from converter.ir.meta import HALF_NAMES, TensorSpec
+from converter.passes.place.stage import alias_root, cast_cost, castable_inputs
+from converter.passes.place.solver import PlacementProblem, Tensor, solve_mincut
 
 __all__ = ["place_mincut", "build_problem"]
 

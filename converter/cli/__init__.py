@@ -1,0 +1,1 @@
+"""The ``mpconvert`` command line."""

@@ -1,0 +1,1 @@
+"""Artifacts: the standalone model.py with its weights, train.py, the report files and ONNX."""

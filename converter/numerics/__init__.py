@@ -1,0 +1,1 @@
+"""Numerics: statistics on real inputs, calibration, accuracy search and measurement against fp32."""

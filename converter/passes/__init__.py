@@ -1,0 +1,1 @@
+"""The graph passes: capture, decide, place, rewrite and lower. Each reads and writes ``node.meta``."""
