@@ -9,12 +9,6 @@ Public API (DESIGN §5)::
 """
 from __future__ import annotations
 
-from converter.api import Conversion, PassError, audit, convert, normalize_precision
-from converter.passes.capture import CaptureError
-from converter.passes.decide import BannedOpError
-from converter.report.build import Report
-from converter.rules.loader import Rules, RulesError, load_rules
-
 __version__ = "0.1.0"
 
 __all__ = [
@@ -36,18 +30,35 @@ __all__ = [
 ]
 
 
+#: where each public name lives. Everything is imported on first use (PEP 562), so that
+#: ``mpconvert explain OUT_DIR NODE`` and ``--help`` answer without importing torch, and converting
+#: a model does not pay for the training wrapper.
+_LAZY = {
+    "convert": "converter.api",
+    "audit": "converter.api",
+    "Conversion": "converter.api",
+    "PassError": "converter.api",
+    "normalize_precision": "converter.api",
+    "CaptureError": "converter.passes.capture",
+    "BannedOpError": "converter.passes.decide",
+    "Report": "converter.report.build",
+    "Rules": "converter.rules.loader",
+    "RulesError": "converter.rules.loader",
+    "load_rules": "converter.rules.loader",
+    "LossScaler": "converter.train.scaler",
+    "ToleranceNotMet": "converter.numerics.calibrate",
+    "MixedPrecisionTrainer": "converter.train.trainer",
+}
+
+
 def __getattr__(name: str):
-    # The training wrapper is imported lazily: converting a model should not pay for it.
-    if name == "LossScaler":
-        from converter.train.scaler import LossScaler
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'converter' has no attribute {name!r}")
+    import importlib
 
-        return LossScaler
-    if name == "ToleranceNotMet":
-        from converter.numerics.calibrate import ToleranceNotMet
+    return getattr(importlib.import_module(module), name)
 
-        return ToleranceNotMet
-    if name == "MixedPrecisionTrainer":
-        from converter.train.trainer import MixedPrecisionTrainer
 
-        return MixedPrecisionTrainer
-    raise AttributeError(f"module 'converter' has no attribute {name!r}")
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -32,14 +32,13 @@ from typing import Any, Optional
 import torch
 import torch.fx
 
+from converter.report.explain import PRECEDENCE
 from converter.report.flops import node_flops
 from converter.ir.meta import HALF_NAMES, CastRecord, Decision, NodeInfo, itemsize
 
 __all__ = ["Report", "build_report", "summary_line", "SCHEMA", "PRECEDENCE"]
 
 SCHEMA = 1
-#: rule levels, highest precedence first (see :mod:`converter.rules`)
-PRECEDENCE = ("node", "module", "module_type", "op", "default")
 _PRECISIONS = ("fp16", "bf16", "fp32")
 
 
