@@ -643,7 +643,7 @@ def _check_node(ns, nodes: list, casts: list, source: str) -> None:
     close = closest_names(ns.node, nodes, casts, n=3)
     hint = f"did you mean {', '.join(repr(c) for c in close)}? " if close else ""
     raise UsageError(f"{ns.node!r} is not a compute node or cast of {ns.model} (read from {source}; {len(nodes)} compute nodes); "
-                     f"{hint}the node names are listed in report.md and report.json")
+                     f"{hint}`mpconvert audit {ns.model}` lists the node names (report.md)")
 
 
 def _audit_for_explain(ns, ui: _UI) -> dict:
@@ -765,6 +765,15 @@ def _legacy_rules(argv: list[str], parser: argparse.ArgumentParser, command: str
         out.extend(["--rules", token] if i in extra else [token])
     moved = " ".join(argv[i] for i in sorted(extra))
     return out, [f"`--rules F1 F2 ...` is deprecated (read {moved} as rule files); repeat the flag instead: --rules F1 --rules F2"]
+
+
+def _check_no_nul(ns) -> None:
+    """No file system or Python name accepts a NUL byte: refuse it in any argument, naming the option."""
+    for key, value in vars(ns).items():
+        values = value if isinstance(value, list) else [value]
+        if any(isinstance(v, str) and "\x00" in v for v in values):
+            what = {"model": "the model path", "node": "the node name", "files": "a rules file name"}.get(key, f"--{key.replace('_', '-')}")
+            raise UsageError(f"{what} contains a NUL byte; remove it")
 
 
 def _deprecations(ns) -> list[str]:
@@ -897,6 +906,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             except SystemExit as exc:  # --help / --version
                 return int(exc.code or 0)
             ui.quiet, ui.json, ui.debug = ns.quiet, ns.json, ns.debug
+            _check_no_nul(ns)
             for note in notes + _deprecations(ns):
                 ui.warn(note)
             if not (ui.quiet or ui.json):
