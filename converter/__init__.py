@@ -1,6 +1,6 @@
 """mpconvert: rule-driven mixed precision for PyTorch models, with an audit of every decision.
 
-Public API (DESIGN §5)::
+Public API (docs/architecture.md)::
 
     conv = converter.convert(model, example_inputs, precision="bf16")
     report = converter.audit(model, example_inputs)

@@ -1,17 +1,19 @@
-"""The ``mpconvert`` command (DESIGN §7); ``python -m converter`` runs it too.
+"""The ``mpconvert`` command (docs/cli.md); ``python -m converter`` runs it too.
 
 ::
 
-    mpconvert MODEL.py [--precision bf16|fp16] [--rules F ...] [--out DIR] [--tracer auto|fx|export]
-                       [--calibrate] [--tolerance DB] [--onnx] [--onnx-precision fp16|bf16]
-                       [--device cpu|cuda] [--force] [-q] [--json] [--debug] [--entry NAME]
-    mpconvert audit MODEL.py [...]         decide only; writes report.json/.md/.html
-    mpconvert explain MODEL.py NODE [...]  every rule that matched NODE, and why the winner won
-    mpconvert rules check FILE...          validate rule files
+    mpconvert MODEL [--precision bf16|fp16] [--rules F]... [--out DIR] [--tracer auto|fx|export]
+                    [--device cpu|cuda] [--calibrate] [--tolerance DB] [--onnx] [--onnx-precision fp16|bf16]
+                    [--batch N] [--seq-len T] [--force] [-q] [--json] [--debug] [--entry NAME]
+    mpconvert audit MODEL [...]                decide only; writes report.json/.md/.html
+    mpconvert explain OUT_DIR|MODEL NODE [...] every rule that matched NODE, and why the winner won
+    mpconvert rules check FILE...              validate rule files
+
+MODEL is a model file or a ``save_pretrained`` folder (with config.json).
 
 Exit status: 0 success; 1 a requested check failed (tolerance not met, ONNX verification failed,
 the emitted model does not reproduce the conversion); 2 bad input (usage, model file, rules,
-untraceable model, existing output directory): one line on stderr naming the problem and the fix,
+untraceable model, existing or unwritable output location, full disk): one line on stderr naming the problem and the fix,
 no traceback (``--debug`` shows it) and nothing written; 3 an internal error (a bug: please report
 it with the ``--debug`` output); 130 interrupted.
 
@@ -45,20 +47,26 @@ PRECISION_HELP = "fp16 or bf16 (aliases: 16-mixed, bf16-mixed); default bf16"
 
 _EPILOG = """\
 commands:
-  mpconvert MODEL.py [options]        convert; writes MODEL_mp/ (model.py, weights.pt, train.py, reports)
-  mpconvert audit MODEL.py [options]  decide only; writes MODEL_audit/ (report.json, .md, .html)
-  mpconvert explain MODEL.py NODE     every rule that matched NODE, its precedence, and the winner
-  mpconvert rules check FILE...       validate rule files (exit 2 on the first problem of each file)
+  mpconvert MODEL [options]             convert; writes MODEL_mp/ (model.py, weights.pt, train.py, reports)
+  mpconvert audit MODEL [options]       decide only; writes MODEL_audit/ (report.json, .md, .html)
+  mpconvert explain OUT_DIR|MODEL NODE  every rule that matched NODE, its precedence, and the winner
+  mpconvert rules check FILE...         validate rule files (exit 2 on the first problem of each file)
 
-the model file defines build_model() (or a module-level `model`) and example_inputs(); optionally
-calibration_inputs() for --calibrate, and loss_fn(output, batch) + train_batches() for train.py.
+MODEL is a model file defining build_model() (or a module-level `model`) and example_inputs(), and
+optionally calibration_inputs() for --calibrate, loss_fn(output, batch) + train_batches() for
+train.py (docs/model-file.md); or a save_pretrained folder with config.json (built offline with
+transformers' Auto classes; --batch and --seq-len size its example inputs). Full contract: docs/cli.md.
 
 examples:
   mpconvert samples/mlp.py                          bf16 conversion into ./mlp_mp/
   mpconvert samples/tiny_transformer.py --precision fp16 --rules llm --out tt_fp16 --force
+  mpconvert --rules llm --rules my.toml samples/mlp.py   one file per --rules; repeat it
+  mpconvert samples/tiny_transformer.py --device cpu     the model will train on the CPU: its lowerings
+  mpconvert path/to/checkpoint --batch 4 --seq-len 128   a save_pretrained folder, offline
   mpconvert samples/hf_gpt2.py --onnx               also write and verify model.onnx
   mpconvert samples/mlp.py --calibrate --tolerance 30   re-decide overflow-prone nodes; keep SQNR >= 30 dB
   mpconvert audit samples/cnn.py --json             machine-readable summary on stdout
+  mpconvert explain cnn_audit b1_conv                instant: reads cnn_audit/report.json
   mpconvert explain samples/tiny_transformer.py layers_0_attn_qkv
   mpconvert rules check rules/llm.toml my_rules.toml
   python mlp_mp/train.py --steps 5                  train the emitted model
@@ -154,7 +162,7 @@ def build_parsers(only: Optional[str] = None) -> dict[str, argparse.ArgumentPars
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    convert.add_argument("model", metavar="MODEL.py",
+    convert.add_argument("model", metavar="MODEL",
                          help="the model file (docs/model-file.md), or a folder written by save_pretrained (with config.json)")
     _model_options(convert)
     convert.add_argument("--out", metavar="DIR", default=None, help="output directory (default ./MODEL_mp)")
@@ -170,7 +178,7 @@ def build_parsers(only: Optional[str] = None) -> dict[str, argparse.ArgumentPars
 
     audit = _Parser(prog="mpconvert audit", description="Decide and place only: report what each node would run in and why. "
                     "Writes report.json, report.md and report.html.")
-    audit.add_argument("model", metavar="MODEL.py", help="the model file, or a save_pretrained folder")
+    audit.add_argument("model", metavar="MODEL", help="the model file, or a save_pretrained folder")
     _model_options(audit)
     audit.add_argument("--out", metavar="DIR", default=None, help="report directory (default ./MODEL_audit)")
     audit.add_argument("--force", action="store_true", help="replace an existing report directory")
@@ -643,7 +651,14 @@ def _check_node(ns, nodes: list, casts: list, source: str) -> None:
     close = closest_names(ns.node, nodes, casts, n=3)
     hint = f"did you mean {', '.join(repr(c) for c in close)}? " if close else ""
     raise UsageError(f"{ns.node!r} is not a compute node or cast of {ns.model} (read from {source}; {len(nodes)} compute nodes); "
-                     f"{hint}`mpconvert audit {ns.model}` lists the node names (report.md)")
+                     f"{hint}{_where_names(ns.model)}")
+
+
+def _where_names(target: str) -> str:
+    path = Path(target)
+    if path.is_dir() and (path / "report.json").is_file():
+        return f"{path / 'report.md'} lists the node names"
+    return f"`mpconvert audit {target}` lists the node names (report.md)"
 
 
 def _audit_for_explain(ns, ui: _UI) -> dict:
@@ -909,8 +924,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             _check_no_nul(ns)
             for note in notes + _deprecations(ns):
                 ui.warn(note)
-            if not (ui.quiet or ui.json):
-                ui.console  # bind rich to the real stderr before it is captured
+            if not (ui.quiet or ui.json) and command in ("convert", "audit"):
+                ui.console  # bind rich to the real stderr before it is captured (explain never needs rich)
             with _captured_stderr(not ns.debug) as captured, _stdout_to_stderr():
                 try:
                     code = _COMMANDS[command](ns, ui)
@@ -918,6 +933,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     code = fail(EXIT_INTERRUPTED, "interrupted; nothing was written", exc)
                 except _CheckFailed as exc:
                     code = fail(EXIT_CHECK_FAILED, str(exc), exc, exc.payload)
+                except UsageError as exc:  # without importing torch (instant explain answers this too)
+                    code = fail(EXIT_BAD_INPUT, str(exc), exc)
                 except Exception as exc:  # classify: bad input (2), failed check (1) or a bug (3)
                     code = fail(*_classify(exc), exc)
             noise = captured[0] if captured else ""

@@ -7,7 +7,7 @@
   rule, reason, source location, FLOPs (:mod:`converter.flops`), output bytes, and every rule
   that matched (for ``explain``);
 * ``casts`` — one row per cast: activation casts and O1 weight casts (``on_weight``) apart;
-* ``summary`` — DESIGN §6: counts by precision (they sum to ``compute_nodes``), ``casts`` and
+* ``summary`` — docs/report.md: counts by precision (they sum to ``compute_nodes``), ``casts`` and
   ``cast_bytes`` for the activation casts only, ``weight_casts``/``weight_cast_bytes`` for the
   others, the FLOP share in half and the unmatched ops;
 * ``ops`` — per op type: Op | Total | FP16 | BF16 | FP32 | deciding rules;
@@ -44,7 +44,7 @@ _PRECISIONS = ("fp16", "bf16", "fp32")
 
 @dataclass
 class Report:
-    """Everything the audit knows; ``to_dict()`` is report.json (schema 1, DESIGN §6)."""
+    """Everything the audit knows; ``to_dict()`` is report.json (schema 1, docs/report.md)."""
 
     precision: str
     tracer: str
