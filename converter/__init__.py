@@ -9,7 +9,7 @@ Public API (docs/architecture.md)::
 """
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from converter._version import __version__
 
 __all__ = [
     "convert",
