@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from converter.cli.main import main
 from tests.helpers import SAMPLES
 from tests.test_cli import assert_bad_input, run, snapshot, write
 

@@ -84,9 +84,8 @@ def test_explain_reads_the_saved_report_without_torch(work, capfd):
     assert "fc1: op linear" in out and "WINS" in out and "precedence, highest first" in out
     assert not torch_imported, f"explain from report.json imported torch ({elapsed:.2f} s)"
     # the same text as explaining the conversion in memory
-    from converter.report.render import explain
-
     import converter
+    from converter.report.render import explain
     from tests.helpers import load_sample
 
     sample = load_sample("mlp")

@@ -539,25 +539,34 @@ def _onnx_failure(ns, onnx_result: dict, payload: dict) -> Optional[str]:
 def _tolerance(text: str) -> Any:
     """``--tolerance``: an SQNR in dB (``30``), or ``sqnr=30`` / ``rtol=1e-2,atol=1e-3``."""
     fix = "give an SQNR in dB such as 30, or rtol=1e-2,atol=1e-3"
-    try:
-        value = float(text)
-    except ValueError:
-        parts: dict[str, float] = {}
-        for item in str(text).split(","):
-            key, sep, number = item.partition("=")
-            key = key.strip().lower()
-            try:
-                parts[key] = float(number)
-            except ValueError:
-                raise UsageError(f"--tolerance {text!r} is not understood; {fix}") from None
-            if not sep or key not in ("sqnr", "rtol", "atol") or not math.isfinite(parts[key]):
-                raise UsageError(f"--tolerance {text!r} is not understood; {fix}")
-        if "sqnr" in parts and len(parts) > 1:
-            raise UsageError(f"--tolerance {text!r} mixes sqnr with rtol/atol; {fix}")
-        return parts
+    value = _float_or_none(text)
+    if value is None:
+        return _tolerance_parts(text, fix)
     if not math.isfinite(value):
         raise UsageError(f"--tolerance must be a finite SQNR in dB, got {text!r}; {fix}")
     return value
+
+
+def _float_or_none(text: str) -> Optional[float]:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def _tolerance_parts(text: str, fix: str) -> dict[str, float]:
+    """``sqnr=30`` or ``rtol=1e-2,atol=1e-3``: finite numbers for known keys."""
+    parts: dict[str, float] = {}
+    for item in str(text).split(","):
+        key, sep, number = item.partition("=")
+        key = key.strip().lower()
+        value = _float_or_none(number)
+        if value is None or not sep or key not in ("sqnr", "rtol", "atol") or not math.isfinite(value):
+            raise UsageError(f"--tolerance {text!r} is not understood; {fix}")
+        parts[key] = value
+    if "sqnr" in parts and len(parts) > 1:
+        raise UsageError(f"--tolerance {text!r} mixes sqnr with rtol/atol; {fix}")
+    return parts
 
 
 def _cmd_audit(ns, ui: _UI) -> int:
@@ -925,7 +934,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for note in notes + _deprecations(ns):
                 ui.warn(note)
             if not (ui.quiet or ui.json) and command in ("convert", "audit"):
-                ui.console  # bind rich to the real stderr before it is captured (explain never needs rich)
+                _ = ui.console  # bind rich to the real stderr before it is captured (explain never needs rich)
             with _captured_stderr(not ns.debug) as captured, _stdout_to_stderr():
                 try:
                     code = _COMMANDS[command](ns, ui)
@@ -961,9 +970,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _classify(exc: BaseException) -> tuple[int, str]:
-    from converter.passes.decide import BannedOpError
-    from converter.export.emit import EmitError, VerificationError
     from converter.cli.modelfile import ModelFileError
+    from converter.export.emit import EmitError, VerificationError
+    from converter.passes.decide import BannedOpError
     from converter.rules.loader import RulesError
 
     if isinstance(exc, VerificationError):

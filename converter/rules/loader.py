@@ -49,11 +49,12 @@ import difflib
 import fnmatch
 import math
 import re
-import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Iterable, Mapping, Optional, Sequence, Union
+
+import tomllib
 
 from converter.ir.meta import BUILTIN, Match, RuleRef
 from converter.ir.ops import known_op_names
