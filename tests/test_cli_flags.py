@@ -91,6 +91,10 @@ def test_explain_reads_the_saved_report_without_torch(work, capfd):
     sample = load_sample("mlp")
     report = converter.audit(sample.build_model(), sample.example_inputs(), rules="llm")
     assert out.strip() == explain(report, "fc1").strip()
+    code, out, err = run(capfd, "explain", "aud", "fc1", "--json")
+    payload = json.loads(out)
+    assert payload["ok"] and payload["source"].endswith("report.json") and payload["precision"] == "bf16"
+    assert payload["matches"][0]["level"] == "op" and payload["matches"][0]["precision"] == "half", payload["matches"]
     # unknown node: the closest names
     code, out, err, _, _ = _explain_in_subprocess(work, "explain", "aud", "fc_1")
     assert code == 2 and "Traceback" not in err
@@ -130,6 +134,11 @@ def _save(kind: str, folder) -> None:
         config = transformers.BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                          intermediate_size=128, max_position_embeddings=32)
         model = transformers.BertModel(config)
+    elif kind == "llama":
+        config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                          bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        model = transformers.LlamaForCausalLM(config)
     else:
         config = transformers.ViTConfig(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2,
                                         num_attention_heads=4, intermediate_size=128, num_labels=3)
@@ -157,6 +166,19 @@ def test_save_pretrained_folder_converts_offline(work, capfd, monkeypatch, kind,
     assert any("bit-exactly" in c for c in payload["checks"]), payload["checks"]
     report = json.loads((work / f"{kind}_mp" / "report.json").read_text())
     assert report["tracer"] == "export"
+
+
+def test_rotary_decoder_folder_audits(work, capfd):
+    """A Llama folder builds and audits; converting it (emitting model.py) waits on capture's work
+    for the rotary embedding's nested graph, and is refused with one line meanwhile."""
+    _save("llama", work / "llama")
+    capfd.readouterr()
+    code, out, err = run(capfd, "audit", "llama", "--seq-len", "12", "--json")
+    assert code == 0, err
+    payload = json.loads(out)
+    assert payload["tracer"] == "export" and payload["summary"]["by_precision"]["bf16"] > 0
+    code, out, err = run(capfd, "explain", "llama_audit", "lm_head")
+    assert code == 0 and "lm_head: op linear" in out, err
 
 
 def test_folder_errors_are_one_line(work, capfd):

@@ -625,6 +625,9 @@ def _cmd_explain(ns, ui: _UI) -> int:
 
     target = Path(ns.model)
     directory = report_dir_of(target)
+    if directory is None and target.is_dir() and not (target / "config.json").is_file():
+        raise UsageError(f"{target} has no report.json; pass an output directory of mpconvert or mpconvert audit, "
+                         "a model file, or a save_pretrained folder")
     path = directory / "report.json" if directory is not None else fresh_report(ns, cwd=Path.cwd())
     try:
         report = read_report(path) if path is not None else None
