@@ -131,7 +131,7 @@ def rewrite(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, check: Opti
         want = DTYPES[decision.precision]
         if decision.requested == "promote" and _promotes_natively(node, info, want, cache):
             continue
-        reason = f"{node.name} ({info.op}) runs in {decision.precision}: {decision.reason}"
+        reason = f"{node.name} ({info.op}) runs in {decision.precision}: {decision.full_reason}"
 
         def convert(arg, _want=want, _node=node, _reason=reason, _rule=decision.rule):
             if not isinstance(arg, torch.fx.Node):
