@@ -160,7 +160,7 @@ def test_notes_are_data_and_reason_stays_the_deciding_rules():
         row = rows[name]
         assert row["reason"] == decision.reason
         assert row["notes"] == [{"stage": s, "text": t} for s, t in decision.notes]
-        for stage, text in decision.notes:
+        for _, text in decision.notes:
             assert not text.startswith(("placement", "lowered")), (name, text)  # the label comes from the stage
         if decision.requested in ("follow", "promote"):
             placed += 1
