@@ -159,7 +159,7 @@ def test_notes_are_data_and_reason_stays_the_deciding_rules():
     for name, decision in conv.decisions.items():
         row = rows[name]
         assert row["reason"] == decision.reason
-        assert row["notes"] == [{"stage": s, "text": t} for s, t in decision.notes]
+        assert row["notes"] == [[s, t] for s, t in decision.notes]
         for _, text in decision.notes:
             assert not text.startswith(("placement", "lowered")), (name, text)  # the label comes from the stage
         if decision.requested in ("follow", "promote"):

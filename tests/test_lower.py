@@ -164,7 +164,7 @@ def test_provenance_names_the_attention_rule():
         assert decision.notes[0][1].startswith("from scaled_dot_product_attention ("), decision.notes
         assert "lowered: from scaled_dot_product_attention" in decision.full_reason
     entry = next(e for e in conv.report.to_dict()["nodes"] if e["op"] == "softmax")
-    assert entry["precision"] == "bf16" and [n["stage"] for n in entry["notes"]] == ["lower"], entry
+    assert entry["precision"] == "bf16" and [stage for stage, _ in entry["notes"]] == ["lower"], entry
     assert "lowered" not in entry["reason"], entry["reason"]
     assert "| tuned for | cpu · lowered: scaled_dot_product_attention |" in conv.report.to_markdown()
     assert "tuned for cpu · lowered: scaled_dot_product_attention" in conv.report.to_html()

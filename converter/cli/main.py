@@ -528,7 +528,7 @@ def _cmd_explain(ns, ui: _UI) -> int:
         ui.emit_json({
             "ok": True, "command": "explain", "exit_code": EXIT_OK, "node": ns.node,
             "precision": decision.precision, "requested": decision.requested, "rule": str(decision.rule), "reason": decision.reason,
-            "notes": [{"stage": s, "text": t} for s, t in decision.notes],
+            "notes": [[stage, note] for stage, note in decision.notes],
             "matches": [{"rule": str(m.rule), "precision": m.precision, "level": m.level, "level_name": m.level_name,
                          "scope": m.scope, "reason": m.reason} for m in decision.matches],
             "text": text,

@@ -191,7 +191,7 @@ def _node_row(index: int, node: torch.fx.Node, info: NodeInfo, decision: Decisio
         "rule": str(decision.rule),
         "rule_level": decision.rule.table,
         "reason": decision.reason,
-        "notes": [{"stage": stage, "text": text} for stage, text in decision.notes],
+        "notes": [[stage, text] for stage, text in decision.notes],  # (stage, text) pairs, oldest first
         "requested": decision.requested,
         "source": _source(node, info),
         "kind": info.kind,

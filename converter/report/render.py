@@ -974,7 +974,7 @@ def write_reports(report: Report, out_dir: Union[str, Path]) -> list[Path]:
 
 def _reason(row: dict) -> str:
     """A node's reason with its stage notes (``placement: ...``), for the one-line table cells."""
-    return "; ".join([row["reason"], *(note_text(n["stage"], n["text"]) for n in row.get("notes", ()))])
+    return "; ".join([row["reason"], *(note_text(stage, text) for stage, text in row.get("notes", ()))])
 
 
 def _as_report(target: Any) -> Report:
@@ -1060,9 +1060,9 @@ def explain(conv_or_gm: Any, node_name: str) -> str:
     notes = r.get("notes", [])
     lines.append("")
     lines.append(f"  why: {r['reason']}")
-    for note in notes:
-        lines.append(f"  {note_text(note['stage'], note['text'])}")
-    if r["requested"] in ("follow", "promote") and not any(note["stage"] == "place" for note in notes):
+    for stage, text in notes:
+        lines.append(f"  {note_text(stage, text)}")
+    if r["requested"] in ("follow", "promote") and not any(stage == "place" for stage, _ in notes):
         lines.append(f"  placement: {r['requested']} resolved to {r['precision']}")
     into = [c for c in report.casts if r["name"] in c["consumers"]]
     out_of = [c for c in report.casts if c["src"] == r["name"]]
