@@ -81,11 +81,26 @@ def test_every_meta_key_the_package_uses_is_declared():
     print(f"\nmeta keys: {len(declared)} declared, {len(used)} used, in {len(set().union(*used.values()))} files")
 
 
+def _stage(rel: str) -> str:
+    """The stage a source file belongs to, as the contract names it."""
+    parts = Path(rel).with_suffix("").parts[1:]
+    if parts[0] in ("passes", "numerics"):
+        return parts[1]
+    return parts[0]
+
+
+def test_contract_names_exactly_the_stages_that_use_each_key():
+    used, _ = _scan()
+    for entry in ir_meta.CONTRACT:
+        stages = {_stage(rel) for rel in used[entry.key]}
+        assert stages == set(entry.writers) | set(entry.readers), (entry.key, sorted(stages))
+
+
 def test_contract_entries_are_complete_and_unique():
     keys = [entry.key for entry in ir_meta.CONTRACT]
     assert len(keys) == len(set(keys)) == 11, keys
     for entry in ir_meta.CONTRACT:
-        assert entry.on in ("node", "graph") and entry.type and entry.writer and entry.doc, entry
+        assert entry.on in ("node", "graph") and entry.type and entry.writers and entry.doc, entry
     assert {e.key for e in ir_meta.CONTRACT if e.on == "graph"} == {ir_meta.GM_GRAPH, ir_meta.GM_PARAM_DTYPES, ir_meta.GM_CALIBRATION}
 
 

@@ -103,44 +103,48 @@ TORCH_META_KEYS = ("val", "stack_trace", "nn_module_stack")
 
 @dataclass(frozen=True)
 class MetaKey:
-    """One entry of the meta contract."""
+    """One entry of the meta contract: where the key lives, what it holds, who writes and reads it.
+
+    ``writers`` and ``readers`` name stages (``capture``, ``decide``, ``lower``, ``place``,
+    ``rewrite``, ``calibrate``, ``search``, ``measure``, ``report``, ``export``, ``train``, ``api``,
+    ``cli``, ``ir``); ``tests/test_ir_contract.py`` checks them against the code.
+    """
 
     key: str
     on: Literal["node", "graph"]  # node.meta or gm.meta
     type: str
-    writer: str
+    writers: tuple[str, ...]
     readers: tuple[str, ...]
     doc: str
 
 
 CONTRACT: tuple[MetaKey, ...] = (
-    MetaKey(META_INFO, "node", "NodeInfo", "capture (lower for the nodes it makes, rewrite for casts)",
-            ("decide", "lower", "place", "rewrite", "calibrate", "search", "measure", "report", "export", "train"),
-            "what capture learned: op, module, kind, outputs"),
-    MetaKey(META_DECISION, "node", "Decision", "decide (amended by lower, place, calibrate, search)",
-            ("place", "lower", "rewrite", "calibrate", "search", "measure", "report", "export", "api", "cli"),
-            "the node's precision and its provenance"),
-    MetaKey(META_CAST, "node", "CastRecord", "rewrite", ("report", "export", "measure", "train"),
+    MetaKey(META_INFO, "node", "NodeInfo", ("capture", "lower", "rewrite"),
+            ("decide", "place", "calibrate", "search", "measure", "report", "export", "train", "api"),
+            "what capture learned: op, module, kind, outputs (lower and rewrite describe the nodes they make)"),
+    MetaKey(META_DECISION, "node", "Decision", ("decide", "lower", "place", "calibrate"),
+            ("rewrite", "search", "measure", "report", "export", "api", "cli"),
+            "the node's precision and its provenance; later stages amend it with Decision.noted"),
+    MetaKey(META_CAST, "node", "CastRecord", ("rewrite",), ("measure", "report", "export", "train"),
             "on every cast node: what it converts and which rule made it necessary"),
-    MetaKey(META_VALUE, "node", "TensorSpec | tuple | torch.dtype | str", "capture (lower, rewrite for new nodes)",
-            ("lower", "place", "rewrite", "calibrate", "report", "export", "ir.ops"),
+    MetaKey(META_VALUE, "node", "TensorSpec | tuple | torch.dtype | str", ("capture", "lower", "rewrite"),
+            ("ir", "place", "calibrate", "report", "export"),
             "shape propagation: a TensorSpec per tensor (tuples for containers), a dtype, or a type name"),
-    MetaKey(META_STATS, "node", "converter.numerics.calibrate.NodeStats", "calibrate", ("calibrate", "search"),
+    MetaKey(META_STATS, "node", "converter.numerics.calibrate.NodeStats", ("calibrate",), (),
             "forward (and gradient) statistics over the calibration inputs"),
-    MetaKey(META_LOWERED, "node", "str", "lower", (),
+    MetaKey(META_LOWERED, "node", "str", ("lower",), (),
             "marks a node lower made or re-typed, with why (for users and tests; the decision has the note)"),
-    MetaKey(META_SOURCE, "node", "str", "capture (FX tracer)", ("capture",),
-            "file:line of the model code that made the node"),
-    MetaKey(META_TRAINER, "node", "str", "train (MixedPrecisionTrainer)", (),
+    MetaKey(META_SOURCE, "node", "str", ("capture",), (),
+            "file:line of the model code that made the node (FX tracer; read back by capture)"),
+    MetaKey(META_TRAINER, "node", "str", ("train",), (),
             "marks a node the trainer inserted (e.g. embedding_grad_shrink)"),
-    MetaKey(GM_GRAPH, "graph", "GraphMeta", "api (capture facts; lower's list in extra)", ("report", "api"),
-            "graph-level facts: tracer, precision, capture errors, rule files"),
-    MetaKey(GM_PARAM_DTYPES, "graph", "dict[str, torch.dtype]", "rewrite (and the emitted model.py)",
-            ("report", "export", "train"), "fqn -> the dtype each parameter may be stored in (O2)"),
-    MetaKey(GM_CALIBRATION, "graph", "dict", "calibrate", ("report",),
+    MetaKey(GM_GRAPH, "graph", "GraphMeta", ("api",), ("report",),
+            "graph-level facts: tracer, precision, capture errors, rule files, lower's list in extra"),
+    MetaKey(GM_PARAM_DTYPES, "graph", "dict[str, torch.dtype]", ("rewrite",), ("report", "export", "train"),
+            "fqn -> the dtype each parameter may be stored in (O2); the emitted model.py sets it too"),
+    MetaKey(GM_CALIBRATION, "graph", "dict", ("calibrate",), ("report",),
             "calibration results for report.json (risky nodes, loss scale, underflow)"),
 )
-
 
 #: precision name -> torch dtype, for the floating dtypes this tool converts between
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
