@@ -193,6 +193,30 @@ def test_notes_are_data_and_reason_stays_the_deciding_rules():
     assert "; placement: min-cut chose bf16" in conv.report.to_markdown()
 
 
+class _Overflowing(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 4)
+        with torch.no_grad():
+            self.a.weight.mul_(3000.0)  # ~5e4: fits fp16 alone, not with calibration's margin
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)) * 0.001)
+
+
+def test_calibration_replaces_the_decision_and_drops_stale_notes():
+    torch.manual_seed(0)
+    x = torch.randn(4, 16) * 10
+    plain = converter.convert(_Overflowing(), (x,), precision="fp16")
+    conv = converter.convert(_Overflowing(), (x,), precision="fp16", calibration=[(x,)])
+    before, after = plain.decisions["a"], conv.decisions["a"]
+    assert (before.precision, after.precision, after.rule.table) == ("fp16", "bf16", "calibration")
+    assert after.notes == () and after.reason.startswith("calibration: ")
+    assert after.reason.endswith(f"(was fp16 by {before.rule}: {before.full_reason})"), after.reason
+    assert [m.level_name for m in after.matches][:1] == ["calibration"] and after.matches[0].level == precedence.rank("calibration")
+
+
 def test_explain_reads_notes_and_never_parses_the_reason():
     source = inspect.getsource(explain)
     assert "re." not in source and "split(" not in source, "explain must read Decision.notes, not parse text"

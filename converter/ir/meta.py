@@ -7,8 +7,9 @@ The main ones:
 
 * ``node.meta[META_INFO]`` — :class:`NodeInfo`, written by *capture*: canonical op name, module
   path and class, source location, the node's kind and the tensors it produces.
-* ``node.meta[META_DECISION]`` — :class:`Decision`, written by *decide*; *lower*, *place*,
-  *calibrate* and *search* amend it and say why in :attr:`Decision.notes`.
+* ``node.meta[META_DECISION]`` — :class:`Decision`, written by *decide*; *lower* and *place*
+  amend it and say why in :attr:`Decision.notes`; *calibrate* (and the accuracy search through
+  it) replaces it with a new rule and reason, keeping the old rule in ``matches``.
 * ``node.meta[META_CAST]`` — :class:`CastRecord`, on every cast node that *rewrite* inserted.
 
 The report, the emitted artifacts and the ONNX check read these records and nothing else.
@@ -78,10 +79,9 @@ NODE_KINDS: tuple[str, ...] = get_args(NodeKind)
 #: ``RuleRef.table``: a rule table, or where a non-rule decision came from
 RuleTable = Literal["node", "module", "module_type", "op", "default", "builtin", "placement", "calibration"]
 #: the stage that added a note to a decision (``Decision.notes``)
-NoteStage = Literal["lower", "place", "calibrate", "search"]
+NoteStage = Literal["lower", "place"]
 #: how a note is labelled when shown (``explain``, the report's reason column)
-NOTE_LABELS: dict[str, str] = {"lower": "lowered", "place": "placement", "calibrate": "calibration",
-                               "search": "accuracy search"}
+NOTE_LABELS: dict[str, str] = {"lower": "lowered", "place": "placement"}
 
 # ---------------------------------------------------------------------------------------------
 # the meta contract: every key, its type, who writes it and who reads it
