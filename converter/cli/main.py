@@ -35,6 +35,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from converter.ir.errors import MpconvertError  # torch-free: `explain OUT_DIR` must not import torch
+
 __all__ = ["main", "build_parsers", "UsageError", "EXIT_OK", "EXIT_CHECK_FAILED", "EXIT_BAD_INPUT", "EXIT_INTERNAL"]
 
 EXIT_OK = 0
@@ -43,7 +45,7 @@ EXIT_BAD_INPUT = 2
 EXIT_INTERNAL = 3
 EXIT_INTERRUPTED = 130
 
-PRECISION_HELP = "fp16 or bf16 (aliases: 16-mixed, bf16-mixed); default bf16"
+PRECISION_HELP = "fp16 or bf16 (aliases: float16, half, 16-mixed, bfloat16, bf16-mixed); default bf16"
 
 _EPILOG = """\
 commands:
@@ -76,12 +78,14 @@ traceback; nothing written), 3 internal error.
 """
 
 
-class UsageError(ValueError):
+class UsageError(MpconvertError, ValueError):
     """Bad command-line usage; the message is one line."""
 
 
-class _CheckFailed(Exception):
+class _CheckFailed(MpconvertError):
     """A requested check failed (exit 1); carries the message and any JSON payload."""
+
+    exit_code = EXIT_CHECK_FAILED
 
     def __init__(self, message: str, payload: Optional[dict] = None):
         super().__init__(message)
@@ -170,7 +174,7 @@ def build_parsers(only: Optional[str] = None) -> dict[str, argparse.ArgumentPars
     convert.add_argument("--tolerance", metavar="DB", default=None,
                          help="with calibration: minimum SQNR in dB against fp32 (implies --calibrate); exit 1 if not met")
     convert.add_argument("--onnx", action="store_true", help="also export model.onnx and verify its casts and outputs")
-    convert.add_argument("--onnx-precision", choices=("fp16", "bf16"), default=None,
+    convert.add_argument("--onnx-precision", type=_precision_arg, default=None, metavar="P",
                          help="precision of model.onnx (default: the conversion's; bf16 exports fp16, since ONNX Runtime's CPU provider lacks bf16)")
     convert.add_argument("--force", action="store_true", help="replace an existing output directory")
     convert.add_argument("--version", action="version", version=f"mpconvert {__version__}")
@@ -280,13 +284,23 @@ class _UI:
 # shared steps
 
 
-def _precision(value: str) -> str:
-    from converter.api import normalize_precision
+def _precision_arg(value: str) -> str:
+    """argparse ``type=``: the canonical half precision, or the shared one-line message."""
+    from converter.ir.precision import PrecisionError, half_precision
 
     try:
-        return normalize_precision(value)
-    except ValueError:
-        raise UsageError(f"unknown precision {value!r}; use --precision fp16 or bf16 (aliases: 16-mixed, bf16-mixed)") from None
+        return half_precision(value)
+    except PrecisionError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _precision(value: str) -> str:
+    from converter.ir.precision import PrecisionError, half_precision
+
+    try:
+        return half_precision(value)
+    except PrecisionError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _load_rules(files: Optional[Sequence[str]]):
@@ -462,16 +476,15 @@ def _cmd_convert(ns, ui: _UI) -> int:
 
 def _convert_checked(ns, ui: _UI, mf, precision: str, rules, calibration, options):
     """:func:`_convert`, with a calibration tolerance that is not met turned into exit 1."""
+    from converter.numerics.calibrate import ToleranceNotMet
+
     try:
         return _convert(ns, ui, mf, precision, rules, calibration=calibration, calibration_options=options)
-    except ValueError as exc:
-        if type(exc).__name__ == "ToleranceNotMet":
-            best = getattr(exc, "best_sqnr", getattr(exc, "best", None))
-            raise _CheckFailed(
-                f"{_one_line(exc)}; nothing written. Relax --tolerance, add rules that keep more ops in fp32, or use bf16",
-                {"best_sqnr": best},
-            ) from exc
-        raise
+    except ToleranceNotMet as exc:
+        raise _CheckFailed(
+            f"{_one_line(exc)}; nothing written. Relax --tolerance, add rules that keep more ops in fp32, or use bf16",
+            {"best_sqnr": exc.best_sqnr},
+        ) from exc
 
 
 def _write_conversion(ns, ui: _UI, conv, out: Path, check_device: str) -> int:
@@ -646,7 +659,7 @@ def _cmd_explain(ns, ui: _UI) -> int:
     if ui.json:
         row = next((r for r in nodes if r["name"] == ns.node), {})
         ui.emit_json({"ok": True, "command": "explain", "exit_code": EXIT_OK, "node": ns.node, "source": source,
-                      **{key: row.get(key) for key in ("precision", "requested", "rule", "reason", "matches")}, "text": text})
+                      **{key: row.get(key) for key in ("precision", "requested", "rule", "reason", "notes", "matches")}, "text": text})
         return EXIT_OK
     ui.out(text)
     if not ui.quiet:
@@ -945,8 +958,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     code = fail(EXIT_INTERRUPTED, "interrupted; nothing was written", exc)
                 except _CheckFailed as exc:
                     code = fail(EXIT_CHECK_FAILED, str(exc), exc, exc.payload)
-                except UsageError as exc:  # without importing torch (instant explain answers this too)
-                    code = fail(EXIT_BAD_INPUT, str(exc), exc)
                 except Exception as exc:  # classify: bad input (2), failed check (1) or a bug (3)
                     code = fail(*_classify(exc), exc)
             noise = captured[0] if captured else ""
@@ -973,17 +984,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _classify(exc: BaseException) -> tuple[int, str]:
-    from converter.cli.modelfile import ModelFileError
-    from converter.export.emit import EmitError, VerificationError
-    from converter.passes.decide import BannedOpError
-    from converter.rules.loader import RulesError
-
-    if isinstance(exc, VerificationError):
+    """Exit status and one-line message for an exception: every mpconvert error carries its own."""
+    if isinstance(exc, MpconvertError) and exc.exit_code == EXIT_CHECK_FAILED:
         return EXIT_CHECK_FAILED, f"{exc}; nothing was written"
-    if isinstance(exc, (UsageError, ModelFileError, RulesError, BannedOpError, EmitError)):
+    if isinstance(exc, MpconvertError) and exc.exit_code == EXIT_BAD_INPUT:
         return EXIT_BAD_INPUT, str(exc)
-    if type(exc).__name__ == "ToleranceNotMet":
-        return EXIT_CHECK_FAILED, f"{exc}; nothing was written"
     return EXIT_INTERNAL, f"internal error: {type(exc).__name__}: {exc}; rerun with --debug and report it"
 
 

@@ -2,21 +2,20 @@
 
 ``mpconvert explain OUT_DIR NODE`` reads report.json and calls :func:`explain_rows` on its
 ``nodes`` and ``casts``; :func:`converter.report.render.explain` calls it on an in-memory
-:class:`~converter.report.build.Report`. Each node row carries ``matches``: every rule that matched,
-best first (see :func:`converter.report.build.build_report`). This module imports only the
-standard library, so answering from a saved report does not pay for importing torch.
+:class:`~converter.report.build.Report`. Each node row carries ``matches`` (every rule that
+matched, best first) and ``notes`` (``[stage, text]`` pairs), see docs/report.md. This module
+imports only the standard library and torch-free modules (the precedence table, the note labels),
+so answering from a saved report does not pay for importing torch.
 """
 from __future__ import annotations
 
 import difflib
-import re
 from typing import Any, Sequence
 
-__all__ = ["explain_rows", "closest_names", "PRECEDENCE"]
+from converter.ir.notes import note_text
+from converter.rules.precedence import OVERRIDE_LEVEL, SCOPED_LEVELS, describe, rank
 
-#: rule levels, highest precedence first (see :mod:`converter.rules.loader`)
-PRECEDENCE = ("node", "module", "module_type", "op", "default")
-_LEVEL_RANK = {"calibration": -1, **{name: i for i, name in enumerate(PRECEDENCE)}}
+__all__ = ["explain_rows", "closest_names"]
 
 
 def _format_db(x: Any) -> str:
@@ -30,12 +29,12 @@ def closest_names(name: str, nodes: Sequence[dict], casts: Sequence[dict] = (), 
 
 
 def _why(win: dict, other: dict) -> str:
-    wr, orank = _LEVEL_RANK.get(win["level"], 9), _LEVEL_RANK.get(other["level"], 9)
-    if win["level"] == "calibration":
+    wr, orank = rank(win["level"]), rank(other["level"])
+    if win["level"] == OVERRIDE_LEVEL:
         return "calibration overrides every rule: the value measured on real inputs would overflow fp16"
     if wr < orank:
         return f"{win['level']} outranks {other['level']}"
-    if wr == orank and win["scope"] != other["scope"] and win["level"] in ("module", "module_type"):
+    if wr == orank and win["scope"] != other["scope"] and win["level"] in SCOPED_LEVELS:
         return f"same level; the inner module {win['scope']!r} beats the outer {other['scope']!r}"
     if ".ops." in str(win.get("pattern", "")) and ".ops." not in str(other.get("pattern", "")):
         return "same module; an ops entry outranks the module rule's own precision"
@@ -68,8 +67,8 @@ def explain_rows(nodes: Sequence[dict], casts: Sequence[dict], node_name: str) -
     lines.append(f"  precision: {r['precision']} (rule asked for {r['requested']})" + ("  [UNMATCHED: kept fp32]" if r["unmatched"] else ""))
     lines.append(f"  decided by: {r['rule']}")
     lines.append("")
-    lines.append(f"  precedence, highest first: {' > '.join(PRECEDENCE)}"
-                 + (" (calibration overrides them all)" if any(m["level"] == "calibration" for m in r.get("matches", [])) else ""))
+    lines.append(f"  precedence, highest first: {describe()}"
+                 + (" (calibration overrides them all)" if any(m["level"] == OVERRIDE_LEVEL for m in r.get("matches", [])) else ""))
     lines.append("  (within a level the innermost module wins, then the rule read last: a later file overrides an earlier one)")
     lines.append("")
     matches = r.get("matches", [])
@@ -93,13 +92,12 @@ def explain_rows(nodes: Sequence[dict], casts: Sequence[dict], node_name: str) -
             lines.append(f"       {verdict}")
             if mt["reason"]:
                 lines.append(f"       reason: {mt['reason']}")
-    notes = [part.strip() for part in re.split(r";\s+(?=placement|calibrat|overflow|re-decided)", r["reason"]) if part.strip()]
+    notes = r.get("notes", [])
     lines.append("")
-    lines.append(f"  why: {notes[0] if notes else r['reason']}")
-    for part in notes[1:]:
-        label = "placement" if part.startswith("placement") else "calibration"
-        lines.append(f"  {label}: {part.split(': ', 1)[1] if part.startswith(label + ':') else part}")
-    if r["requested"] in ("follow", "promote") and not any(p.startswith("placement") for p in notes):
+    lines.append(f"  why: {r['reason']}")
+    for stage, text in notes:
+        lines.append(f"  {note_text(stage, text)}")
+    if r["requested"] in ("follow", "promote") and not any(stage == "place" for stage, _ in notes):
         lines.append(f"  placement: {r['requested']} resolved to {r['precision']}")
     into = [c for c in casts if r["name"] in c["consumers"]]
     out_of = [c for c in casts if c["src"] == r["name"]]

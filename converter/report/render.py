@@ -25,9 +25,11 @@ import re
 from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
-from converter.ir.meta import HALF_NAMES
+from converter.ir.meta import HALF_NAMES, note_text
 from converter.report.build import Report, build_report
-from converter.report.explain import PRECEDENCE, explain_rows
+from converter.report.explain import explain_rows
+from converter.rules.precedence import describe
+from converter.ir.meta import GM_GRAPH
 
 __all__ = ["to_markdown", "to_html", "print_report", "write_reports", "explain", "md_escape", "COLORS"]
 
@@ -263,7 +265,7 @@ def to_markdown(report: Report) -> str:
                  r["precision"] + (" (unmatched)" if r["unmatched"] else ""), md_escape(r["rule"]), r["flops"], r["out_bytes"]]
         if measured:
             cells += [_db(r.get("sqnr_db")), _db(r.get("local_sqnr_db"))] if "sqnr_db" in r else ["—", "—"]
-        return cells + [md_escape(r["source"]), md_escape(r["reason"])]
+        return cells + [md_escape(r["source"]), md_escape(_reason(r))]
 
     out.append(_md_table(header, (node_row(r) for r in report.nodes)))
     out.append("")
@@ -707,7 +709,8 @@ def _nodes_html(report: Report) -> str:
                 v = r.get(key)
                 cells.append(f'<td class=n data-v="{999 if v is None else v}">{_e(_db(v)) if key in r else "—"}</td>')
         cells.append(f'<td class="mono nw">{_e(r["source"])}</td>')
-        cells.append(f'<td data-v="{_e(r["reason"])}"><div class="reason" title="{_e(r["reason"])}">{_e(r["reason"])}</div></td>')
+        reason = _e(_reason(r))
+        cells.append(f'<td data-v="{reason}"><div class="reason" title="{reason}">{reason}</div></td>')
         rows.append(f'<tr id="n{r["index"]}" data-p="{_e(_cls(r["precision"]))}" data-u="{int(bool(r["unmatched"]))}">{"".join(cells)}</tr>')
     filters = ('<div class="filters"><input type="search" id="q" placeholder="Filter by name, op, module, rule…" aria-label="filter">'
                '<select id="prec" aria-label="precision"><option value="">all precisions</option><option value="bf16">bf16</option>'
@@ -842,7 +845,7 @@ def to_html(report: Report) -> str:
     files = ", ".join(report.rules.get("files", [])) or "defaults"
     sections = [
         ("summary", "Summary", _cards(report) + f'<p class="note">Rule files: <span class="mono">{_e(files)}</span>. '
-         f'Precedence: {_e(" > ".join(PRECEDENCE))}.</p>'),
+         f'Precedence: {_e(describe())}.</p>'),
         ("picture", "Precision picture",
          "<p class=note>Every compute node in graph order, one row per module; hover a cell for its rule, click to jump to its row.</p>"
          + _legend() + f'<div class="strip">{_strip_svg(report)}</div>'),
@@ -969,6 +972,11 @@ def write_reports(report: Report, out_dir: Union[str, Path]) -> list[Path]:
 # ---------------------------------------------------------------------------------------------
 # explain
 
+def _reason(row: dict) -> str:
+    """A node's reason with its stage notes (``placement: ...``), for the one-line table cells."""
+    return "; ".join([row["reason"], *(note_text(stage, text) for stage, text in row.get("notes", ()))])
+
+
 def _as_report(target: Any) -> Report:
     if isinstance(target, Report):
         return target
@@ -979,7 +987,7 @@ def _as_report(target: Any) -> Report:
     import torch.fx
 
     if isinstance(target, torch.fx.GraphModule):
-        graph_meta = target.meta.get("mp_graph")
+        graph_meta = target.meta.get(GM_GRAPH)
         return build_report(target, precision=getattr(graph_meta, "precision", ""), tracer=getattr(graph_meta, "tracer", ""))
     raise TypeError(f"explain() takes a Conversion, a GraphModule or a Report, got {type(target).__name__}")
 
