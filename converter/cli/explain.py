@@ -14,10 +14,12 @@ import json
 from pathlib import Path
 from typing import Optional
 
+from converter.ir.errors import MpconvertError
+
 __all__ = ["ReportNotUsable", "read_report", "fresh_report", "report_dir_of"]
 
 
-class ReportNotUsable(ValueError):
+class ReportNotUsable(MpconvertError, ValueError):
     """report.json is missing or malformed; the message is one line."""
 
 

@@ -17,10 +17,12 @@ import uuid
 from pathlib import Path
 from typing import Iterator, Union
 
+from converter.ir.errors import MpconvertError
+
 __all__ = ["OutputLocationError", "check_output_location", "check_text", "writing"]
 
 
-class OutputLocationError(ValueError):
+class OutputLocationError(MpconvertError, ValueError):
     """The output location cannot be used (exit 2); the message is one line."""
 
 
