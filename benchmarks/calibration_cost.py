@@ -36,7 +36,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from converter.numerics.calibrate import calibrate_and_redecide, collect_statistics  # noqa: E402
+from converter.numerics.calibrate import calibrate_and_redecide  # noqa: E402
+from converter.numerics.options import CalibrationOptions  # noqa: E402
+from converter.numerics.redecide import PlaceSettings  # noqa: E402
+from converter.numerics.stats import collect_statistics  # noqa: E402
 from converter.passes.capture import capture  # noqa: E402
 from converter.passes.decide import decide  # noqa: E402
 from converter.passes.place.stage import place  # noqa: E402
@@ -112,8 +115,8 @@ def main(argv=None) -> dict:
         collect_statistics(gm, batches, loss_fn=tt.loss_fn, progress=False)
 
     def stage():
-        calibrate_and_redecide(gm, batches, rules=rules, target="fp16", placement="mincut", keep_io_types=True,
-                               loss_fn=tt.loss_fn, progress=False)
+        calibrate_and_redecide(gm, batches, rules=rules, settings=PlaceSettings(target="fp16"),
+                               options=CalibrationOptions(loss_fn=tt.loss_fn, progress=False))
 
     variants = {"fp32": fp32, "statistics": stats, "calibrate": stage}
     for fn in variants.values():  # warm-up

@@ -354,11 +354,9 @@ def _cmd_convert(ns, ui: _UI) -> int:
             raise UsageError(f"{mf.name}: calibration_inputs() raised {type(exc).__name__}: {_one_line(exc)}; fix it or drop --calibrate") from exc
         if not calibration:
             raise UsageError(f"{mf.name}: calibration_inputs() gave no inputs; return at least one or drop --calibrate")
-        options = {"progress": not (ui.quiet or ui.json)}
-        if mf.loss_fn is not None:
-            options["loss_fn"] = mf.loss_fn
-        if tolerance is not None:
-            options["tolerance"] = tolerance
+        from converter.numerics.options import CalibrationOptions
+
+        options = CalibrationOptions(progress=not (ui.quiet or ui.json), loss_fn=mf.loss_fn, tolerance=tolerance)
 
     try:
         conv = _convert(ns, ui, mf, precision, rules, calibration=calibration, calibration_options=options)

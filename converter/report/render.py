@@ -22,11 +22,13 @@ import difflib
 import hashlib
 import html
 import io
+import math
 import re
 from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
 from converter.ir.meta import HALF_NAMES
+from converter.numerics.common import from_json_float
 from converter.report.build import PRECEDENCE, Report, build_report
 
 __all__ = ["to_markdown", "to_html", "print_report", "write_reports", "explain", "md_escape", "COLORS"]
@@ -61,9 +63,18 @@ def _flops(n: Optional[float]) -> str:
 
 
 def _db(x: Any) -> str:
-    if x is None:
+    """An SQNR (a float, or report.json's ``"inf"``/``"-inf"``/``"nan"``): +inf and None (no error
+    measured: e.g. a local SQNR where no input dtype changes) read "exact"."""
+    value = from_json_float(x)
+    if value is None or value == math.inf:
         return "exact"
-    return f"{x:.1f} dB"
+    return f"{value:.1f} dB"
+
+
+def _db_sort_key(x: Any) -> float:
+    """A finite number for the HTML table's sort (exact sorts above every measured SQNR)."""
+    value = from_json_float(x)
+    return 999.0 if value is None or value == math.inf else (-999.0 if not math.isfinite(value) else value)
 
 
 def _pct(x: Optional[float]) -> str:
@@ -705,7 +716,7 @@ def _nodes_html(report: Report) -> str:
         if measured:
             for key in ("sqnr_db", "local_sqnr_db"):
                 v = r.get(key)
-                cells.append(f'<td class=n data-v="{999 if v is None else v}">{_e(_db(v)) if key in r else "—"}</td>')
+                cells.append(f'<td class=n data-v="{_db_sort_key(v)}">{_e(_db(v)) if key in r else "—"}</td>')
         cells.append(f'<td class="mono nw">{_e(r["source"])}</td>')
         cells.append(f'<td data-v="{_e(r["reason"])}"><div class="reason" title="{_e(r["reason"])}">{_e(r["reason"])}</div></td>')
         rows.append(f'<tr id="n{r["index"]}" data-p="{_e(_cls(r["precision"]))}" data-u="{int(bool(r["unmatched"]))}">{"".join(cells)}</tr>')
