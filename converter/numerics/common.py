@@ -55,7 +55,7 @@ def sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
     r = ref.detach().to("cpu", torch.float64).reshape(-1)
     o = out.detach().to("cpu", torch.float64).reshape(-1)
     if r.numel() != o.numel():
-        raise ValueError(f"sqnr_db: sizes differ: {tuple(ref.shape)} vs {tuple(out.shape)}")
+        raise ValueError(f"sqnr_db: shapes differ in size: {tuple(ref.shape)} vs {tuple(out.shape)}")
     finite = torch.isfinite(r) & torch.isfinite(o)
     if not bool(finite.all()):
         same = (r == o) | (torch.isnan(r) & torch.isnan(o))
