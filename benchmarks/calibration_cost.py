@@ -39,12 +39,12 @@ if str(ROOT) not in sys.path:
 from converter.numerics.calibrate import calibrate_and_redecide  # noqa: E402
 from converter.numerics.options import CalibrationOptions  # noqa: E402
 from converter.numerics.redecide import PlaceSettings  # noqa: E402
+from converter.numerics.search import HalfEmulator, bisect_graph_order, rank_sensitivity, search_ranked  # noqa: E402
 from converter.numerics.stats import collect_statistics  # noqa: E402
 from converter.passes.capture import capture  # noqa: E402
 from converter.passes.decide import decide  # noqa: E402
 from converter.passes.place.stage import place  # noqa: E402
 from converter.rules.loader import load_rules  # noqa: E402
-from converter.numerics.search import HalfEmulator, bisect_graph_order, rank_sensitivity, search_ranked  # noqa: E402
 
 
 def _load_sample():

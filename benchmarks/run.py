@@ -55,12 +55,11 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from converter.numerics.common import from_json, to_json  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     CastCounter,
     Clock,
-    OpTimer,
     MiB,
+    OpTimer,
     SavedTensorMeter,
     first_tensor,
     interleaved,
@@ -70,6 +69,7 @@ from benchmarks.common import (  # noqa: E402
     summarize,
     unique_storage_bytes,
 )
+from converter.numerics.common import from_json, to_json  # noqa: E402
 
 __all__ = ["MODELS", "VARIANTS", "main", "run_model", "to_markdown", "check_targets"]
 

@@ -22,15 +22,15 @@ from typing import Any, Iterable, Mapping, Optional, Union
 import torch
 import torch.fx
 
-from converter.passes.capture import Captured, CaptureError, capture
-from converter.passes.decide import BannedOpError, decide
 from converter.ir.graphmodule import materialize
-from converter.passes.lower import lower
 from converter.ir.meta import Decision, GraphMeta
 from converter.numerics.options import CalibrationOptions
 from converter.numerics.redecide import PlaceSettings
-from converter.report.build import Report, build_report
+from converter.passes.capture import Captured, CaptureError, capture
+from converter.passes.decide import BannedOpError, decide
+from converter.passes.lower import lower
 from converter.passes.rewrite import rewrite
+from converter.report.build import Report, build_report
 from converter.rules.loader import Rules, RulesError, load_rules
 
 __all__ = ["convert", "audit", "Conversion", "PassError", "normalize_precision", "PRECISION_ALIASES"]

@@ -21,7 +21,6 @@ from converter.passes.decide import decide
 from converter.passes.place.stage import place
 from converter.rules.loader import Rules, load_rules
 
-
 # ---------------------------------------------------------------------------------------------
 # helpers
 

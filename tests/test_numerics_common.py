@@ -59,7 +59,8 @@ def test_one_sqnr_everywhere():
     """Every user of an SQNR calls the one in converter.numerics.common (no copies left)."""
     from benchmarks import common as bench
     from converter.export import emit
-    from converter.numerics import measure as measure_mod, search
+    from converter.numerics import measure as measure_mod
+    from converter.numerics import search
     from tests import helpers
 
     assert bench.sqnr_db is sqnr_db and helpers.sqnr is sqnr_db

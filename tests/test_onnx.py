@@ -19,8 +19,8 @@ import onnxruntime as ort
 import pytest
 import torch
 import torch.fx
-from torch import nn
 from onnx import TensorProto, helper, numpy_helper
+from torch import nn
 from torch.utils import _pytree as pytree
 
 import converter

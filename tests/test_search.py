@@ -10,19 +10,19 @@ from torch import nn
 import converter
 from converter.numerics.common import sqnr_db
 from converter.numerics.options import CalibrationOptions
-from converter.passes.capture import capture
-from converter.passes.decide import decide
-from converter.passes.place.stage import place
-from converter.rules.loader import load_rules
 from converter.numerics.search import (
     HalfEmulator,
     Outcome,
     Tolerance,
+    ToleranceNotMet,
     bisect_graph_order,
     rank_sensitivity,
     search_ranked,
-    ToleranceNotMet,
 )
+from converter.passes.capture import capture
+from converter.passes.decide import decide
+from converter.passes.place.stage import place
+from converter.rules.loader import load_rules
 
 PLANTED = (3, 7, 11)
 

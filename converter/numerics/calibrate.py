@@ -250,16 +250,18 @@ def calibrate_and_redecide(
     *,
     rules: Rules,
     settings: PlaceSettings,
-    options: CalibrationOptions = CalibrationOptions(),
+    options: Optional[CalibrationOptions] = None,
 ) -> dict:
     """The calibrate stage (see the module docstring); returns ``gm.meta["mp_calibration"]``.
 
     ``calibration``: an iterable of inputs in the example-input form. ``settings``: how the
-    conversion placed its casts (re-placement after a re-decision uses the same). ``options``: see
+    conversion placed its casts (re-placement after a re-decision uses the same). ``options``
+    (None: the defaults): see
     :class:`~converter.numerics.options.CalibrationOptions`. Raises
     :class:`~converter.numerics.search.ToleranceNotMet` when ``options.tolerance`` cannot be met.
     """
     t0 = time.perf_counter()
+    options = options if options is not None else CalibrationOptions()
     if settings.target not in HALF_NAMES:
         raise ValueError(f"target must be fp16 or bf16, got {settings.target!r}")
     margin, margin_source, fallback = _margin_and_fallback(rules, options)

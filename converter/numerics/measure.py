@@ -35,7 +35,6 @@ models: buffers (BatchNorm statistics), train/eval mode and the RNG state are re
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from typing import Any, Optional
 

@@ -5,11 +5,11 @@ Shared by the overflow fallback (:mod:`converter.numerics.calibrate`) and the ac
 """
 from __future__ import annotations
 
-import tomllib
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping, Optional
 
+import tomllib
 import torch
 import torch.fx
 

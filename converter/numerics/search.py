@@ -612,7 +612,7 @@ def accuracy_search(
     settings: PlaceSettings,
     rules: Any = None,
     fresh: Optional[Mapping[str, Decision]] = None,
-    options: SearchOptions = SearchOptions(),
+    options: Optional[SearchOptions] = None,
     progress: bool = False,
 ) -> dict:
     """Pin the fewest nodes to fp32 so that ``gm``'s outputs meet ``tolerance``; returns the report dict.
@@ -624,6 +624,7 @@ def accuracy_search(
     without them ``rules`` gives them). Raises :class:`ToleranceNotMet` when the tolerance cannot be met.
     """
     t0 = time.perf_counter()
+    options = options if options is not None else SearchOptions()
     tol = Tolerance.parse(tolerance)
     batches = list(batches)[: options.max_batches] if options.max_batches else list(batches)
     if not batches:

@@ -31,9 +31,9 @@ from typing import Optional
 import torch
 import torch.fx
 
+from converter.ir.meta import HALF_NAMES, CastRecord, Decision, NodeInfo, itemsize
 from converter.numerics.common import to_json
 from converter.report.flops import node_flops
-from converter.ir.meta import HALF_NAMES, CastRecord, Decision, NodeInfo, itemsize
 
 __all__ = ["Report", "build_report", "summary_line", "SCHEMA", "PRECEDENCE"]
 
