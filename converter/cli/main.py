@@ -5,7 +5,7 @@
     mpconvert MODEL.py [--precision bf16|fp16] [--rules F ...] [--out DIR] [--tracer auto|fx|export]
                        [--calibrate] [--tolerance DB] [--onnx] [--onnx-precision fp16|bf16]
                        [--device cpu|cuda] [--force] [-q] [--json] [--debug] [--entry NAME]
-    mpconvert audit MODEL.py [...]         decide only; writes report.json/.md/.html
+    mpconvert audit MODEL.py [...]         the report only (no model.py); writes report.json/.md/.html
     mpconvert explain MODEL.py NODE [...]  every rule that matched NODE, and why the winner won
     mpconvert rules check FILE...          validate rule files
 
@@ -47,7 +47,7 @@ PRECISION_HELP = "fp16 or bf16 (aliases: 16-mixed, bf16-mixed); default bf16"
 _EPILOG = """\
 commands:
   mpconvert MODEL.py [options]        convert; writes MODEL_mp/ (model.py, weights.pt, train.py, reports)
-  mpconvert audit MODEL.py [options]  decide only; writes MODEL_audit/ (report.json, .md, .html)
+  mpconvert audit MODEL.py [options]  the report only; writes MODEL_audit/ (report.json, .md, .html)
   mpconvert explain MODEL.py NODE     every rule that matched NODE, its precedence, and the winner
   mpconvert rules check FILE...       validate rule files (exit 2 on the first problem of each file)
 
@@ -152,7 +152,8 @@ def build_parsers(only: Optional[str] = None) -> dict[str, argparse.ArgumentPars
     convert.add_argument("--version", action="version", version=f"mpconvert {__version__}")
     _common(convert)
 
-    audit = _Parser(prog="mpconvert audit", description="Decide and place only: report what each node would run in and why. "
+    audit = _Parser(prog="mpconvert audit", description="Report what each node would run in and why, and the casts a conversion would insert, "
+                    "without writing the model. "
                     "Writes report.json, report.md and report.html.")
     audit.add_argument("model", metavar="MODEL.py")
     _model_options(audit)
