@@ -21,7 +21,6 @@ import torch
 import torch.fx
 from onnx import TensorProto, helper, numpy_helper
 from torch import nn
-from torch.utils import _pytree as pytree
 
 import converter
 from converter.export.onnx import (
@@ -32,6 +31,7 @@ from converter.export.onnx import (
     cast_pairs,
     tolerance_for,
 )
+from converter.numerics.common import output_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = ["mlp", "cnn", "tiny_transformer", "hf_gpt2", "hf_bert"]
@@ -54,7 +54,7 @@ def _copy(module):
 def _outputs(module, args, kwargs) -> list[torch.Tensor]:
     ref = _copy(module).eval()
     with torch.no_grad():
-        return [t for t in pytree.tree_leaves(ref(*args, **kwargs)) if isinstance(t, torch.Tensor)]
+        return output_tensors(ref(*args, **kwargs))
 
 
 def _runtime_casts(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> int:

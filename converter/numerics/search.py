@@ -417,8 +417,7 @@ def rank_sensitivity(gm: torch.fx.GraphModule, batches: Sequence[tuple[tuple, di
                         r_args = tuple(pytree.tree_map(rnd if p in positions else det, a) for p, a in enumerate(args))
                         r_kwargs = {k: pytree.tree_map(det, v) for k, v in kwargs.items()}
                     z = _round(_call(op, target, gm, r_args, r_kwargs), dtype)
-                ys = [t for t in pytree.tree_leaves(y) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-                zs = [t for t in pytree.tree_leaves(z) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+                ys, zs = floating_outputs(y), floating_outputs(z)
                 deltas = [zz.float() - yy.detach().float() for yy, zz in zip(ys, zs)]
             slots[i] = (ys, deltas)
             return None
