@@ -5,7 +5,7 @@ Target (issue 5): calibrating costs less than 3x the fp32 training steps on the 
 Variants, run interleaved (A B C A B C ...) after a warm-up; the median of each is reported:
 
 * ``fp32``: 20 x (``model(tokens)`` -> ``loss_fn`` -> ``backward``) on the eager model;
-* ``statistics``: :func:`converter.numerics.calibrate.collect_statistics` over the same 20 batches
+* ``statistics``: :func:`converter.numerics.stats.collect_statistics` over the same 20 batches
   (instrumented forward, one backward, per-node forward and gradient statistics);
 * ``calibrate``: the whole stage, :func:`converter.numerics.calibrate.calibrate_and_redecide` (statistics,
   overflow re-decision, report data) on an fp16 conversion's decided graph.
