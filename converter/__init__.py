@@ -10,6 +10,7 @@ Public API (DESIGN §5)::
 from __future__ import annotations
 
 from converter.api import Conversion, PassError, audit, convert, normalize_precision
+from converter.numerics.options import CalibrationOptions
 from converter.passes.capture import CaptureError
 from converter.passes.decide import BannedOpError
 from converter.report.build import Report
@@ -21,6 +22,7 @@ __all__ = [
     "convert",
     "audit",
     "Conversion",
+    "CalibrationOptions",
     "Report",
     "Rules",
     "RulesError",
@@ -43,7 +45,7 @@ def __getattr__(name: str):
 
         return LossScaler
     if name == "ToleranceNotMet":
-        from converter.numerics.calibrate import ToleranceNotMet
+        from converter.numerics.search import ToleranceNotMet
 
         return ToleranceNotMet
     if name == "MixedPrecisionTrainer":
