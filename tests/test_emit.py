@@ -306,12 +306,31 @@ def test_failure_with_force_keeps_the_old_directory(outputs, tmp_path, monkeypat
     assert _leftovers(tmp_path, "o") == ["o"]
 
 
+#: mpconvert with every file emit writes followed by a 2 s pause, so that the test can interrupt it
+#: half way (the pause is patched in here: production code has no test hook)
+_SLOW_EMIT = """
+import sys, time
+import converter.export.emit as emit_mod
+from converter.cli.main import main
+
+_write_text = emit_mod._write_text
+
+
+def slow_write_text(path, text):
+    _write_text(path, text)
+    time.sleep(2)
+
+
+emit_mod._write_text = slow_write_text
+sys.argv = ["mpconvert", *sys.argv[1:]]
+raise SystemExit(main())
+"""
+
+
 def test_sigint_during_emit_leaves_no_directory(tmp_path):
-    env = _train_env()
-    env["MPCONVERT_TEST_EMIT_DELAY"] = "2"
     out = tmp_path / "interrupted"
-    proc = subprocess.Popen([sys.executable, "-m", "converter", str(SAMPLES / "mlp.py"), "--out", str(out)],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_EMIT, str(SAMPLES / "mlp.py"), "--out", str(out)],
+                            cwd=tmp_path, env=_train_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     try:
         while time.monotonic() < deadline:

@@ -39,9 +39,6 @@ dependency, and it refuses tied tensors.)
 moved into place with ``os.replace`` at the end. An existing directory is refused unless
 ``force=True``, in which case the old one is moved aside, the new one renamed into place and the
 old one deleted. Any exception, including ``KeyboardInterrupt``, removes the temporary directory.
-
-Test-only: ``MPCONVERT_TEST_EMIT_DELAY=<seconds>`` sleeps that long after writing each file, so a
-test can interrupt emit half way. It has no other use.
 """
 from __future__ import annotations
 
@@ -55,7 +52,6 @@ import shutil
 import signal
 import sys
 import threading
-import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +65,7 @@ from torch.fx.node import map_aggregate
 
 from converter.ir.meta import GM_PARAM_DTYPES, META_CAST, META_DECISION, META_INFO
 from converter.ir.errors import EXIT_CHECK_FAILED, MpconvertError
+from converter.numerics.common import output_tensors, preserved_state, sqnr_db
 
 __all__ = [
     "emit",
@@ -83,12 +80,9 @@ __all__ = [
     "generate_model_source",
     "render_train_py",
     "WEIGHTS_FILE",
-    "DELAY_ENV",
 ]
 
 WEIGHTS_FILE = "weights.pt"
-#: test-only: seconds to sleep after writing each file (lets a test interrupt emit half way)
-DELAY_ENV = "MPCONVERT_TEST_EMIT_DELAY"
 
 
 class EmitError(MpconvertError, ValueError):
@@ -912,18 +906,6 @@ def _import_file(path: Path) -> Any:
     return module
 
 
-def _flat_tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _flat_tensors(v)]
-    if hasattr(value, "to_tuple") and callable(value.to_tuple):  # ModelOutput
-        return [t for v in value.to_tuple() for t in _flat_tensors(v)]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _flat_tensors(v)]
-    return []
-
-
 def _to_device(value: Any, device: torch.device) -> Any:
     if isinstance(value, torch.Tensor):
         return value.to(device)
@@ -935,26 +917,10 @@ def _to_device(value: Any, device: torch.device) -> Any:
 
 
 def _run_restoring(module: nn.Module, args: tuple, kwargs: dict, seed: int) -> Any:
-    """Run ``module`` without leaving a trace on its buffers, with a fixed RNG seed."""
-    saved = {name: buf.detach().clone() for name, buf in module.named_buffers()}
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    try:
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
-            torch.manual_seed(seed)
-            return module(*args, **kwargs)
-    finally:
-        with torch.no_grad():
-            for name, buf in module.named_buffers():
-                if name in saved:
-                    buf.copy_(saved[name])
-
-
-def _sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
-    ref = ref.detach().double().cpu()
-    err = (ref - out.detach().double().cpu()).norm()
-    if err == 0:
-        return math.inf
-    return float(20 * torch.log10(ref.norm() / err))
+    """Run ``module`` without leaving a trace on its buffers, modes or the RNG, with a fixed RNG seed."""
+    with preserved_state(module), torch.no_grad():
+        torch.manual_seed(seed)
+        return module(*args, **kwargs)
 
 
 def verify_emitted(conv, out_dir: Path, *, device: str = "cpu") -> str:
@@ -966,9 +932,9 @@ def verify_emitted(conv, out_dir: Path, *, device: str = "cpu") -> str:
     """
     args, kwargs = conv.example_inputs
     emitted = _import_file(out_dir / "model.py")
-    ref = _flat_tensors(_run_restoring(conv.module, args, kwargs, seed=0))
+    ref = output_tensors(_run_restoring(conv.module, args, kwargs, seed=0))
     if device == "cpu":
-        got = _flat_tensors(_run_restoring(emitted.load(device="cpu"), args, kwargs, seed=0))
+        got = output_tensors(_run_restoring(emitted.load(device="cpu"), args, kwargs, seed=0))
         if len(got) != len(ref):
             raise VerificationError(f"emitted model.py returns {len(got)} tensors, the converted model {len(ref)}; please report this bug")
         for i, (a, b) in enumerate(zip(ref, got)):
@@ -980,7 +946,7 @@ def verify_emitted(conv, out_dir: Path, *, device: str = "cpu") -> str:
         return f"model.py reproduces the converted model bit-exactly on CPU ({len(ref)} output tensors)"
     dev = torch.device(device)
     model = emitted.load(device=dev)
-    got = _flat_tensors(_run_restoring(model, _to_device(args, dev), _to_device(kwargs, dev), seed=0))
+    got = output_tensors(_run_restoring(model, _to_device(args, dev), _to_device(kwargs, dev), seed=0))
     if len(got) != len(ref):
         raise VerificationError(f"on {device}, model.py returns {len(got)} tensors instead of {len(ref)}")
     worst = math.inf
@@ -990,7 +956,7 @@ def verify_emitted(conv, out_dir: Path, *, device: str = "cpu") -> str:
         if b.is_floating_point():
             if not torch.isfinite(b).all():
                 raise VerificationError(f"on {device}, output {i} has inf/NaN values")
-            worst = min(worst, _sqnr(a, b))
+            worst = min(worst, sqnr_db(a, b))
     if worst < 30.0:
         raise VerificationError(f"on {device}, outputs differ from the CPU result: SQNR {worst:.1f} dB < 30 dB")
     return f"model.py runs on {device}; outputs match the CPU result (SQNR {worst:.1f} dB)"
@@ -998,12 +964,6 @@ def verify_emitted(conv, out_dir: Path, *, device: str = "cpu") -> str:
 
 # ---------------------------------------------------------------------------------------------
 # writing
-
-
-def _pause() -> None:
-    delay = os.environ.get(DELAY_ENV)
-    if delay:
-        time.sleep(float(delay))
 
 
 @contextlib.contextmanager
@@ -1025,7 +985,6 @@ def _uninterruptible():
 
 def _write_text(path: Path, text: str) -> None:
     path.write_text(text, encoding="utf-8")
-    _pause()
 
 
 def _write_reports(report, directory: Path) -> list[str]:
@@ -1038,7 +997,6 @@ def _write_reports(report, directory: Path) -> list[str]:
         write_reports = None
     if write_reports is not None:
         write_reports(report, directory)
-        _pause()
         return []
     _write_text(directory / "report.json", report.to_json())
     return ["converter.render is not available: wrote report.json only (no report.md/report.html)"]
@@ -1087,7 +1045,6 @@ def emit(
     def fill(tmp: Path) -> None:
         _write_text(tmp / "model.py", source.code)
         torch.save(source.tensors, tmp / WEIGHTS_FILE)
-        _pause()
         _write_text(tmp / "train.py", train_py)
         notes.extend(_write_reports(conv.report, tmp))
         if verify:
