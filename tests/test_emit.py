@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 import converter
-from converter.export import emit as emit_mod
-from converter.export.emit import EmitError, OutputExistsError, emit, generate_model_source
+from converter.export import artifacts as artifacts_mod
+from converter.export.emit import EmitError, OutputExistsError, emit, generate_model_source, import_file
 from tests.helpers import ROOT, SAMPLES, load_sample
 
 STDLIB_OK = {"os", "math", "operator", "builtins", "torch"}
@@ -155,7 +155,7 @@ def test_model_py_is_readable_torch_only_code(outputs):
 
 def test_loaded_model_structure_and_weights(outputs):
     conv, out = outputs["hf_gpt2"]
-    module = emit_mod._import_file(out / "model.py")
+    module = import_file(out / "model.py")
     model = module.load()
     names = dict(model.named_parameters())
     assert set(names) == set(dict(conv.module.named_parameters()))
@@ -164,7 +164,7 @@ def test_loaded_model_structure_and_weights(outputs):
     state = torch.load(out / "weights.pt", weights_only=True)
     assert all(isinstance(v, torch.Tensor) for v in state.values())
     conv_cnn, out_cnn = outputs["cnn"]
-    cnn = emit_mod._import_file(out_cnn / "model.py").load()
+    cnn = import_file(out_cnn / "model.py").load()
     assert isinstance(cnn.b1.bn, nn.BatchNorm2d) and cnn.training == conv_cnn.module.training
     for key, value in conv_cnn.module.state_dict().items():
         assert torch.equal(cnn.state_dict()[key], value), key
@@ -288,7 +288,7 @@ def test_failure_during_emit_leaves_nothing(outputs, tmp_path, monkeypatch, exc)
     def boom(*_a, **_k):
         raise exc
 
-    monkeypatch.setattr(emit_mod, "_write_reports", boom)
+    monkeypatch.setattr(artifacts_mod, "_write_reports", boom)
     with pytest.raises(type(exc)):
         emit(conv, tmp_path / "nested" / "o")
     assert list(tmp_path.iterdir()) == []  # not even the parent it would have created
@@ -299,7 +299,7 @@ def test_failure_with_force_keeps_the_old_directory(outputs, tmp_path, monkeypat
     out = tmp_path / "o"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    monkeypatch.setattr(emit_mod, "_write_reports", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    monkeypatch.setattr(artifacts_mod, "_write_reports", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
         emit(conv, out, force=True)
     assert (out / "keep.txt").read_text() == "mine"
@@ -358,7 +358,7 @@ def test_nested_inputs_dict_outputs_and_constants(tracer, tmp_path):
     example = (([torch.randn(2, 4), torch.randn(2, 4)],), {"y": torch.randn(2, 4), "flag": True})
     conv = converter.convert(model, example, tracer=tracer)
     out = emit(conv, tmp_path / "o")
-    loaded = emit_mod._import_file(out / "model.py").load()
+    loaded = import_file(out / "model.py").load()
     args, kwargs = conv.example_inputs
     got = loaded(*args, **kwargs)
     ref = conv.module(*args, **kwargs)
@@ -410,7 +410,7 @@ def test_torch_leaf_modules_are_recreated_exactly(tmp_path):
     path = tmp_path / "model.py"
     path.write_text(source.code)
     torch.save(source.tensors, tmp_path / "weights.pt")
-    loaded = emit_mod._import_file(path).load()
+    loaded = import_file(path).load()
     assert loaded.training
     for name, sub in model.named_children():
         assert repr(loaded.get_submodule(name)) == repr(sub)
