@@ -306,12 +306,25 @@ def test_failure_with_force_keeps_the_old_directory(outputs, tmp_path, monkeypat
     assert _leftovers(tmp_path, "o") == ["o"]
 
 
+_SLOW_EMIT = """
+import sys, time
+import converter.export.artifacts as artifacts
+_write = artifacts._write_text
+def _slow(path, text):
+    _write(path, text)
+    time.sleep(2)
+artifacts._write_text = _slow  # the test's own process only: emit pauses after each text file
+from converter.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 def test_sigint_during_emit_leaves_no_directory(tmp_path):
-    env = _train_env()
-    env["MPCONVERT_TEST_EMIT_DELAY"] = "2"
+    script = tmp_path / "slow_emit.py"
+    script.write_text(_SLOW_EMIT)
     out = tmp_path / "interrupted"
-    proc = subprocess.Popen([sys.executable, "-m", "converter", str(SAMPLES / "mlp.py"), "--out", str(out)],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, str(script), str(SAMPLES / "mlp.py"), "--out", str(out)],
+                            cwd=tmp_path, env=_train_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     try:
         while time.monotonic() < deadline:
