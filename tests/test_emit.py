@@ -23,7 +23,13 @@ from torch import nn
 
 import converter
 from converter.export import artifacts as artifacts_mod
-from converter.export.emit import EmitError, OutputExistsError, emit, generate_model_source, import_file
+from converter.export.emit import (
+    EmitError,
+    OutputExistsError,
+    emit,
+    generate_model_source,
+    import_file,
+)
 from tests.helpers import ROOT, SAMPLES, load_sample
 
 STDLIB_OK = {"os", "math", "operator", "builtins", "torch"}

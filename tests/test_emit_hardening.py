@@ -17,7 +17,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -27,7 +26,13 @@ from torch import nn
 import converter
 from converter.cli.modelfile import load_model_file
 from converter.export import artifacts
-from converter.export.emit import USER_MODEL_FILE, EmitError, OutputExistsError, emit, import_file
+from converter.export.emit import (
+    USER_MODEL_FILE,
+    EmitError,
+    OutputExistsError,
+    emit,
+    import_file,
+)
 from tests.helpers import ROOT, SAMPLES
 
 MLP_SOURCE = (SAMPLES / "mlp.py").read_text()

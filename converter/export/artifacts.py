@@ -47,7 +47,11 @@ import torch
 
 from converter.export.errors import EmitError, OutputExistsError
 from converter.export.model_py import WEIGHTS_FILE, generate_model_source
-from converter.export.train_py import USER_MODEL_FILE, model_file_to_copy, render_train_py
+from converter.export.train_py import (
+    USER_MODEL_FILE,
+    model_file_to_copy,
+    render_train_py,
+)
 from converter.export.verify import verify_emitted
 
 __all__ = ["emit", "emit_reports", "publish_directory", "check_output_dir", "clean_stale_temporaries"]

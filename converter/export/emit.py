@@ -7,7 +7,13 @@
 """
 from __future__ import annotations
 
-from converter.export.artifacts import check_output_dir, clean_stale_temporaries, emit, emit_reports, publish_directory
+from converter.export.artifacts import (
+    check_output_dir,
+    clean_stale_temporaries,
+    emit,
+    emit_reports,
+    publish_directory,
+)
 from converter.export.errors import EmitError, OutputExistsError, VerificationError
 from converter.export.model_py import WEIGHTS_FILE, ModelSource, generate_model_source
 from converter.export.train_py import USER_MODEL_FILE, render_train_py

@@ -41,7 +41,12 @@ from torch.fx.graph import CodeGen, _custom_builtins
 from torch.fx.node import map_aggregate
 
 from converter.export.errors import EmitError
-from converter.export.source_text import check_attribute_path, comment_text, doc_text, render_template
+from converter.export.source_text import (
+    check_attribute_path,
+    comment_text,
+    doc_text,
+    render_template,
+)
 
 __all__ = ["ModelSource", "generate_model_source", "WEIGHTS_FILE"]
 
