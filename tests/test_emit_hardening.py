@@ -362,3 +362,46 @@ def test_train_py_under_torchrun_matches_one_process(mlp_conv, tmp_path):
     assert not torch.equal(a["fc1.weight"], start["fc1.weight"])  # it trained
     worst = max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)).item() for k in a)
     assert worst <= 1e-5, f"parameters differ by {worst:g} (relative to each tensor's max)"
+
+
+_FINITE = MLP_SOURCE.replace("    while True:\n        x = torch.randn(8, 32, generator=gen)", "    for _ in range(3):\n        x = torch.randn(8, 32, generator=gen)")
+
+
+def test_train_py_stops_cleanly_when_train_batches_runs_out(tmp_path, capsys):
+    assert _FINITE != MLP_SOURCE
+    model_file = tmp_path / "finite.py"
+    model_file.write_text(_FINITE)
+    _, out = _emit_mlp(model_file, tmp_path / "o")
+    train = import_file(out / "train.py")
+    assert train.main(["--steps", "5", "--device", "cpu", "--accumulation-steps", "2"]) == 0
+    stdout = capsys.readouterr().out
+    assert len(_losses(stdout)) == 1 and "ran out of batches after 1 steps" in stdout, stdout
+
+
+class _WithObjectDefault(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, scale=1.5, mode="a'\\\"b"):
+        return self.fc(x) * scale
+
+
+def test_forward_defaults_are_literals(tmp_path):
+    model = _WithObjectDefault()
+    conv = converter.convert(model, (torch.randn(2, 4),), tracer="fx")
+    out = emit(conv, tmp_path / "o")
+    assert "scale = 1.5" in (out / "model.py").read_text()
+    loaded = import_file(out / "model.py").load()
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), conv.module(x))
+
+
+def test_forward_default_with_a_code_repr_is_refused():
+    """torch.fx refuses such defaults itself today; model.py refuses anything but plain values anyway."""
+    from converter.export.model_py import _check_defaults
+
+    _check_defaults("def forward(self, x, scale = 1.5, dtype = torch.float32, ks = (1, -2), m = {'a': None}):\n    pass")
+    with pytest.raises(EmitError, match="not a plain literal"):
+        _check_defaults("def forward(self, x, cfg = __import__('os').system('touch PWNED')):\n    pass")

@@ -362,11 +362,38 @@ def _forward_source(gm: torch.fx.GraphModule, prepared: _Graph, original: Option
         io_note = "The forward takes the same arguments as the original model's forward and returns the same structure."
     python = graph.python_code(root_module="self")
     body = python.src[python.src.index("def forward("):]  # drop FX's `wrap(...)` statements before it
+    _check_defaults(body)
     body = _annotate_lines(body, {n.name: n for n in gm.graph.nodes}, (original, gm))
     used = {name: obj for name, obj in python.globals.items() if re.search(rf"\b{re.escape(name)}\b", body)}
     imports = [line for line in _import_lines(used, warnings) if line != "import torch"]
     forward = "\n".join("    " + line if line else "" for line in body.rstrip().splitlines())
     return forward, imports, io_note
+
+
+def _is_plain_value(node: ast.AST) -> bool:
+    """A literal, or a dotted name such as ``torch.float32``: nothing that calls anything."""
+    if isinstance(node, (ast.Constant, ast.Name)):
+        return True
+    if isinstance(node, ast.Attribute):
+        return _is_plain_value(node.value) and isinstance(node.value, (ast.Name, ast.Attribute))
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return all(_is_plain_value(e) for e in node.elts)
+    if isinstance(node, ast.Dict):
+        return all(k is not None and _is_plain_value(k) for k in node.keys) and all(_is_plain_value(v) for v in node.values)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        return _is_plain_value(node.operand)
+    return False
+
+
+def _check_defaults(body: str) -> None:
+    """FX writes ``repr(default)`` for the forward's default values; only plain values may go into model.py."""
+    func = ast.parse(body).body[0]
+    for default in [*func.args.defaults, *(d for d in func.args.kw_defaults if d is not None)]:
+        if not _is_plain_value(default):
+            raise EmitError(
+                f"cannot emit model.py: the forward has a default value {ast.unparse(default)[:60]!r} that is not a "
+                "plain literal; give that argument a literal default (None, a number, a string) or pass it explicitly"
+            )
 
 
 def _import_line(name: str, obj: Any, warnings: list[str]) -> Optional[str]:

@@ -42,7 +42,7 @@ def doc_text(text: object) -> str:
 
 def render_template(name: str, **values: str) -> str:
     """Fill ``templates/NAME`` (a ``string.Template``: ``${key}`` placeholders) with ``values``."""
-    text = resources.files("converter.export").joinpath("templates", name).read_text(encoding="utf-8")
+    text = resources.files("converter.export").joinpath("templates").joinpath(name).read_text(encoding="utf-8")
     return string.Template(text).substitute(values)
 
 
