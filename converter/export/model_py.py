@@ -575,7 +575,7 @@ def generate_model_source(conv, *, model_file: Optional[str] = None) -> ModelSou
 
     ``model_file``: the model file it came from; only its base name is recorded (as a literal).
     """
-    from converter import __version__
+    from converter._version import __version__
 
     gm: torch.fx.GraphModule = conv.module
     original = getattr(conv, "original", None)
