@@ -132,7 +132,7 @@ def test_standalone_load_is_bit_exact_without_converter(outputs, tmp_path):
 
 
 def test_model_py_is_readable_torch_only_code(outputs):
-    for name, (conv, out) in outputs.items():
+    for name, (_conv, out) in outputs.items():
         code = (out / "model.py").read_text()
         tree = ast.parse(code)
         imported = set()
