@@ -405,3 +405,34 @@ def test_forward_default_with_a_code_repr_is_refused():
     _check_defaults("def forward(self, x, scale = 1.5, dtype = torch.float32, ks = (1, -2), m = {'a': None}):\n    pass")
     with pytest.raises(EmitError, match="not a plain literal"):
         _check_defaults("def forward(self, x, cfg = __import__('os').system('touch PWNED')):\n    pass")
+
+
+_WITHOUT_MPCONVERT = """
+import runpy, sys
+sys.modules["converter"] = None  # mpconvert is not installed on this machine
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_train_py_without_mpconvert_trains_with_torch_alone(tmp_path):
+    """Same losses as with converter.MixedPrecisionTrainer (fp16: GradScaler with the same defaults)."""
+    mf = load_model_file(SAMPLES / "mlp.py")
+    out = emit(converter.convert(mf.model, mf.example_inputs, precision="fp16"), tmp_path / "o",
+               model_file=str(SAMPLES / "mlp.py"))
+    (tmp_path / "without.py").write_text(_WITHOUT_MPCONVERT)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")}
+    args = [str(out / "train.py"), "--steps", "3", "--device", "cpu"]
+    alone = subprocess.run([sys.executable, "-I", str(tmp_path / "without.py"), *args], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    assert "NOTICE: the mpconvert package is not installed" in alone.stdout
+    with_it = subprocess.run([sys.executable, *args], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert with_it.returncode == 0, with_it.stderr[-3000:]
+    assert "NOTICE" not in with_it.stdout
+    a, b = _losses(alone.stdout), _losses(with_it.stdout)
+    assert len(a) == len(b) == 3 and max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (a, b)
+    train = import_file(out / "train.py")
+    with pytest.raises(SystemExit, match="--o2 needs the mpconvert package"):
+        train._TorchTrainer(nn.Linear(2, 2), None, precision="fp16", master_weights=True, max_grad_norm=None, accumulation_steps=1)
