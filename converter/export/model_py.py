@@ -47,6 +47,7 @@ from converter.export.source_text import (
     doc_text,
     render_template,
 )
+from converter.ir.meta import GM_PARAM_DTYPES, META_CAST, META_DECISION, META_INFO
 
 __all__ = ["ModelSource", "generate_model_source", "WEIGHTS_FILE"]
 
@@ -435,12 +436,12 @@ def _annotate_lines(src: str, gm_nodes: dict[str, torch.fx.Node], roots: Iterabl
     for line in src.splitlines():
         m = line_re.match(line)
         node = gm_nodes.get(m.group(1)) if m else None
-        info = node.meta.get("mp_info") if node is not None else None
+        info = node.meta.get(META_INFO) if node is not None else None
         if node is None or info is None or node.op in ("placeholder", "output") or (node.op == "get_attr" and not info.module):
             out.append(line)
             continue
-        decision = node.meta.get("mp")
-        cast = node.meta.get("mp_cast")
+        decision = node.meta.get(META_DECISION)
+        cast = node.meta.get(META_CAST)
         module = getattr(info, "module", "") or ""
         if module != current:
             kind = info.module_type or _class_name(roots, module)
@@ -588,7 +589,7 @@ def generate_model_source(conv, *, model_file: Optional[str] = None) -> ModelSou
     found = _collect_tensors(gm, prepared.leaf_paths)
     training = {path: sub.training for path, sub in gm.named_modules() if not _is_guard_path(gm, path)}
     modes = {p: t for p, t in training.items() if p and t != gm.training and not _owner_of(p, prepared.leaf_paths)}
-    param_dtypes = dict(gm.meta.get("mp_param_dtypes") or {})
+    param_dtypes = dict(gm.meta.get(GM_PARAM_DTYPES) or {})
     summary = conv.report.line if getattr(conv, "report", None) is not None else ""
     code = render_template(
         "model.py.tmpl",
