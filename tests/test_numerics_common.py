@@ -58,7 +58,7 @@ def test_sqnr_contract():
 def test_one_sqnr_everywhere():
     """Every user of an SQNR calls the one in converter.numerics.common (no copies left)."""
     from benchmarks import common as bench
-    from converter.export import emit
+    from converter.export import verify as emit
     from converter.numerics import measure as measure_mod
     from converter.numerics import search
     from tests import helpers

@@ -977,8 +977,9 @@ def write_reports(report: Report, out_dir: Union[str, Path]) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "report.json", out / "report.md", out / "report.html"]
     paths[0].write_text(report.to_json() + "\n", encoding="utf-8")
-    paths[1].write_text(to_markdown(report), encoding="utf-8")
-    paths[2].write_text(to_html(report), encoding="utf-8")
+    # backslashreplace: a path that is not valid UTF-8 (a lone surrogate in Python) is shown escaped
+    paths[1].write_text(to_markdown(report), encoding="utf-8", errors="backslashreplace")
+    paths[2].write_text(to_html(report), encoding="utf-8", errors="backslashreplace")
     return paths
 
 
