@@ -19,7 +19,12 @@ __all__ = ["explain_rows", "closest_names"]
 
 
 def _format_db(x: Any) -> str:
-    return "exact" if x is None else f"{x:.1f} dB"
+    """An SQNR as report.json stores it (a number, or "inf"/"-inf"/"nan"); None and +inf read "exact"."""
+    if x is None or x == "inf" or (isinstance(x, float) and x == float("inf")):
+        return "exact"
+    if isinstance(x, str):
+        return f"{x} dB"
+    return f"{x:.1f} dB"
 
 
 def closest_names(name: str, nodes: Sequence[dict], casts: Sequence[dict] = (), *, n: int = 5) -> list[str]:
