@@ -56,9 +56,9 @@ from typing import Iterable, Mapping, Optional, Sequence, Union
 
 import tomllib
 
+from converter.ir.errors import MpconvertError
 from converter.ir.meta import BUILTIN, Match, RuleRef
 from converter.ir.ops import known_op_names
-from converter.ir.errors import MpconvertError
 from converter.rules.precedence import MATCH_TABLES
 from converter.rules.precedence import rank as level_rank
 
