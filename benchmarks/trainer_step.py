@@ -1,0 +1,113 @@
+"""Trainer step overhead (issue 18 item 4): converted model + MixedPrecisionTrainer vs a plain autocast loop.
+
+Model: ``nn.TransformerEncoder`` d128, 4 heads, ff 256, 2 layers, B2×T16, dropout 0, SGD (lr 1e-4,
+momentum 0.9), bf16. Variants, each on its own copy of the same weights:
+
+* ``autocast`` — the original model under ``torch.autocast("cpu", dtype=bfloat16)``, ``loss.backward()``,
+  ``optimizer.step()``: the baseline;
+* ``O1`` / ``O2`` — ``converter.convert(..., precision="bf16", opt_level=..., device=...)``.module driven by
+  ``MixedPrecisionTrainer(master_weights=False/True)``.
+
+The steps run interleaved in one process (A B C … A B C …, :func:`benchmarks.common.interleaved`)
+with one torch thread and the thread CPU clock, so other processes on a shared machine do not
+blur the figures. Printed: median ms per phase (fwd, bwd, opt = ``trainer.step()`` or
+``optimizer.step()``) and the ratio of each step to autocast's.
+
+Run: ``python benchmarks/trainer_step.py [--rounds 200] [--device-lowering cpu|none] [--json out.json]``
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import interleaved, machine_info, summarize
+from converter import convert
+from converter.train.trainer import MixedPrecisionTrainer
+
+__all__ = ["build", "main"]
+
+
+def _encoder() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(128, 4, 256, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False).train()
+    torch.manual_seed(1)
+    return model, torch.randn(2, 16, 128)
+
+
+def _sgd(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(list(params), lr=1e-4, momentum=0.9)
+
+
+def build(*, lowering: str | None) -> dict:
+    """name -> step(clock) callables for the three variants."""
+    model, x = _encoder()
+    steps = {}
+
+    amp = copy.deepcopy(model)
+    amp_opt = _sgd(amp.parameters())
+
+    def autocast_step(clock) -> None:
+        amp_opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = amp(x)
+        loss = out.float().pow(2).mean()
+        clock.mark("fwd")
+        loss.backward()
+        clock.mark("bwd")
+        amp_opt.step()
+        clock.mark("opt")
+
+    steps["autocast"] = autocast_step
+    for level in ("O1", "O2"):
+        conv = convert(copy.deepcopy(model), (x,), precision="bf16", opt_level=level, device=lowering)
+        module = conv.module
+        trainer = MixedPrecisionTrainer(module, _sgd(module.parameters()), precision="bf16",
+                                        master_weights=level == "O2")
+
+        def trainer_step(clock, module=module, trainer=trainer) -> None:
+            trainer.zero_grad()
+            loss = module(x).float().pow(2).mean()
+            clock.mark("fwd")
+            trainer.backward(loss)
+            clock.mark("bwd")
+            trainer.step()
+            clock.mark("opt")
+
+        steps[level] = trainer_step
+    return steps
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--inner", type=int, default=5)
+    parser.add_argument("--device-lowering", choices=("cpu", "none"), default="cpu")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    steps = build(lowering=None if args.device_lowering == "none" else args.device_lowering)
+    samples = interleaved(steps, rounds=args.rounds, warmup=5, inner=args.inner, clock="cpu")
+    result = {"machine": machine_info(), "lowering": args.device_lowering,
+              "variants": {name: summarize(s) for name, s in samples.items()}}
+    base = result["variants"]["autocast"]["total_ms"]
+    print(f"{'variant':10s} {'step ms':>8s} {'fwd':>7s} {'bwd':>7s} {'opt':>7s} {'vs autocast':>12s}")
+    for name, entry in result["variants"].items():
+        entry["vs_autocast"] = entry["total_ms"] / base
+        print(f"{name:10s} {entry['total_ms']:8.3f} {entry['fwd_ms']:7.3f} {entry['bwd_ms']:7.3f} "
+              f"{entry['opt_ms']:7.3f} {entry['vs_autocast']:11.2f}x")
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
