@@ -735,10 +735,13 @@ class MixedPrecisionTrainer:
         """
         if self._scaler is not None:
             self._scaler.unscale_(self._optimizer)
-            if self._scaler.found_inf(self._optimizer):  # already all-reduced by the scaler
+            found_inf = self._scaler.found_inf(self._optimizer)  # all-reduced by the scaler (sync_found_inf)
+            if found_inf and self._fsdp is None:
                 return math.inf, True
+            # FSDP2: the norm is a collective, so every rank computes it; it is inf on every rank when any
+            # shard holds an inf, which keeps the ranks together even with sync_found_inf=False
             norm = self._grad_norm()
-            return norm, not math.isfinite(norm)
+            return (math.inf, True) if found_inf else (norm, not math.isfinite(norm))
         norm = self._grad_norm()
         return norm, not self._all_ranks_agree(math.isfinite(norm))
 
