@@ -578,73 +578,7 @@ def test_o2_drops_the_weight_casts_half_storage_made_identities():
     assert o1.dropped_weight_casts == 0
 
 
-# ---------------------------------------------------------------- O1 flat gradient buffers, foreach optimizer
-class _DetachedWeight(nn.Module):
-    """``frozen`` is used through ``detach()``: it never gets a gradient, so weight decay must not touch it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = nn.Linear(4, 4)
-        self.frozen = nn.Parameter(torch.randn(4, 4))
-
-    def forward(self, x):
-        return self.proj(x) @ self.frozen.detach()
-
-
-def _o1_run(module: nn.Module, *, flat: bool, steps: int = 6, drop_at: int | None = None):
-    trainer = MixedPrecisionTrainer(module, torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9,
-                                                            weight_decay=0.1),
-                                    precision="bf16", flat_grads=flat)
-    for step in range(steps):
-        x, y = _batch(step)
-        trainer.zero_grad()
-        trainer.backward(_mse(module, x, y))
-        if step == drop_at:  # the caller replaces a gradient: the flat buffer is bypassed for this step
-            module.proj.weight.grad = module.proj.weight.grad.clone()
-        assert trainer.step()
-    return trainer
-
-
-def test_o1_flat_grads_match_per_parameter_grads_and_norm_in_one_reduction():
-    torch.manual_seed(0)
-    base = torch.fx.symbolic_trace(_DetachedWeight())
-    flat_module, plain_module, dropped_module = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
-    frozen_before = base.frozen.detach().clone()
-    flat = _o1_run(flat_module, flat=True)
-    _o1_run(plain_module, flat=False)
-    _o1_run(dropped_module, flat=True, drop_at=3)
-    for (name, a), b, c in zip(flat_module.named_parameters(), plain_module.parameters(), dropped_module.parameters()):
-        assert torch.equal(a, b), f"{name}: flat grads differ from per-parameter grads by {(a - b).abs().max()}"
-        assert torch.equal(a, c), f"{name}: a replaced gradient changed the result by {(a - c).abs().max()}"
-    assert torch.equal(flat_module.frozen, frozen_before), "weight decay reached a parameter without a gradient"
-    assert flat_module.frozen.grad is None
-    (group,) = flat._o1_flat
-    assert [id(p) for p in group.params] == [id(flat_module.proj.weight), id(flat_module.proj.bias)]
-    assert group.flat.numel() == 20 and group.in_place()
-
-    x, y = _batch(0)
-    flat.zero_grad()
-    flat.backward(_mse(flat_module, x, y))
-    assert flat_module.proj.weight.grad.data_ptr() == group.flat.data_ptr(), "backward did not accumulate in place"
-    with _OpCounter() as counter:
-        flat.step()
-    norms = [op for op in counter.ops if "norm" in op]
-    assert norms == ["aten.linalg_vector_norm.default"], norms
-
-
-def test_o1_flat_grads_default_and_bad_values():
-    model = _tiny()
-    trainer = MixedPrecisionTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16")
-    assert not trainer._o1_flat_pending, "a plain (non-graph) module must keep per-parameter gradients"
-    graph = torch.fx.symbolic_trace(_tiny())
-    auto = MixedPrecisionTrainer(graph, torch.optim.SGD(graph.parameters(), lr=0.1), precision="bf16")
-    assert auto._o1_flat_pending
-    with pytest.raises(ValueError, match="flat_grads=True needs a GraphModule"):
-        MixedPrecisionTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16", flat_grads=True)
-    with pytest.raises(TypeError, match="flat_grads must be a bool or None"):
-        MixedPrecisionTrainer(graph, torch.optim.SGD(graph.parameters(), lr=0.1), precision="bf16", flat_grads=1)
-
-
+# ---------------------------------------------------------------- foreach optimizer
 def test_optimizer_foreach_is_switched_on_only_where_left_to_the_default():
     model = _tiny()
     params = list(model.parameters())

@@ -60,7 +60,6 @@ _BF16_NO_SCALER = (
 _STATE_FORMAT = 1
 _DEFAULT_MIN_SCALE = 1.0  # the trainer's dynamic scaler never goes below 1 (DeepSpeed, Megatron)
 _DEFAULT_MAX_CONSECUTIVE_SKIPS = 100
-_FLAT_GRADS_AUTO_LIMIT = 2**24  # trainable elements up to which O1 keeps flat gradient buffers by default
 
 
 class TrainingStalledError(RuntimeError):
@@ -300,29 +299,6 @@ class _FlatGroup:
         return all(m.grad is g for m, g in zip(self.masters, self.grads))
 
 
-@dataclasses.dataclass
-class _FlatGrads:
-    """O1: one gradient buffer per (device, dtype); each parameter's ``.grad`` is its view of ``flat``.
-
-    Autograd accumulates into an existing ``.grad`` in place, so after ``zero_grad()`` zeroes the
-    buffer the whole step's gradient lives in it and the norm is one reduction.
-    """
-
-    flat: torch.Tensor
-    params: list = dataclasses.field(default_factory=list)
-    views: list = dataclasses.field(default_factory=list)
-
-    def in_place(self) -> bool:
-        """Every parameter's gradient is still its view (the caller did not drop or replace one)."""
-        return all(p.grad is v for p, v in zip(self.params, self.views))
-
-    def reset(self) -> None:
-        self.flat.zero_()
-        for param, view in zip(self.params, self.views):
-            if param.grad is not view:
-                param.grad = view
-
-
 class MixedPrecisionTrainer:
     """Drives the backward/step of a mixed-precision model: scaling, master weights, clipping, DDP.
 
@@ -355,14 +331,6 @@ class MixedPrecisionTrainer:
             2**24 a dynamic scale reaches 1 in 24 overflows, 48 with hysteresis 2); None disables it.
         spike_guard: a :class:`SpikeGuard` to skip steps whose gradient norm spikes; None (off) by
             default. Skips are counted in ``stats.spike_skips`` and logged (``logging`` warning).
-        flat_grads: O1 only: keep the gradients of a GraphModule (a converted model: a static graph,
-            so the same parameters get a gradient every step) in one persistent buffer per dtype,
-            each ``.grad`` a view, zeroed by ``zero_grad()`` instead of freed. The gradient norm
-            (the non-finite check) is then one reduction instead of one per parameter. The cost
-            is that the gradients stay allocated through the forward pass, so None (default)
-            turns it on for models up to 2**24 trainable elements, where the per-parameter
-            overhead matters and the memory does not; True/False force it. A parameter that got no
-            gradient on the first step keeps ``grad=None`` semantics (it is not in the buffer).
         optimizer_foreach: set ``foreach=True`` on the optimizer's param groups that left
             ``foreach`` at None (torch's default on CPU is then a per-parameter Python loop; the
             multi-tensor path does the same arithmetic in a few ``_foreach_*`` calls: SGD with
@@ -416,7 +384,6 @@ class MixedPrecisionTrainer:
         embedding_grad_shrink: float | None = None,
         max_consecutive_skips: int | None = _DEFAULT_MAX_CONSECUTIVE_SKIPS,
         spike_guard: SpikeGuard | None = None,
-        flat_grads: bool | None = None,
         optimizer_foreach: bool = True,
     ) -> None:
         if not isinstance(module, nn.Module):
@@ -494,11 +461,6 @@ class MixedPrecisionTrainer:
             self._ddp.require_backward_grad_sync = (not master_weights) and accumulation_steps == 1
         if embedding_grad_shrink is not None:
             self._install_embedding_shrink(embedding_grad_shrink)
-        if flat_grads is not None and not isinstance(flat_grads, bool):
-            raise TypeError(f"flat_grads must be a bool or None, got {type(flat_grads).__name__}")
-        self._o1_flat_pending = self._wants_o1_flat_grads(flat_grads)
-        self._o1_flat: list[_FlatGrads] = []
-        self._o1_loose: list[torch.Tensor] = []  # parameters outside the O1 buffers (grad set to None)
         if not isinstance(optimizer_foreach, bool):
             raise TypeError(f"optimizer_foreach must be a bool, got {type(optimizer_foreach).__name__}")
         self.foreach_groups = _enable_foreach(optimizer) if optimizer_foreach else 0  # groups switched to foreach
@@ -528,42 +490,6 @@ class MixedPrecisionTrainer:
                 raise ValueError(f"a static loss_scale must be a finite number > 0, got {loss_scale}")
             return LossScaler(init_scale=float(loss_scale), dynamic=False, max_scale=None)
         raise ValueError(f"loss_scale must be 'dynamic', a float, a LossScaler or None, got {loss_scale!r}")
-
-    def _wants_o1_flat_grads(self, flat_grads: bool | None) -> bool:
-        if flat_grads is False or self._master_weights or self._ddp is not None or self._fsdp is not None:
-            return False
-        if not isinstance(self._inner, torch.fx.GraphModule):
-            if flat_grads:
-                raise ValueError("flat_grads=True needs a GraphModule (a converted model): its graph is static, "
-                                 "so every step gives a gradient to the same parameters")
-            return False
-        if flat_grads is None:
-            return sum(p.numel() for p in self._optimizer_params() if p.requires_grad) <= _FLAT_GRADS_AUTO_LIMIT
-        return True
-
-    def _layout_o1_flat_grads(self) -> None:
-        """After the first backward: move the dense gradients the step produced into flat buffers."""
-        self._o1_flat_pending = False
-        by_key: dict[tuple, list[torch.Tensor]] = {}
-        for param in self._optimizer_params():
-            grad = param.grad
-            if grad is not None and grad.layout == torch.strided and grad.is_contiguous() and param.is_contiguous():
-                by_key.setdefault((param.device, param.dtype), []).append(param)
-        taken = set()
-        for (device, dtype), params in by_key.items():
-            group = _FlatGrads(flat=torch.empty(sum(p.numel() for p in params), dtype=dtype, device=device))
-            offset = 0
-            for param in params:
-                view = group.flat[offset:offset + param.numel()].view_as(param)
-                offset += param.numel()
-                view.copy_(param.grad)
-                param.grad = view
-                group.params.append(param)
-                group.views.append(view)
-                taken.add(id(param))
-            self._o1_flat.append(group)
-        others = {id(p): p for p in [*self._model_params, *self._optimizer_params()] if id(p) not in taken}
-        self._o1_loose = list(others.values())
 
     def _optimizer_params(self) -> list[torch.Tensor]:
         return [p for group in self._optimizer.param_groups for p in group["params"]]
@@ -697,12 +623,6 @@ class MixedPrecisionTrainer:
         """Drop all gradients (model, masters, optimizer), but only at an accumulation boundary."""
         if self._micro != 0:
             return
-        if self._o1_flat:
-            for group in self._o1_flat:
-                group.reset()
-            for param in self._o1_loose:
-                param.grad = None
-            return
         self._optimizer.zero_grad(set_to_none=True)
         for param in self._model_params:
             if param.grad is not None:
@@ -812,10 +732,6 @@ class MixedPrecisionTrainer:
             if group.grads_in_place():
                 norms.append(torch.linalg.vector_norm(group.grad_flat))
                 covered.update(id(m) for m in group.masters)
-        for o1_group in self._o1_flat:
-            if o1_group.in_place():
-                norms.append(torch.linalg.vector_norm(o1_group.flat))
-                covered.update(id(p) for p in o1_group.params)
         grads = [p.grad for p in params if id(p) not in covered]
         if grads:
             norms.extend(torch._foreach_norm(grads))
@@ -888,8 +804,6 @@ class MixedPrecisionTrainer:
             self._harvest_half_grads()
             if self._ddp is not None:
                 self._all_reduce_fp32_grads()
-        elif self._o1_flat_pending:
-            self._layout_o1_flat_grads()
         scale_before = self._scaler.get_scale() if self._scaler is not None else 1.0
         grad_norm, non_finite = self._unscale_and_check()
         spike = not non_finite and self._is_spike(grad_norm)
