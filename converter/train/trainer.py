@@ -703,12 +703,15 @@ class MixedPrecisionTrainer:
             torch._foreach_copy_(grads, [chunk.view_as(g) for chunk, g in zip(flat.split([g.numel() for g in grads]), grads)])
 
     def _all_ranks_agree(self, finite: bool) -> bool:
-        """No scaler under DDP/FSDP: step only if every rank's gradients are finite, so replicas never diverge."""
-        if self._ddp is None and self._fsdp is None:
+        """No scaler under DDP: step only if every rank's gradients are finite, so replicas never diverge.
+
+        Under FSDP2 the norm itself is global (reduced over the shards' mesh), so every rank already
+        sees the same value and no further collective is needed.
+        """
+        if self._ddp is None:
             return finite
-        group = self._ddp.process_group if self._ddp is not None else None
         flag = torch.tensor([0.0 if finite else 1.0], device=self._first_param_device())
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self._ddp.process_group)
         return flag.item() == 0.0
 
     def _first_param_device(self) -> torch.device:
