@@ -38,9 +38,10 @@ import torch
 import torch.fx
 from torch import nn
 
-from converter.train.scaler import LossScaler
+from converter.ir.errors import EXIT_CHECK_FAILED, MpconvertError
 from converter.ir.meta import GM_PARAM_DTYPES, META_CAST, META_INFO, META_TRAINER
 from converter.ir.precision import half_dtype
+from converter.train.scaler import LossScaler
 
 __all__ = ["MixedPrecisionTrainer", "SpikeGuard", "TrainStats", "TrainingStalledError"]
 
@@ -56,8 +57,10 @@ _DEFAULT_MIN_SCALE = 1.0  # the trainer's dynamic scaler never goes below 1 (Dee
 _DEFAULT_MAX_CONSECUTIVE_SKIPS = 100
 
 
-class TrainingStalledError(RuntimeError):
-    """Raised when ``max_consecutive_skips`` optimizer steps in a row were skipped."""
+class TrainingStalledError(MpconvertError, RuntimeError):
+    """Raised when ``max_consecutive_skips`` optimizer steps in a row were skipped (exit status 1: a check failed)."""
+
+    exit_code = EXIT_CHECK_FAILED
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
