@@ -4,7 +4,7 @@ Two modes, named after Apex's opt levels:
 
 * **O1** (``master_weights=False``): parameters stay fp32 and the converted graph casts them to
   half where an op runs in half. The optimizer steps the fp32 parameters directly; fp16 runs
-  through a :class:`~converter.scaler.LossScaler`.
+  through a :class:`~converter.train.scaler.LossScaler`.
 * **O2** (``master_weights=True``): parameters are *stored* in half, which halves weight memory
   and removes the per-forward weight casts. The trainer keeps an fp32 master copy of every half
   parameter and points the optimizer at the masters, so updates smaller than half's resolution
