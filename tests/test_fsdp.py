@@ -10,7 +10,8 @@ Each step's global batch is 4 sequences; rank r trains on sequences 2r and 2r+1.
   ``state_dict()`` uses ``get_model_state_dict``/``get_optimizer_state_dict``) and loaded into a
   differently initialised sharded model (``set_...``) resumes bit-identically;
 * converted fp16, O1 with a LossScaler: ``found_inf`` is agreed (both ranks skip, both back off);
-* converted bf16, accumulation over 2 micro-batches (``set_requires_gradient_sync``);
+* converted bf16, accumulation over 2 micro-batches (``set_requires_gradient_sync``) and clipping
+  by the global gradient norm;
 * plain module under ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` — FSDP's O2 —
   matches the single-process O2 trainer with every parameter stored in bf16.
 """
@@ -43,6 +44,7 @@ STEPS = 6
 INJECT_STEP = 2
 RESUME_STEPS = 2
 LR = 0.01
+CLIP = 0.05  # below every step's gradient norm: clipping by a rank-local norm would give other weights
 
 
 def _free_port() -> int:
@@ -74,11 +76,12 @@ def _converted(precision: str, seed: int = 0) -> nn.Module:
 
 
 def _trainer(module: nn.Module, precision: str, *, accumulation: int = 1, sync: bool = True,
-             master_weights: bool = False) -> MixedPrecisionTrainer:
+             master_weights: bool = False, clip: float | None = None) -> MixedPrecisionTrainer:
     optimizer = torch.optim.SGD(module.parameters(), lr=LR, momentum=0.9)
     scaler = LossScaler(init_scale=2.0**10, growth_interval=100, sync_found_inf=sync) if precision == "fp16" else None
     return MixedPrecisionTrainer(module, optimizer, precision=precision, loss_scale=scaler,
-                                 accumulation_steps=accumulation, master_weights=master_weights)
+                                 accumulation_steps=accumulation, master_weights=master_weights,
+                                 max_grad_norm=clip)
 
 
 def _local_grads(module: nn.Module) -> list[torch.Tensor]:
@@ -138,7 +141,7 @@ def _scenario(rank: int, name: str, rows: slice) -> dict:
         stepped = _train(module, trainer, range(STEPS), rows=rows, poison=rank == 1)
     elif name == "bf16_accumulate":
         module = fully_shard(_converted("bf16"))
-        trainer = _trainer(module, "bf16", accumulation=2)
+        trainer = _trainer(module, "bf16", accumulation=2, clip=CLIP)
         stepped = _train(module, trainer, range(STEPS), rows=rows, accumulation=2)
     else:  # plain_fsdp_o2
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -169,10 +172,11 @@ def ranks(tmp_path_factory) -> list[dict]:
 
 
 def _single_process(module: nn.Module, precision: str, *, accumulation: int = 1, poison: bool = False,
-                    master_weights: bool = False) -> tuple[dict[str, torch.Tensor], list[bool], MixedPrecisionTrainer]:
+                    master_weights: bool = False, clip: float | None = None) -> tuple[dict[str, torch.Tensor], list[bool], MixedPrecisionTrainer]:
     """The same steps on one process: each rank's rows become one more micro-batch of an accumulation
     window (the converted graph is specialised to batch 2; the mean over the window is FSDP's average)."""
-    trainer = _trainer(module, precision, accumulation=accumulation * WORLD, master_weights=master_weights)
+    trainer = _trainer(module, precision, accumulation=accumulation * WORLD, master_weights=master_weights,
+                       clip=clip)
     stepped = []
     for step in range(STEPS):
         for micro in range(accumulation):
@@ -243,14 +247,17 @@ def test_fp16_found_inf_is_agreed_across_ranks(ranks):
     assert diff < 1e-4, f"FSDP2 fp16 differs from the single-process run by {diff}"
 
 
-def test_accumulation_under_fsdp_matches_one_process(ranks):
+def test_accumulation_and_clipping_under_fsdp_match_one_process(ranks):
     rank0, rank1 = ranks[0]["bf16_accumulate"], ranks[1]["bf16_accumulate"]
     _assert_ranks_identical(rank0, rank1)
     assert rank0["stats"]["steps"] == STEPS and rank0["stepped"] == [True] * STEPS
-    reference, _stepped, _trainer_ref = _single_process(_converted("bf16"), "bf16", accumulation=2)
+    assert rank0["stats"]["grad_norm"] == rank1["stats"]["grad_norm"] > CLIP, (rank0["stats"], rank1["stats"])
+    reference, _stepped, trainer = _single_process(_converted("bf16"), "bf16", accumulation=2, clip=CLIP)
+    norm_diff = abs(trainer.stats.grad_norm - rank0["stats"]["grad_norm"])
+    assert norm_diff < 1e-5 * trainer.stats.grad_norm, (trainer.stats.grad_norm, rank0["stats"]["grad_norm"])
     diff = _max_diff(rank0["params"], reference)
-    print(f"FSDP2 accumulation x2 vs one process: max |diff| = {diff:.3g}")
-    assert diff < 1e-5, f"FSDP2 accumulation differs from the single-process run by {diff}"
+    print(f"FSDP2 accumulation x2 + clipping vs one process: max |diff| = {diff:.3g}")
+    assert diff < 1e-5, f"FSDP2 accumulation + clipping differs from the single-process run by {diff}"
 
 
 def test_fsdp_param_dtype_policy_is_o2_for_a_plain_module(ranks):
