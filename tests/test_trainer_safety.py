@@ -225,6 +225,33 @@ def test_spike_guard_waits_for_history_and_accepts_a_lasting_change():
     assert trainer.stats.spike_skips == 2, trainer.stats
 
 
+def test_spike_guard_history_survives_a_checkpoint():
+    def build():
+        model = nn.Linear(3, 1, bias=False)
+        trainer = MixedPrecisionTrainer(model, torch.optim.SGD(model.parameters(), lr=0.0), precision="bf16",
+                                        spike_guard=SpikeGuard(factor=4.0, window=8, min_history=3))
+        return model, trainer
+
+    def step_with_norm(model, trainer, norm: float) -> bool:
+        trainer.zero_grad()
+        trainer.backward(model(torch.ones(1, 3)).sum())
+        model.weight.grad.copy_(torch.tensor([[norm, 0.0, 0.0]]))
+        return trainer.step()
+
+    model, trainer = build()
+    for norm in (1.0, 2.0, 1.5):
+        assert step_with_norm(model, trainer, norm)
+    state = trainer.state_dict()
+    assert state["spike_history"] == [1.0, 2.0, 1.5]
+    resumed_model, resumed = build()
+    resumed.load_state_dict(state)
+    assert not step_with_norm(resumed_model, resumed, 50.0), "the restored history should flag the spike"
+    assert resumed.stats.spike_skips == 1
+    state["spike_history"] = [1.0, float("nan")]
+    with pytest.raises(ValueError, match="spike_history must be a list of finite gradient norms"):
+        build()[1].load_state_dict(state)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"factor": 1.0}, "factor must be a finite number > 1"),
     ({"factor": float("nan")}, "factor must be a finite number > 1"),

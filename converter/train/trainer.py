@@ -857,7 +857,9 @@ class MixedPrecisionTrainer:
         return self._optimizer.state_dict()
 
     def state_dict(self) -> dict[str, Any]:
-        """Model, fp32 masters, optimizer, scaler and counters; loads with ``torch.load(weights_only=True)``.
+        """Model, fp32 masters, optimizer, scaler, counters and the spike guard's recent gradient norms.
+
+        Loads with ``torch.load(weights_only=True)``.
 
         Only at an accumulation boundary: accumulated gradients are not saved, so a checkpoint
         taken mid-window could not resume bit-identically. Under FSDP2 the model and optimizer
@@ -879,6 +881,7 @@ class MixedPrecisionTrainer:
             "optimizer": self._optimizer_state(),
             "scaler": self._scaler.state_dict() if self._scaler is not None else {},
             "stats": dataclasses.asdict(self._stats),
+            "spike_history": list(self._norm_history) if self._spike_guard is not None else [],
         }
 
     def _check_state_dict(self, state_dict: Any) -> TrainStats:
@@ -905,6 +908,11 @@ class MixedPrecisionTrainer:
         fields = {f.name for f in dataclasses.fields(TrainStats)}
         if not isinstance(stats, dict) or not set(stats) <= fields:
             raise ValueError(f"checkpoint stats must be a dict with keys from {sorted(fields)}, got {stats!r}")
+        history = state_dict.get("spike_history", [])
+        if not isinstance(history, list) or not all(
+            isinstance(v, float) and math.isfinite(v) and v >= 0 for v in history
+        ):
+            raise ValueError("checkpoint spike_history must be a list of finite gradient norms (floats >= 0)")
         return TrainStats(**stats)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -933,6 +941,9 @@ class MixedPrecisionTrainer:
         if self._scaler is not None:
             self._scaler.load_state_dict(state_dict["scaler"])
         self._stats = stats
+        self._norm_history.clear()
+        if self._spike_guard is not None:
+            self._norm_history.extend(state_dict.get("spike_history", []))
         self._micro = 0
         self._loss_sum = None
 
