@@ -38,10 +38,10 @@ from converter.report.common import (
 from converter.report.plots import plots_html
 from converter.rules.precedence import describe
 
-__all__ = ["to_html", "asset_text"]
+__all__ = ["to_html"]
 
 
-def asset_text(name: str) -> str:
+def _asset_text(name: str) -> str:
     """The text of ``converter/report/assets/<name>`` (package data: report.css, report.js)."""
     return (resources.files("converter.report") / "assets" / name).read_text(encoding="utf-8")
 
@@ -375,7 +375,7 @@ def _unmatched_html(report: ReportView) -> str:
 
 def to_html(report: ReportView) -> str:
     """report.html: one self-contained page, no network access (see the module docstring)."""
-    css, js = "\n" + asset_text("report.css"), "\n" + asset_text("report.js")
+    css, js = "\n" + _asset_text("report.css"), "\n" + _asset_text("report.js")
     script_hash = base64.b64encode(hashlib.sha256(js.encode("utf-8")).digest()).decode("ascii")
     csp = (f"default-src 'none'; style-src 'unsafe-inline'; img-src data:; script-src 'sha256-{script_hash}'; "
            "base-uri 'none'; form-action 'none'")
