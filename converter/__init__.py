@@ -1,6 +1,6 @@
 """mpconvert: rule-driven mixed precision for PyTorch models, with an audit of every decision.
 
-Public API (docs/architecture.md)::
+Public API (docs/architecture.md; the names are a stable contract)::
 
     conv = converter.convert(model, example_inputs, precision="bf16")
     report = converter.audit(model, example_inputs)
@@ -27,11 +27,12 @@ __all__ = [
     "LossScaler",
     "MixedPrecisionTrainer",
     "ToleranceNotMet",
+    "SpikeGuard",
+    "TrainingStalledError",
     "load_rules",
     "normalize_precision",
     "__version__",
 ]
-
 
 #: where each public name lives. Everything is imported on first use (PEP 562), so that
 #: ``mpconvert explain OUT_DIR NODE`` and ``--help`` answer without importing torch, and converting
@@ -41,19 +42,21 @@ _LAZY = {
     "audit": "converter.api",
     "Conversion": "converter.api",
     "PassError": "converter.api",
-    "MpconvertError": "converter.ir.errors",
-    "PrecisionError": "converter.ir.precision",
     "normalize_precision": "converter.api",
     "CalibrationOptions": "converter.numerics.options",
+    "MpconvertError": "converter.ir.errors",
+    "PrecisionError": "converter.ir.precision",
     "CaptureError": "converter.passes.capture",
     "BannedOpError": "converter.passes.decide",
     "Report": "converter.report.build",
     "Rules": "converter.rules.loader",
     "RulesError": "converter.rules.loader",
     "load_rules": "converter.rules.loader",
+    "ToleranceNotMet": "converter.numerics.search",
     "LossScaler": "converter.train.scaler",
-    "ToleranceNotMet": "converter.numerics.calibrate",
     "MixedPrecisionTrainer": "converter.train.trainer",
+    "SpikeGuard": "converter.train.trainer",
+    "TrainingStalledError": "converter.train.trainer",
 }
 
 
