@@ -102,13 +102,13 @@ def _run_stage(name: str, done: list[str], fn, *args, **kwargs):
 
 
 def _pipeline(model, example_inputs, *, precision, rules, tracer, keep_io_types, placement, calibration=None,
-              calibration_options=None, opt_level="O1", device=None):
+              calibration_options=None, opt_level="O1", device=None, dynamic=True, dynamic_shapes=None):
     target = normalize_precision(precision)
     rule_set = load_rules(rules)
     done: list[str] = []
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    captured: Captured = capture(model, example_inputs, tracer=tracer)
+    captured: Captured = capture(model, example_inputs, tracer=tracer, dynamic=dynamic, dynamic_shapes=dynamic_shapes)
     done.append("capture")
     timings["capture_s"] = time.perf_counter() - t0
     gm = captured.gm
@@ -146,6 +146,8 @@ def convert(
     calibration_options: Optional[dict] = None,
     opt_level: str = "O1",
     device: Optional[str] = None,
+    dynamic: bool = True,
+    dynamic_shapes: Any = None,
 ) -> Conversion:
     """Convert ``model`` to mixed precision.
 
@@ -161,16 +163,23 @@ def convert(
     ``device``: the device the model will train on, which enables that device's lowerings
     (:mod:`converter.lower`; ``"cpu"``: bf16 attention as matmul·softmax·matmul, 2-4x faster than
     PyTorch's CPU bf16 flash kernel). None (default): a portable graph, nothing device-specific.
+    ``dynamic``: torch.export captures batch, sequence and other input dims as dynamic, so the
+    converted module serves other sizes (False: fixed to the example's sizes; symbolic_trace
+    graphs are dynamic either way). ``dynamic_shapes``: torch.export-style dims for the example
+    inputs instead of the default. ``report.extra["dynamic_dims"]`` lists the dims that are dynamic
+    and ``report.extra["modes"]`` whether ``train()``/``eval()`` work (see :mod:`converter.passes.capture`).
     """
     captured, rule_set, target, timings = _pipeline(
         model, example_inputs, precision=precision, rules=rules, tracer=tracer, keep_io_types=keep_io_types,
         placement=placement, calibration=calibration, calibration_options=calibration_options, opt_level=opt_level,
-        device=device,
+        device=device, dynamic=dynamic, dynamic_shapes=dynamic_shapes,
     )
     gm = captured.gm
     report = build_report(gm, precision=target, tracer=captured.tracer, rules=rule_set.to_dict(),
                           extra={"capture_errors": captured.errors, "timings": timings, "opt_level": opt_level,
-                                 "device": device, "lowered": list(gm.meta["mp_graph"].extra.get("lowered", ()))})
+                                 "device": device, "lowered": list(gm.meta["mp_graph"].extra.get("lowered", ())),
+                                 "dynamic_dims": captured.dynamic_dims, "shapes": captured.shapes_note,
+                                 "modes": captured.modes})
     return Conversion(
         module=gm,
         report=report,
@@ -180,7 +189,8 @@ def convert(
         original=model,
         example_inputs=(captured.args, captured.kwargs),
         timings=timings,
-        options={"keep_io_types": keep_io_types, "placement": placement, "opt_level": opt_level, "device": device},
+        options={"keep_io_types": keep_io_types, "placement": placement, "opt_level": opt_level, "device": device,
+                 "dynamic": dynamic, "dynamic_shapes": dynamic_shapes},
     )
 
 
@@ -193,7 +203,8 @@ def audit(
     tracer: str = "auto",
     placement: str = "mincut",
     device: Optional[str] = None,
+    dynamic: bool = True,
 ) -> Report:
     """Decide and place only: the report of what :func:`convert` would do; the model is untouched."""
     return convert(model, example_inputs, precision=precision, rules=rules, tracer=tracer, placement=placement,
-                   device=device).report
+                   device=device, dynamic=dynamic).report

@@ -502,6 +502,8 @@ def generate_model_source(conv, *, model_file: Optional[str] = None) -> ModelSou
         target = str(node.target)
         if target in tensors or any(target == alias for alias, _, _ in tied):
             continue
+        if target == "training":  # the module's train/eval flag (converter.passes.modes): self.training
+            continue
         value = _resolve(gm, target)
         if isinstance(value, torch.Tensor):
             if id(value) in seen:

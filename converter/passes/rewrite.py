@@ -4,6 +4,9 @@
   producer's dtype differs, and there is one cast per (producer, dtype), shared by all consumers.
 * fp64, integer and bool tensors are never touched; normalisation ops only get their input cast
   (weights and running statistics stay fp32).
+* A cast is not shared between consumers inside and outside a ``no_grad``/autocast region that
+  capture inlined (``meta["mp_region"]``): made under ``no_grad``, it would cut the gradient of
+  the consumers outside.
 * Casts the model already performs (``x.float()``, ``softmax(..., dtype=)``) are respected; a
   dtype computed at run time (``x.to(y.dtype)``) is folded to the dtype observed in fp32.
 * Parameters stay fp32 and are cast in the graph (O1); ``gm.meta["mp_param_dtypes"]`` records the
@@ -66,10 +69,11 @@ def rewrite(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, check: Opti
     builds it happens once, later (see :mod:`converter.graphmodule`)."""
     graph = gm.graph
     cache: dict = {}
-    casts: dict[tuple[torch.fx.Node, torch.dtype], torch.fx.Node] = {}
+    casts: dict[tuple[torch.fx.Node, torch.dtype, tuple], torch.fx.Node] = {}
 
     def get_cast(src: torch.fx.Node, dtype: torch.dtype, consumer: torch.fx.Node, rule: RuleRef, reason: str) -> torch.fx.Node:
-        key = (src, dtype)
+        region = consumer.meta.get("mp_region", ())
+        key = (src, dtype, region)  # never share a cast across a no_grad region's edge (see passes.regions)
         if key in casts:
             cast = casts[key]
             rec: CastRecord = cast.meta["mp_cast"]
@@ -83,6 +87,8 @@ def rewrite(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, check: Opti
             # and that scan alone was ~40 % of the rewrite on a 9k-node graph
             cast = graph.create_node("call_method", "to", name=f"{src.name}_to_{name_of(dtype)}")
         cast.args = (src, dtype)
+        if region:
+            cast.meta["mp_region"] = region
         out = TensorSpec(spec.shape, dtype)
         cast.meta["mp_value"] = out
         cast.meta["mp_info"] = NodeInfo(op="to", module=consumer.meta.get("mp_info", NodeInfo("")).module, kind="cast", outputs=(out,))
