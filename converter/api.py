@@ -204,7 +204,8 @@ def audit(
     placement: str = "mincut",
     device: Optional[str] = None,
     dynamic: bool = True,
+    dynamic_shapes: Any = None,
 ) -> Report:
     """Decide and place only: the report of what :func:`convert` would do; the model is untouched."""
     return convert(model, example_inputs, precision=precision, rules=rules, tracer=tracer, placement=placement,
-                   device=device, dynamic=dynamic).report
+                   device=device, dynamic=dynamic, dynamic_shapes=dynamic_shapes).report
