@@ -60,7 +60,7 @@ class CaptureError(RuntimeError):
         #: plain words on what to change in the model (data-dependent control flow), or None
         self.advice = advice
         if advice is not None:
-            super().__init__(f"could not capture the model: {advice}")
+            super().__init__(f"could not capture the model (tracer {' and '.join(reasons)}): {advice}")
             return
         detail = "; ".join(f"{name}: {why}" for name, why in reasons.items())
         hint = "try --tracer export" if "export" not in reasons else "make the model traceable by torch.export (see its error)"
