@@ -172,13 +172,40 @@ def _trace_export(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: "_S
         if "val" in node.meta:
             node.meta["mp_value"] = _spec_of(node.meta["val"])
     shapes.dims = {}
-    for node in _placeholders(gm):
+    for node, name in zip(_placeholders(gm), _input_names(gm, model, args, kwargs)):
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):
             dims = [i for i, s in enumerate(val.shape) if not is_concrete_int(s)]
             if dims:
-                shapes.dims[node.name] = dims
+                shapes.dims[name] = dims
     return gm
+
+
+def _input_names(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tuple, kwargs: dict) -> list[str]:
+    """The user's name of each placeholder of an export graph: ``input_ids``, ``pixel_values``, ``xs[1]``."""
+    import inspect
+
+    params = [p.name for p in inspect.signature(model.forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+    def label(path, _leaf) -> str:
+        head, *rest = path
+        top = head.idx if hasattr(head, "idx") else None
+        if top == 0 and rest:  # positional argument
+            index = rest[0].idx
+            name = params[index] if index < len(params) else f"args[{index}]"
+            rest = rest[1:]
+        else:  # keyword argument
+            name = str(getattr(rest[0], "key", rest[0])) if rest else "input"
+            rest = rest[1:]
+        return name + "".join(pytree.keystr([k]) for k in rest)
+
+    names = pytree.tree_map_with_path(label, (tuple(args), dict(kwargs)))
+    flat = placeholder_values(gm, *names)
+    placeholders = _placeholders(gm)
+    if len(flat) != len(placeholders) or not all(isinstance(n, str) for n in flat):
+        return [n.name for n in placeholders]
+    return flat
 
 
 @dataclass
