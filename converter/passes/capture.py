@@ -9,8 +9,37 @@ The FX tracer traces *into* ``Linear``, ``Conv*``, ``LayerNorm``, ``GroupNorm``,
 becomes a functional call (``F.linear`` ...), the same op that export produces. ``BatchNorm`` stays
 a leaf module so that ``train()``/``eval()`` keep working on the converted model.
 
-Shape propagation runs the example inputs once (under ``no_grad``, restoring every buffer
-afterwards) for FX graphs; export graphs already carry fake values in ``node.meta["val"]``.
+Shape propagation runs the example inputs once (under ``no_grad``, restoring every buffer and the
+RNG state afterwards) for FX graphs; export graphs already carry fake values in ``node.meta["val"]``.
+Either way ``node.meta["mp_value"]`` holds the *example's* sizes, which placement uses as cast costs.
+
+**Dynamic shapes.** torch.export captures with ``Dim.AUTO`` on every dimension of every tensor
+input: what the model fixes (a hidden size that meets a weight) stays static, batch, sequence and
+image sizes stay dynamic, and the converted module and the emitted model.py serve other sizes.
+An example dim of size 1 would be specialised to 1 (torch's 0/1 specialisation), so when the
+example has one, capture first traces size-obliviously (``backed_size_oblivious``) and keeps it
+dynamic; if that fails it retries with plain ``Dim.AUTO``, and if dynamic capture fails at all it
+captures static shapes and says why. ``dynamic=False`` fixes every dim; ``dynamic_shapes`` (the
+model file's ``dynamic_shapes()``) replaces the default. symbolic_trace records no sizes, so FX
+graphs are dynamic by construction. ``Captured.dynamic_dims`` (``report.extra["dynamic_dims"]``)
+maps each input (``input_ids``, ``xs[1]``) to its dynamic dims; ``shapes_note`` says how.
+Sizes are never read with ``int(SymInt)``, which would specialise them.
+
+**Train and eval.** Both tracers trace the model in *train* mode, where every mode-dependent op is
+recorded with its train-mode arguments, and :mod:`converter.passes.modes` rewrites those arguments
+to read the converted module's ``self.training`` (dropout, batch norm and its batch counter,
+attention dropout, RNN dropout). The graph is then run in eval mode on the example and compared with
+the original model in eval mode; a model whose Python code branches on ``self.training`` some other
+way fails that check and is captured in its own mode, its mode frozen and the reason in
+``Captured.modes`` (``report.extra["modes"]``). The converted module starts in the original's mode.
+
+**Higher-order regions.** ``torch.no_grad()``/``set_grad_enabled`` and ``torch.autocast`` blocks,
+which torch.export records as nested graphs, are inlined between plain grad-mode/autocast calls
+(:mod:`converter.passes.regions`), so their ops get decisions and model.py is plain Python.
+
+**Errors.** A branch on tensor values (``if x.sum() > 0``) is a :class:`CaptureError` whose
+``advice`` says in plain words what to do (``torch.cond``, move the branch out of ``forward``, or
+split the model) and names the file and line of the branch.
 """
 from __future__ import annotations
 
@@ -23,12 +52,17 @@ from typing import Any, Optional
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
-
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from converter.ir.graphmodule import new_graph_module
 from converter.ir.meta import NodeInfo, TensorSpec
-from converter.ir.ops import CAST_OPS, NORM_OPS, canonical_op, explicit_dtype, is_inplace
+from converter.ir.ops import (
+    CAST_OPS,
+    NORM_OPS,
+    canonical_op,
+    explicit_dtype,
+    is_inplace,
+)
 from converter.passes.modes import make_mode_aware
 from converter.passes.regions import inline_regions
 
@@ -150,7 +184,7 @@ class _Tracer(torch.fx.Tracer):
         return proxy
 
 
-def _trace_fx(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: "_Shapes") -> torch.fx.GraphModule:
+def _trace_fx(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Shapes) -> torch.fx.GraphModule:
     tracer = _Tracer()
     graph = tracer.trace(model)
     gm = new_graph_module(tracer.root, graph, type(model).__name__)
@@ -158,11 +192,12 @@ def _trace_fx(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: "_Shape
         n.name: list(range(v.dim())) for n, v in zip(_placeholders(gm), placeholder_values(gm, args, kwargs))
         if isinstance(v, torch.Tensor)
     }
-    shapes.note = "symbolic_trace records no sizes: every dimension is dynamic"
+    shapes.note = "symbolic_trace records no sizes: every dimension is dynamic" + (
+        "" if shapes.dynamic else " (dynamic=False fixes torch.export captures only)")
     return gm
 
 
-def _trace_export(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: "_Shapes") -> torch.fx.GraphModule:
+def _trace_export(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Shapes) -> torch.fx.GraphModule:
     ep = _export_dynamic(model, args, kwargs, shapes)
     exported = ep.module()
     # a plain GraphModule over the same graph: ep.module()'s train()/eval() raise NotImplementedError
@@ -277,9 +312,7 @@ def _export_dynamic(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _
         shapes.note = "Dim.AUTO on every input dim (torch.export keeps static what the model fixes" + (
             "; size-1 example dims are static: give an example with sizes >= 2 to make them dynamic)" if failures else ")")
         return ep
-    except Exception as exc:
-        if _control_flow(exc) is not None:
-            raise
+    except Exception as exc:  # e.g. a size check the dynamic dims cannot pass: static shapes next
         failures.append(_short(exc))
     ep = run(None)
     shapes.note = f"static shapes: dynamic capture failed ({failures[-1]})"
