@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import converter
-from converter.passes.capture import CaptureError, capture
+from converter.passes.capture import CaptureError, capture, placeholder_values
 
 transformers = pytest.importorskip("transformers")
 
@@ -71,6 +71,20 @@ def test_rotary_decoder_is_dynamic_inlines_no_grad_and_emits(family, tmp_path):
     assert {"cos", "sin"} <= ops, ops
     for node in region:
         assert node.meta["mp"].rule is not None and node.meta["mp"].reason, node.name
+    # the region's ops still run without grad inside a forward that records grad
+    seen: dict[str, bool] = {}
+
+    class Probe(torch.fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            if isinstance(out, torch.Tensor) and out.is_floating_point():
+                seen[n.name] = out.requires_grad
+            return out
+
+    Probe(gm).run(*placeholder_values(gm, (ids,), {}))
+    assert torch.is_grad_enabled()
+    assert [n.name for n in region if seen[n.name]] == []
+    assert seen[next(n.name for n in gm.graph.nodes if n.meta.get("mp_info") and n.meta["mp_info"].op == "linear")]
     # other batch sizes and lengths, the 0/1 sizes included
     for shape in [(3, 5), (1, 11), (4, 1)]:
         x = torch.randint(0, 128, shape, generator=torch.Generator().manual_seed(sum(shape)))
@@ -386,6 +400,26 @@ def test_data_dependent_branch_error_is_plain(tracer):
     assert "Eq(" not in message and "u0" not in message and "guard" not in message.lower(), message
 
 
+class _ValueRead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y * float(y.abs().max())
+
+
+def test_python_value_read_error_is_plain():
+    with pytest.raises(CaptureError) as info:
+        capture(_ValueRead(), (torch.randn(4, 8),), tracer="export")
+    message = str(info.value)
+    lines, start = inspect.getsourcelines(_ValueRead.forward)
+    line = start + next(i for i, text in enumerate(lines) if "float(" in text)
+    assert f"test_capture_workload.py:{line}" in message and "reads a tensor's value" in message, message
+    assert "out of forward" in message and "zuf0" not in message, message
+
+
 def test_cli_control_flow_and_dynamic_options(tmp_path):
     model_file = tmp_path / "branchy.py"
     model_file.write_text(textwrap.dedent("""\
@@ -418,6 +452,7 @@ def test_cli_control_flow_and_dynamic_options(tmp_path):
     assert run.returncode == 2, run.stderr
     lines = [line for line in run.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "branchy.py:12" in lines[0] and "torch.cond" in lines[0], run.stderr
+    assert "data-dependent control flow" in lines[0] and "Eq(" not in lines[0], lines[0]
     assert not (tmp_path / "o1").exists()
 
     dyn_file = tmp_path / "seq.py"

@@ -295,9 +295,12 @@ def _dynamic_shapes(mf):
 
 
 def _capture_message(exc, model_name: str, model_file: str, tracer: str) -> str:
-    if getattr(exc, "advice", None):  # data-dependent control flow: one plain sentence, whichever tracer
-        return f"{model_file}: cannot capture {model_name}: {exc.advice}"
     reasons = getattr(exc, "reasons", {}) or {}
+    advice = getattr(exc, "advice", None)
+    if advice:  # Python code that needs a tensor's value: plain advice, then any other tracer's reason
+        head = "neither tracer could capture" if tracer == "auto" else f"the {tracer} tracer could not capture"
+        others = "; ".join(f"{name}: {_one_line(why)}" for name, why in reasons.items() if why != advice)
+        return f"{model_file}: {head} {model_name}: {advice}" + (f" (also {others})" if others else "")
     detail = "; ".join(f"{name}: {_one_line(why)}" for name, why in reasons.items()) or _one_line(exc)
     if tracer == "auto":
         fix = "fix the code each tracer names (--debug shows more), or pick one with --tracer fx|export"

@@ -513,34 +513,41 @@ def _eval_mismatch(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tuple
     return None
 
 
-_USER_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
+_USER_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n(?: {3,}(\S[^\n]*))?')
+_BRANCH = re.compile(r"^\s*(if|elif|while|assert)\b|\bif\b.*\belse\b")
 
 
 def _control_flow(exc: BaseException) -> Optional[str]:
-    """Plain advice for a branch on tensor values (None for any other failure)."""
+    """Plain advice for Python code that needs a tensor's value (None for any other failure)."""
     text = str(exc)
-    name = type(exc).__name__
     data_dependent = (
-        "GuardOnDataDependent" in name
+        "GuardOnDataDependent" in type(exc).__name__
         or "data-dependent" in text
         or "data dependent" in text
         or "cannot be used as inputs to control flow" in text
     )
     if not data_dependent:
         return None
-    where = ""
+    where, code = "", ""
     found = _USER_FRAME.findall(text)
     if found:
         path, line, _, code = found[-1]
-        where = f" at {path.rsplit('/', 1)[-1]}:{line} (`{code.strip()}`)"
+        where = f" at {path.rsplit('/', 1)[-1]}:{line}"
     else:
         frame = _user_frame(exc.__traceback__)
         if frame is not None:
-            where = f" at {frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}" + (f" (`{frame.line.strip()}`)" if frame.line else "")
+            where, code = f" at {frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}", frame.line or ""
+    shown = f" (`{code.strip()}`)" if code.strip() else ""
+    if not code.strip() or _BRANCH.search(code):
+        return (
+            f"data-dependent control flow{where}{shown}: forward branches on the values inside a tensor, which a "
+            "captured graph cannot record. Write the branch with torch.cond(pred, true_fn, false_fn, operands), move "
+            "it out of forward (decide before calling the model), or split the model at that point and convert each part"
+        )
     return (
-        f"data-dependent control flow{where}: forward branches on the values inside a tensor, which a captured graph "
-        "cannot record. Write the branch with torch.cond(pred, true_fn, false_fn, operands), move it out of "
-        "forward (decide before calling the model), or split the model at that point and convert each part"
+        f"forward reads a tensor's value in Python{where}{shown} (float(), int(), .item(), .tolist()), which a "
+        "captured graph cannot record. Keep it a tensor operation, move it out of forward (compute it before or "
+        "after calling the model), or split the model at that point and convert each part; a branch on it needs torch.cond"
     )
 
 
