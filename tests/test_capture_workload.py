@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import converter
+from converter.ir.meta import META_CAST, META_DECISION, META_INFO, META_REGION, META_VALUE
 from converter.passes.capture import CaptureError, capture, placeholder_values
 
 transformers = pytest.importorskip("transformers")
@@ -66,11 +67,11 @@ def test_rotary_decoder_is_dynamic_inlines_no_grad_and_emits(family, tmp_path):
     # the rotary embedding's no_grad region: bracketed, and its ops got decisions from rules
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert targets.count(torch._C._set_grad_enabled) == 2 * targets.count(torch.is_grad_enabled) > 0
-    region = [n for n in gm.graph.nodes if n.meta.get("mp_region") and n.meta.get("mp_info") and n.meta["mp_info"].kind == "compute"]
-    ops = {n.meta["mp_info"].op for n in region}
+    region = [n for n in gm.graph.nodes if n.meta.get(META_REGION) and n.meta.get(META_INFO) and n.meta[META_INFO].kind == "compute"]
+    ops = {n.meta[META_INFO].op for n in region}
     assert {"cos", "sin"} <= ops, ops
     for node in region:
-        assert node.meta["mp"].rule is not None and node.meta["mp"].reason, node.name
+        assert node.meta[META_DECISION].rule is not None and node.meta[META_DECISION].reason, node.name
     # the region's ops still run without grad inside a forward that records grad
     seen: dict[str, bool] = {}
 
@@ -84,7 +85,7 @@ def test_rotary_decoder_is_dynamic_inlines_no_grad_and_emits(family, tmp_path):
     Probe(gm).run(*placeholder_values(gm, (ids,), {}))
     assert torch.is_grad_enabled()
     assert [n.name for n in region if seen[n.name]] == []
-    assert seen[next(n.name for n in gm.graph.nodes if n.meta.get("mp_info") and n.meta["mp_info"].op == "linear")]
+    assert seen[next(n.name for n in gm.graph.nodes if n.meta.get(META_INFO) and n.meta[META_INFO].op == "linear")]
     # other batch sizes and lengths, the 0/1 sizes included
     for shape in [(3, 5), (1, 11), (4, 1)]:
         x = torch.randint(0, 128, shape, generator=torch.Generator().manual_seed(sum(shape)))
@@ -127,7 +128,7 @@ def test_no_grad_region_cuts_grad_only_inside(tmp_path):
     x = torch.randn(4, 16)
     conv = converter.convert(model, (x,), tracer="export")
     gm = conv.module
-    casts_of_x = [n for n in gm.graph.nodes if "mp_cast" in n.meta and n.meta["mp_cast"].src == "x"]
+    casts_of_x = [n for n in gm.graph.nodes if META_CAST in n.meta and n.meta[META_CAST].src == "x"]
     # one cast for the consumer inside the region, one outside: a shared cast made under no_grad
     # would leave the outer linear without a gradient path to x
     assert len(casts_of_x) == 2, [n.name for n in casts_of_x]
@@ -207,7 +208,7 @@ def test_static_freezes_export_shapes():
 def test_cast_costs_use_the_example_sizes():
     conv = converter.convert(_Block().eval(), (torch.randn(3, 7, 32),), tracer="export")
     placeholder = next(n for n in conv.module.graph.nodes if n.op == "placeholder")
-    assert tuple(placeholder.meta["mp_value"].shape) == (3, 7, 32)
+    assert tuple(placeholder.meta[META_VALUE].shape) == (3, 7, 32)
     cast = next(c for c in conv.report.to_dict()["casts"] if c["consumers"] == ["qkv"] and not c["on_weight"])
     assert cast["numel"] == 3 * 7 * 32 and cast["bytes"] == 3 * 7 * 32 * (4 + 2), cast
 

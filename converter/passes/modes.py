@@ -35,6 +35,8 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
+from converter.ir.meta import META_MODE_FLAG
+
 __all__ = ["make_mode_aware", "MODE_ATTR"]
 
 #: the GraphModule attribute the rewritten arguments read
@@ -70,7 +72,7 @@ def make_mode_aware(gm: torch.fx.GraphModule) -> list[str]:
             with graph.inserting_before(first):
                 # create_node, not graph.get_attr: the target is a bool attribute, not a tensor or module
                 mode = graph.create_node("get_attr", MODE_ATTR, name="training")
-            mode.meta["mp_mode_flag"] = True
+            mode.meta[META_MODE_FLAG] = True
         return mode
 
     for node in list(graph.nodes):
@@ -86,7 +88,7 @@ def make_mode_aware(gm: torch.fx.GraphModule) -> list[str]:
             if isinstance(p, float) and p > 0:
                 with graph.inserting_before(node):
                     scaled = graph.call_function(operator.mul, (p, mode_node()))
-                scaled.meta["mp_mode_flag"] = True
+                scaled.meta[META_MODE_FLAG] = True
                 _set(node, 4, "dropout_p", scaled)
                 changed.append(node.name)
         elif _is_batch_counter(gm, node):

@@ -31,6 +31,8 @@ from typing import Any, Optional
 import torch
 import torch.fx
 
+from converter.ir.meta import META_REGION
+
 __all__ = ["inline_regions", "REGION_OPS"]
 
 
@@ -83,7 +85,6 @@ def _inline_one(gm: torch.fx.GraphModule, node: torch.fx.Node, *, region_id: int
         enter, leave = _bracket(graph, node, bracket)
         outputs = _copy_body(gm, sub, operands, str(sub_node.target), tag)
         leave()
-    enter.meta["mp_region_bracket"] = tag[0]
     for user in list(node.users):
         user.replace_all_uses_with(outputs[user.args[1]])
         graph.erase_node(user)
@@ -99,7 +100,6 @@ def _bracket(graph: torch.fx.Graph, node: torch.fx.Node, bracket: tuple):
     """Insert the entering call(s); return (the first node, a function that inserts the leaving call)."""
     if node.target is _GRAD:
         was = graph.call_function(torch.is_grad_enabled, ())
-        was.meta["mp_region_bracket"] = "grad"
         graph.call_function(torch._C._set_grad_enabled, (bracket[0],))
 
         def leave() -> None:
@@ -136,7 +136,7 @@ def _copy_body(gm: torch.fx.GraphModule, sub: torch.fx.GraphModule, operands: tu
             new.meta.update(sn.meta)
         else:
             new = graph.node_copy(sn, lambda n: env[n])
-        new.meta["mp_region"] = tag + tuple(sn.meta.get("mp_region", ()))
+        new.meta[META_REGION] = tag + tuple(sn.meta.get(META_REGION, ()))
         env[sn] = new
     return list(result) if isinstance(result, (tuple, list)) else [result]
 
