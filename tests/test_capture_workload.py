@@ -421,6 +421,7 @@ def test_python_value_read_error_is_plain():
     assert "out of forward" in message and "zuf0" not in message, message
 
 
+@pytest.mark.slow
 def test_cli_control_flow_and_dynamic_options(tmp_path):
     model_file = tmp_path / "branchy.py"
     model_file.write_text(textwrap.dedent("""\
