@@ -195,6 +195,29 @@ def test_block_runs_at_new_sizes(tracer, example):
         assert db > 30, f"{tracer} example {example} at {shape}: SQNR {db:.1f} dB"
 
 
+class _Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(16, 16)
+
+    def forward(self, x, mask):
+        scores = self.q(x) @ x.transpose(1, 2)
+        return (scores + mask).softmax(-1) @ x
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_broadcast_mask_dim_stays_static_and_batch_one_is_dynamic(batch):
+    """A (B, 1, T) mask: its size-1 broadcast dim must not be unified with T, and a batch-1 example
+    must not pin the batch to 1."""
+    model = _Masked()
+    conv = converter.convert(model, (torch.randn(batch, 5, 16), torch.zeros(batch, 1, 5)), tracer="export")
+    assert conv.report.extra["dynamic_dims"] == {"x": [0, 1], "mask": [0, 2]}, conv.report.extra["shapes"]
+    x, mask = torch.randn(3, 7, 16), torch.randn(3, 1, 7)
+    with torch.no_grad():
+        db = _sqnr(model(x, mask), conv.module(x, mask))
+    assert db > 30, f"SQNR {db:.1f} dB"
+
+
 def test_static_freezes_export_shapes():
     model = _Block().eval()
     conv = converter.convert(model, (torch.randn(2, 6, 32),), tracer="export", dynamic=False)

@@ -249,8 +249,12 @@ class _Shapes:
     note: str = ""
 
 
-def _auto_spec(model: torch.nn.Module, args: tuple, kwargs: dict) -> Optional[dict]:
-    """``Dim.AUTO`` for every dimension of every tensor input, keyed by the forward's parameter names."""
+def _auto_spec(model: torch.nn.Module, args: tuple, kwargs: dict, *, unit_dims: str = "all") -> Optional[dict]:
+    """``Dim.AUTO`` for the dims of every tensor input, keyed by the forward's parameter names.
+
+    ``unit_dims``: which example dims of size 1 get it too: ``all``, or ``batch`` (dim 0 only: a
+    ``(B, 1, T)`` mask keeps its broadcast dim static).
+    """
     import inspect
 
     try:
@@ -262,9 +266,10 @@ def _auto_spec(model: torch.nn.Module, args: tuple, kwargs: dict) -> Optional[di
         return None
 
     def leaf(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return {i: torch.export.Dim.AUTO for i in range(value.dim())} if value.dim() else None
-        return None
+        if not isinstance(value, torch.Tensor) or not value.dim():
+            return None
+        return {i: torch.export.Dim.AUTO for i, size in enumerate(value.shape)
+                if size != 1 or unit_dims == "all" or i == 0} or None
 
     return {name: pytree.tree_map(leaf, value) for name, value in bound.arguments.items()}
 
@@ -296,13 +301,17 @@ def _export_dynamic(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _
         return run(None)
     failures = []
     if _has_unit_dims(args, kwargs):
-        # a size-1 example dim would be specialised to 1; size-oblivious tracing keeps it dynamic
-        try:
-            ep = run(spec, oblivious=True)
-            shapes.note = "Dim.AUTO on every input dim; size-1 example dims traced size-obliviously"
-            return ep
-        except Exception as exc:  # retried below without size-oblivious tracing
-            failures.append(_short(exc))
+        # a size-1 example dim would be specialised to 1; size-oblivious tracing keeps it dynamic:
+        # every such dim first, then only the batch dim
+        for unit_dims in ("all", "batch"):
+            try:
+                ep = run(_auto_spec(model, args, kwargs, unit_dims=unit_dims), oblivious=True)
+                _check_example_guards(ep, args, kwargs)
+                which = "" if unit_dims == "all" else " but size-1 dims past dim 0 (kept static: broadcast dims)"
+                shapes.note = f"Dim.AUTO on every input dim{which}, traced size-obliviously (size-1 example dims)"
+                return ep
+            except Exception as exc:  # retried below
+                failures.append(_short(exc))
     try:
         ep = run(spec)
         shapes.note = "Dim.AUTO on every input dim (torch.export keeps static what the model fixes" + (
@@ -313,6 +322,18 @@ def _export_dynamic(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _
     ep = run(None)
     shapes.note = f"static shapes: dynamic capture failed ({failures[-1]})"
     return ep
+
+
+def _check_example_guards(ep: Any, args: tuple, kwargs: dict) -> None:
+    """Raise if the example itself fails the graph's shape guards.
+
+    Size-oblivious tracing may unify a broadcast dim of size 1 (a ``(B, 1, T)`` mask) with the
+    size it broadcasts to; the graph would then refuse the very inputs it was captured from.
+    """
+    gm = ep.module()
+    guard = getattr(gm, "_guards_fn", None)
+    if guard is not None:
+        guard(*placeholder_values(gm, args, kwargs))
 
 
 def _placeholders(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
