@@ -148,6 +148,33 @@ def test_no_grad_region_cuts_grad_only_inside(tmp_path):
     assert torch.equal(emitted(x), gm(x))
 
 
+class _Buffers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.spare = nn.Linear(8, 8)  # unused by forward
+        self.register_buffer("offset", torch.ones(8))
+        self.register_buffer("scratch", torch.full((8,), 0.5), persistent=False)
+
+    def forward(self, x):
+        with torch.no_grad():
+            shift = self.offset * self.scratch
+        return self.fc(x) + shift
+
+
+def test_export_capture_keeps_the_state_dict_keys_and_modes():
+    model = _Buffers()
+    conv = converter.convert(model, (torch.randn(4, 8),), tracer="export")
+    state = conv.module.state_dict()
+    assert sorted(state) == sorted(model.state_dict()), sorted(state)
+    fresh = _Buffers()
+    fresh.load_state_dict(state, strict=True)
+    x = torch.randn(3, 8)
+    assert torch.equal(fresh(x), model(x))
+    assert conv.module.train() is conv.module and conv.module.training
+    assert conv.module.eval() is conv.module and not conv.module.training
+
+
 # ---------------------------------------------------------------------------------------------
 # 1: dynamic shapes
 

@@ -195,9 +195,12 @@ def _trace_fx(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Shapes
 
 def _trace_export(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Shapes) -> torch.fx.GraphModule:
     ep = _export_dynamic(model, args, kwargs, shapes)
-    exported = ep.module()
-    # a plain GraphModule over the same graph: ep.module()'s train()/eval() raise NotImplementedError
-    gm = new_graph_module(exported, exported.graph, type(model).__name__)
+    gm = ep.module()
+    # ep.module() replaces train()/eval() on the instance by ones that raise NotImplementedError;
+    # the graph reads self.training instead (converter.passes.modes), so the class's methods serve
+    for name in ("train", "eval"):
+        if name in vars(gm):
+            delattr(gm, name)
     inline_regions(gm)
     for node in gm.graph.nodes:
         if "val" in node.meta:
