@@ -54,11 +54,10 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
-from converter.ir.graphmodule import new_graph_module
-from converter.ir.meta import NodeInfo, TensorSpec
-from converter.ir.ops import CAST_OPS, NORM_OPS, canonical_op, explicit_dtype, is_inplace
-from converter.ir.meta import META_INFO, META_SOURCE, META_VALUE
 from converter.ir.errors import MpconvertError
+from converter.ir.graphmodule import new_graph_module
+from converter.ir.meta import META_INFO, META_SOURCE, META_VALUE, NodeInfo, TensorSpec
+from converter.ir.ops import CAST_OPS, NORM_OPS, canonical_op, explicit_dtype, is_inplace
 from converter.passes.modes import make_mode_aware
 from converter.passes.regions import inline_regions
 

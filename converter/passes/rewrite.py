@@ -27,9 +27,22 @@ import torch.fx
 from torch.fx.node import map_arg
 
 from converter.ir.graphmodule import pauses_gc
-from converter.ir.meta import BUILTIN, DTYPES, CastRecord, NodeInfo, RuleRef, TensorSpec, name_of
+from converter.ir.meta import (
+    BUILTIN,
+    DTYPES,
+    GM_PARAM_DTYPES,
+    META_CAST,
+    META_DECISION,
+    META_INFO,
+    META_REGION,
+    META_VALUE,
+    CastRecord,
+    NodeInfo,
+    RuleRef,
+    TensorSpec,
+    name_of,
+)
 from converter.ir.ops import CAST_OPS, NATIVE_PROMOTE_OPS, explicit_dtype, map_castable_args
-from converter.ir.meta import GM_PARAM_DTYPES, META_CAST, META_DECISION, META_INFO, META_REGION, META_VALUE
 
 __all__ = ["rewrite", "inserted_casts", "runtime_dtype"]
 
