@@ -21,16 +21,16 @@ from typing import Any, Iterable, Mapping, Optional, Union
 import torch
 import torch.fx
 
-from converter.ir.errors import EXIT_INTERNAL, MpconvertError
-from converter.ir.graphmodule import materialize
-from converter.ir.meta import GM_GRAPH, HALF_NAMES, META_DECISION, META_INFO, Decision, GraphMeta
-from converter.ir.precision import ALIASES, half_precision
 from converter.passes.capture import Captured, capture
 from converter.passes.decide import decide
+from converter.ir.graphmodule import materialize
 from converter.passes.lower import lower
+from converter.ir.errors import EXIT_INTERNAL, MpconvertError
+from converter.ir.meta import GM_GRAPH, HALF_NAMES, META_DECISION, META_INFO, Decision, GraphMeta
+from converter.ir.precision import ALIASES, half_precision
 from converter.passes.place.stage import place
-from converter.passes.rewrite import rewrite
 from converter.report.build import Report, build_report
+from converter.passes.rewrite import rewrite
 from converter.rules.loader import Rules, load_rules
 
 __all__ = ["convert", "audit", "Conversion", "PassError", "normalize_precision", "PRECISION_ALIASES"]

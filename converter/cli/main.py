@@ -34,8 +34,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from converter.ir.errors import MpconvertError
 from converter.ir.meta import META_DECISION
+from converter.ir.errors import MpconvertError
 from converter.ir.precision import PrecisionError, half_precision
 
 __all__ = ["main", "build_parsers", "UsageError", "EXIT_OK", "EXIT_CHECK_FAILED", "EXIT_BAD_INPUT", "EXIT_INTERNAL"]
