@@ -540,3 +540,99 @@ def test_follow_chain_feeding_softmax_and_matmul(placement: str) -> None:
     assert (casts["casts"], casts["cast_bytes"]) == (3, 128 * 6 + 64 * 6 + 128 * 6), casts
     assert rec.dtypes_of("_softmax") == [(torch.float32,)]
     assert rec.dtypes_of("mul", "transpose") == [(torch.bfloat16,), (torch.bfloat16,)]
+
+
+# --------------------------------------------------------------------------- #
+# Scoped module rules: a norm rule pins the norm's own ops, not a block's
+# --------------------------------------------------------------------------- #
+class _Attention(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(d, 3 * d)
+        self.out = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return self.out(torch.softmax(q @ k.transpose(-1, -2) / 8.0, dim=-1) @ v)
+
+
+class EncoderLayerStableLayerNorm(torch.nn.Module):
+    """Shaped like HF's pre-norm encoder layers whose class name ends in "LayerNorm"
+    (``Wav2Vec2EncoderLayerStableLayerNorm``): norms, attention and feed-forward are
+    child modules; the layer runs its residual adds itself."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.layer_norm = torch.nn.LayerNorm(d)
+        self.attention = _Attention(d)
+        self.final_layer_norm = torch.nn.LayerNorm(d)
+        self.feed_forward = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.ReLU(), torch.nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        x = x + self.attention(self.layer_norm(x))
+        return x + self.feed_forward(self.final_layer_norm(x))
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([EncoderLayerStableLayerNorm() for _ in range(2)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_norm_rule_does_not_pin_a_block_named_layernorm() -> None:
+    import converter
+
+    torch.manual_seed(0)
+    model, x = _Stack().eval(), torch.randn(2, 8, 32)
+    conv = converter.convert(model, (x,))
+    rows = {r["name"]: r for r in conv.report.nodes}
+    linears = [r for r in rows.values() if r["op"] in ("linear", "matmul")]
+    assert len(linears) == 12, len(linears)
+    assert all(r["precision"] == "bf16" for r in linears), [(r["name"], r["rule"]) for r in linears if r["precision"] != "bf16"]
+    norms = [r for r in rows.values() if r["op"] == "layer_norm"]
+    assert len(norms) == 4 and all(r["precision"] == "fp32" and r["rule_level"] == "module_type" for r in norms)
+    assert conv.report.summary["half_flop_fraction"] >= 0.9, conv.report.summary
+    assert conv.report.summary["warnings"] == []
+    # the old subtree scope is still there for who asks for it, and then the report warns
+    conv = converter.convert(model, (x,), rules=[_rules_file({"EncoderLayerStableLayerNorm": "subtree"})])
+    summary = conv.report.summary
+    assert summary["half_flop_fraction"] == 0.0, summary
+    [warning] = summary["warnings"]
+    assert warning["kind"] == "module_rule_pins_flops" and "EncoderLayerStableLayerNorm" in warning["rule"]
+    assert warning["share"] > 0.95 and "warning: module rule" in conv.report.line
+
+
+def _rules_file(scopes: dict) -> str:
+    import tempfile
+
+    lines = ["[module_type]"] + [f'"{name}" = {{ precision = "fp32", scope = "{scope}" }}' for name, scope in scopes.items()]
+    handle = tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False)
+    handle.write("\n".join(lines) + "\n")
+    handle.close()
+    return handle.name
+
+
+def test_rule_scope_is_validated_and_defaults_to_self_for_norms() -> None:
+    from converter.rules.loader import Rules, RulesError
+
+    rules = Rules.from_dict({"module_type": {"*LayerNorm": "fp32", "Block": "fp32", "*RMSNorm": {"precision": "fp32", "scope": "subtree"}},
+                             "module": {"*.norm1": "fp32", "*.attn": {"precision": "fp32", "ops": {"linear": "half"}}}})
+    scopes = {(r.pattern, r.op): r.scope for r in rules.rules}
+    assert scopes == {("*LayerNorm", ""): "self", ("Block", ""): "subtree", ("*RMSNorm", ""): "subtree",
+                      ("*.norm1", ""): "self", ("*.attn", "linear"): "subtree", ("*.attn", ""): "subtree"}
+    stack = (("", "Model"), ("block", "Block"), ("block.ln", "LayerNorm"))
+    assert [m.scope for m in rules.matches_for(node="n", op="layer_norm", module_stack=stack)] == ["block.ln", "block"]
+    child = rules.matches_for(node="n", op="linear", module_stack=(("", "Model"), ("x", "FooLayerNorm"), ("x.fc", "Linear")))
+    assert child == []  # the self-scoped norm rule does not reach the child's linear
+    for body, fragment in [
+        ({"module_type": {"Block": {"precision": "fp32", "scope": "all"}}}, "scope: must be \"self\""),
+        ({"op": {"linear": {"precision": "half", "scope": "self"}}}, "unknown key"),
+        ({"module": {"a": {"precision": "fp32", "ops": {"linear": {"precision": "half", "scope": "self"}}}}}, "unknown key"),
+    ]:
+        with pytest.raises(RulesError, match=fragment):
+            Rules.from_dict(body)
