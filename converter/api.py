@@ -31,7 +31,7 @@ from converter.report.build import Report, build_report
 from converter.passes.rewrite import rewrite
 from converter.rules.loader import Rules, RulesError, load_rules
 
-__all__ = ["convert", "audit", "Conversion", "PassError", "normalize_precision", "PRECISION_ALIASES"]
+__all__ = ["convert", "audit", "Conversion", "PassError", "Fp16OverflowError", "normalize_precision", "PRECISION_ALIASES"]
 
 PRECISION_ALIASES = {
     "fp16": "fp16",
@@ -56,6 +56,95 @@ def normalize_precision(precision: Union[str, torch.dtype]) -> str:
 
 class PassError(RuntimeError):
     """A stage failed; the message names it and the stages that ran before it."""
+
+
+class Fp16OverflowError(ValueError):
+    """The fp16 conversion gives inf/NaN on the example inputs where fp32 is finite (CLI exit 1).
+
+    The message names the first node that overflowed and suggests ``calibration=`` (CLI
+    ``--calibrate``), which re-decides overflowing nodes, or bf16, which has fp32's range.
+    """
+
+    exit_code = 1  # a failed check, not bad input
+
+    def __init__(self, message: str, *, node: str = ""):
+        super().__init__(message)
+        self.node = node
+
+
+def _nonfinite(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.is_floating_point() and not bool(torch.isfinite(value).all())
+    if isinstance(value, (tuple, list)):
+        return any(_nonfinite(v) for v in value)
+    if isinstance(value, dict):
+        return any(_nonfinite(v) for v in value.values())
+    return False
+
+
+def _absmax(value: Any) -> float:
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
+        return float(value.detach().abs().max())
+    if isinstance(value, (tuple, list)):
+        return max((_absmax(v) for v in value), default=0.0)
+    return 0.0
+
+
+def _first_overflow(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> Optional[tuple[torch.fx.Node, float]]:
+    """Run ``gm`` and, in lockstep, the same graph with its inserted casts skipped (fp32); return
+    the first node whose converted output is non-finite while its fp32 output is finite, with the
+    largest magnitude of that fp32 output."""
+    from torch.fx.node import map_arg
+
+    from converter.passes.capture import placeholder_values
+
+    interp = torch.fx.Interpreter(gm)
+    flat = iter(placeholder_values(gm, args, kwargs))
+    nodes = list(gm.graph.nodes)
+    last_use = {inp: i for i, node in enumerate(nodes) for inp in node.all_input_nodes}
+    mixed: dict = {}
+    ref: dict = {}
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        for i, node in enumerate(nodes):
+            if node.op == "output":
+                break
+            if node.op == "placeholder":
+                value = next(flat, None)
+                mixed[node], ref[node] = value, (value.clone() if isinstance(value, torch.Tensor) else value)
+            elif node.op == "get_attr":
+                mixed[node] = ref[node] = interp.fetch_attr(str(node.target))
+            else:
+                run = getattr(interp, node.op)
+                mixed[node] = run(node.target, *map_arg((node.args, node.kwargs), mixed.__getitem__))
+                rec = node.meta.get("mp_cast")
+                if rec is not None and rec.inserted:
+                    ref[node] = ref[node.args[0]]  # the fp32 graph has no such cast
+                else:
+                    ref[node] = run(node.target, *map_arg((node.args, node.kwargs), ref.__getitem__))
+                if _nonfinite(mixed[node]) and not _nonfinite(ref[node]):
+                    return node, _absmax(ref[node])
+            for inp in node.all_input_nodes:
+                if last_use.get(inp) == i:
+                    mixed.pop(inp, None)
+                    ref.pop(inp, None)
+    return None
+
+
+def _check_fp16_overflow(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> None:
+    """Raise :class:`Fp16OverflowError` when the fp16 graph overflows where fp32 does not."""
+    found = _first_overflow(gm, args, kwargs)
+    if found is None:
+        return
+    node, peak = found
+    info = node.meta.get("mp_info")
+    op = info.op if info is not None else str(node.target)
+    where = f", module {info.module!r}" if info is not None and info.module else ""
+    raise Fp16OverflowError(
+        f"fp16 overflow: node {node.name!r} (op {op}{where}) gives inf/NaN on the example inputs while fp32 "
+        f"stays finite (largest fp32 magnitude there {peak:.4g}; fp16 holds up to 65504); convert with "
+        "calibration= (CLI: --calibrate) to re-decide the overflowing nodes, or use bf16 (fp32's range)",
+        node=node.name,
+    )
 
 
 @dataclass
@@ -152,22 +241,35 @@ def convert(
     ``precision``: the half dtype that ``half`` rules mean (bf16 by default: it has fp32's range,
     so it needs no loss scaling). ``rules``: rule files layered over the defaults. ``tracer``:
     ``auto`` tries FX then torch.export. ``keep_io_types``: outputs keep their original dtype.
-    ``placement``: ``mincut`` (fewest cast bytes) or ``simple``. ``calibration``: an iterable of
+    ``placement``: ``mincut`` (fewest cast bytes that round nothing autocast keeps fp32) or ``simple``. ``calibration``: an iterable of
     inputs used to find and fix nodes that would overflow fp16. ``opt_level``: how the parameters
     will be stored when training — ``O1`` fp32 (default: ``conv.module`` trains as is, weight casts
     are part of the cost), ``O2`` in half where every consumer is half, with fp32 master weights
     in :class:`MixedPrecisionTrainer` (``master_weights=True``); placement then treats weight casts
     as free. ``conv.module`` keeps fp32 parameters either way; the trainer stores them for O2.
+    ``placement``: also ``mincut-bytes`` (fewest cast bytes only; may round values that per-consumer
+    casting keeps in fp32, see :mod:`converter.passes.place.stage`). fp16 without ``calibration``:
+    the converted graph is run once on the example inputs and :class:`Fp16OverflowError` names the
+    first node that gives inf/NaN where fp32 is finite.
     ``device``: the device the model will train on, which enables that device's lowerings
     (:mod:`converter.lower`; ``"cpu"``: bf16 attention as matmul·softmax·matmul, 2-4x faster than
     PyTorch's CPU bf16 flash kernel). None (default): a portable graph, nothing device-specific.
     """
+    return _convert(model, example_inputs, precision=precision, rules=rules, tracer=tracer, calibration=calibration,
+                    keep_io_types=keep_io_types, placement=placement, calibration_options=calibration_options,
+                    opt_level=opt_level, device=device, check_overflow=True)
+
+
+def _convert(model, example_inputs, *, precision, rules, tracer, calibration, keep_io_types, placement,
+             calibration_options, opt_level, device, check_overflow: bool) -> Conversion:
     captured, rule_set, target, timings = _pipeline(
         model, example_inputs, precision=precision, rules=rules, tracer=tracer, keep_io_types=keep_io_types,
         placement=placement, calibration=calibration, calibration_options=calibration_options, opt_level=opt_level,
         device=device,
     )
     gm = captured.gm
+    if check_overflow and target == "fp16" and calibration is None:
+        _check_fp16_overflow(gm, captured.args, captured.kwargs)
     report = build_report(gm, precision=target, tracer=captured.tracer, rules=rule_set.to_dict(),
                           extra={"capture_errors": captured.errors, "timings": timings, "opt_level": opt_level,
                                  "device": device, "lowered": list(gm.meta["mp_graph"].extra.get("lowered", ()))})
@@ -195,5 +297,6 @@ def audit(
     device: Optional[str] = None,
 ) -> Report:
     """Decide and place only: the report of what :func:`convert` would do; the model is untouched."""
-    return convert(model, example_inputs, precision=precision, rules=rules, tracer=tracer, placement=placement,
-                   device=device).report
+    return _convert(model, example_inputs, precision=precision, rules=rules, tracer=tracer, calibration=None,
+                    keep_io_types=True, placement=placement, calibration_options=None, opt_level="O1", device=device,
+                    check_overflow=False).report

@@ -636,3 +636,81 @@ def test_rule_scope_is_validated_and_defaults_to_self_for_norms() -> None:
     ]:
         with pytest.raises(RulesError, match=fragment):
             Rules.from_dict(body)
+
+
+# --------------------------------------------------------------------------- #
+# fp16 overflow at convert time
+# --------------------------------------------------------------------------- #
+_OVERFLOW_MODEL = '''
+import torch
+from torch import nn
+
+
+class Big(nn.Module):
+    """fc's outputs reach ~1.5e5 on the example: finite in fp32, inf in fp16 (max 65504)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.ln = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 4)
+        with torch.no_grad():
+            self.fc.weight.mul_(5000.0)
+
+    def forward(self, x):
+        return self.head(self.ln(self.fc(x)))
+
+
+def build_model():
+    torch.manual_seed(0)
+    return Big()
+
+
+def example_inputs():
+    torch.manual_seed(1)
+    return (torch.randn(2, 8) * 20,)
+
+
+def calibration_inputs():
+    return [example_inputs() for _ in range(2)]
+'''
+
+
+def _overflow_model():
+    namespace: dict = {}
+    exec(compile(_OVERFLOW_MODEL, "overflow_model", "exec"), namespace)  # noqa: S102 - test fixture
+    return namespace["build_model"](), namespace["example_inputs"]()
+
+
+def test_fp16_overflow_is_caught_at_convert_time(one_thread) -> None:
+    import converter
+    from converter.api import Fp16OverflowError
+
+    model, example = _overflow_model()
+    with torch.no_grad():
+        peak = float(model.fc(example[0]).abs().max())
+        assert torch.isfinite(model(*example)).all() and peak > 65504, peak
+    with pytest.raises(Fp16OverflowError, match=r"node 'fc' \(op linear, module 'fc'\).*calibration=.*--calibrate.*bf16") as err:
+        converter.convert(model, example, precision="fp16")
+    assert err.value.node == "fc" and err.value.exit_code == 1
+    # bf16 has fp32's range; calibration re-decides fc; a report-only audit never runs the model
+    for conv in (converter.convert(model, example, precision="bf16"),
+                 converter.convert(model, example, precision="fp16", calibration=[example])):
+        assert torch.isfinite(conv.module(*example)).all(), conv.precision
+    assert converter.audit(model, example, precision="fp16").summary["compute_nodes"] >= 3
+
+
+def test_cli_exits_1_on_fp16_overflow(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    model_file = tmp_path / "big.py"
+    model_file.write_text(_OVERFLOW_MODEL)
+    out = tmp_path / "big_mp"
+    proc = subprocess.run([sys.executable, "-m", "converter", str(model_file), "--precision", "fp16", "--out", str(out),
+                           "--no-measure"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 1, (proc.returncode, proc.stderr)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "fp16 overflow: node 'fc'" in lines[0] and "--calibrate" in lines[0], proc.stderr
+    assert "report" not in lines[0].lower().replace("reports", ""), lines[0]  # never "please report this bug"
+    assert not out.exists()

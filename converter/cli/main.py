@@ -719,7 +719,7 @@ def _classify(exc: BaseException) -> tuple[int, str]:
         return EXIT_CHECK_FAILED, f"{exc}; nothing was written"
     if isinstance(exc, (UsageError, ModelFileError, RulesError, BannedOpError, EmitError)):
         return EXIT_BAD_INPUT, str(exc)
-    if type(exc).__name__ == "ToleranceNotMet":
+    if type(exc).__name__ in ("ToleranceNotMet", "Fp16OverflowError"):
         return EXIT_CHECK_FAILED, f"{exc}; nothing was written"
     return EXIT_INTERNAL, f"internal error: {type(exc).__name__}: {exc}; rerun with --debug and report it"
 
