@@ -39,8 +39,8 @@ A module rule applies to every op inside that module's scope; when several modul
 stack match at the same level, the innermost module wins. **Scope**: ``scope = "subtree"`` (the
 default) reaches the ops of the module and of all its child modules; ``scope = "self"`` only the
 ops the module runs itself, not those of its children. A rule whose pattern names a norm
-(``norm`` anywhere in it, any case: ``*LayerNorm``, ``*RMSNorm``, ``*.norm1``) defaults to
-``"self"``, so a norm rule never pins the linears of a block that contains it, nor of a block
+(``norm`` anywhere in it, any case: ``*LayerNorm``, ``*RMSNorm``, ``*.norm1``) or whose reason
+says "norm"/"normalisation" defaults to ``"self"``, so a norm rule never pins the linears of a block that contains it, nor of a block
 whose class name merely ends in ``LayerNorm`` (HF's ``...EncoderLayerStableLayerNorm``)::
 
     [module_type]
@@ -87,6 +87,7 @@ _RULE_KEYS = ("precision", "reason", "message")
 _MODULE_RULE_KEYS = _RULE_KEYS + ("ops", "scope")
 SCOPES = ("self", "subtree")
 _NORM = re.compile("norm", re.IGNORECASE)
+_NORM_WORD = re.compile(r"\bnorm(s|ali[sz]ation)?\b", re.IGNORECASE)  # "norm", "normalisation" in a reason
 _SETTINGS = {
     "overflow_fallback": ("bf16", "fp32"),
     "overflow_margin": None,  # a float > 0
@@ -250,7 +251,8 @@ class Rules:
                 if not isinstance(pattern, str) or not pattern:
                     raise RulesError(f"{file}: [{top}] has an empty pattern")
                 ops = None
-                scope = default_scope(pattern)
+                why = value.get("reason", "") if isinstance(value, Mapping) else ""
+                scope = default_scope(pattern, why if isinstance(why, str) else "")
                 if top in ("module", "module_type") and isinstance(value, Mapping) and "ops" in value:
                     value = dict(value)
                     ops = value.pop("ops")
@@ -352,9 +354,9 @@ class Rules:
         return {"files": list(self.files), "settings": dict(self.settings), "rules": [r.to_dict() for r in self.rules]}
 
 
-def default_scope(pattern: str) -> str:
-    """``"self"`` for a pattern that names a norm, else ``"subtree"`` (see the module doc)."""
-    return "self" if _NORM.search(pattern) else "subtree"
+def default_scope(pattern: str, reason: str = "") -> str:
+    """``"self"`` for a rule whose pattern or reason names a norm, else ``"subtree"`` (module doc)."""
+    return "self" if _NORM.search(pattern) or _NORM_WORD.search(reason) else "subtree"
 
 
 def _check_op_name(pattern: str, known_ops: frozenset, where: str) -> None:
