@@ -15,7 +15,7 @@ from converter.passes.decide import BannedOpError
 from converter.report.build import Report
 from converter.rules.loader import Rules, RulesError, load_rules
 
-__version__ = "0.1.0"
+from converter._version import __version__
 
 __all__ = [
     "convert",

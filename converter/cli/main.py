@@ -123,7 +123,7 @@ def _model_options(p: argparse.ArgumentParser) -> None:
 def build_parsers(only: Optional[str] = None) -> dict[str, argparse.ArgumentParser]:
     """The parsers of every command (or just ``only``), keyed by command name (``convert``,
     ``audit``, ``explain``, ``rules check``)."""
-    from converter import __version__
+    from converter._version import __version__
 
     if only == "rules check":
         rules = _Parser(prog="mpconvert rules check", description="Validate rule files: TOML syntax, tables, keys, precisions and op names.")

@@ -519,7 +519,7 @@ def generate_model_source(conv, *, model_file: Optional[str] = None) -> ModelSou
 
     summary = conv.report.line if getattr(conv, "report", None) is not None else ""
     source_note = f"from {model_file}" if model_file else f"from {root_name}"
-    from converter import __version__
+    from converter._version import __version__
 
     lines = [
         f'"""{root_name} converted to mixed precision ({conv.precision}) by mpconvert {__version__}, {source_note}.',
