@@ -17,7 +17,7 @@ import torch
 import torch.fx
 
 from converter.ir.meta import HALF_NAMES, TensorSpec
-from converter.passes.place.stage import alias_root, cast_cost, castable_inputs
+from converter.passes.place.graph import alias_root, cast_cost, castable_inputs
 from converter.passes.place.solver import PlacementProblem, Tensor, solve_mincut
 
 __all__ = ["place_mincut", "build_problem"]
