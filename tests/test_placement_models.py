@@ -231,3 +231,32 @@ def test_recorder_flags_the_bytes_only_rounding() -> None:
         recorder = RoundTripRecorder()
         _run(module, args, kwargs, autocast=autocast, mode=recorder)
         assert not recorder.flags, recorder.flags[:5]
+
+
+@pytest.mark.slow
+def test_hf_stable_layer_norm_blocks_keep_their_matmuls_in_half(tmp_path) -> None:
+    """HF's Wav2Vec2 "stable layer norm" variant: its encoder and encoder-layer classes end in
+    "LayerNorm" and hold every linear and attention matmul. The default norm rules are scoped to
+    the norm's own ops: the matmuls stay in half. A subtree-scoped "*LayerNorm" rule (what the
+    default did before) pins them all to fp32, and the report warns."""
+    config = transformers.Wav2Vec2Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, conv_dim=(16, 16),
+        conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=4,
+        do_stable_layer_norm=True, feat_extract_norm="layer", mask_time_prob=0.0, hidden_dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0, layerdrop=0.0)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.Wav2Vec2Model(config).eval()
+    assert any(type(m).__name__ == "Wav2Vec2EncoderLayerStableLayerNorm" for m in model.modules())
+    example = ((torch.randn(2, 400),), {})
+    conv = converter.convert(model, example)
+    matmuls = [r for r in conv.report.nodes if r["op"] in ("linear", "matmul", "bmm", "conv1d")]
+    assert len(matmuls) == 20 and all(r["precision"] == "bf16" for r in matmuls), [
+        (r["name"], r["rule"]) for r in matmuls if r["precision"] != "bf16"]
+    summary = conv.report.summary
+    assert summary["half_flop_fraction"] > 0.95 and summary["warnings"] == [], summary
+    old = tmp_path / "old.toml"
+    old.write_text('[module_type]\n"*LayerNorm" = { precision = "fp32", scope = "subtree" }\n')
+    summary = converter.convert(model, example, rules=[str(old)]).report.summary
+    assert summary["half_flop_fraction"] < 0.2, summary["half_flop_fraction"]
+    assert [w["rule"] for w in summary["warnings"]] == [f"{old}:[module_type].*LayerNorm"], summary["warnings"]
