@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import first_tensor, load_sample, split_inputs, sqnr
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import converter
-from helpers import first_tensor, load_sample, split_inputs, sqnr
 
 transformers = pytest.importorskip("transformers")
 
