@@ -716,3 +716,35 @@ def test_cli_exits_1_on_fp16_overflow(tmp_path) -> None:
     assert len(lines) == 1 and "fp16 overflow: node 'fc'" in lines[0] and "--calibrate" in lines[0], proc.stderr
     assert "report" not in lines[0].lower().replace("reports", ""), lines[0]  # never "please report this bug"
     assert not out.exists()
+
+
+def test_native_promotion_reads_the_shared_cast() -> None:
+    """GPT-2's tanh GELU: pow is fp32, so the chain after it stays fp32 and x is cast up once; the
+    promoting add reads that same cast (one conversion per (producer, dtype)) rather than promoting
+    x natively a second time."""
+    import converter
+
+    class Gelu(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8)
+            self.out = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.fc(x)
+            g = 0.5 * h * (1.0 + torch.tanh(0.79788 * (h + 0.044715 * torch.pow(h, 3.0))))
+            return self.out(g)
+
+    torch.manual_seed(0)
+    model, x = Gelu(), torch.randn(4, 8)
+    conv = converter.convert(model, (x,))
+    add = next(n for n in conv.module.graph.nodes if n.name == "add")
+    assert [a.name for a in add.all_input_nodes] == ["fc_to_fp32", "mul_1"], add.all_input_nodes
+    record = add.args[0].meta["mp_cast"]
+    assert "add" in record.consumers and record.src == "fc"
+    casts, _ = _run_recorded(conv.module, x)
+    # x -> bf16, fc -> fp32 (shared by pow, add and nothing else), 1 + tanh -> bf16 for the last
+    # multiply (its value reaches only the half linear), the output back to fp32
+    assert casts["casts"] == 4, casts
+    with torch.no_grad():
+        assert torch.allclose(conv.module(x), model(x), atol=0.05)
