@@ -10,6 +10,9 @@ Public API (DESIGN §5)::
 from __future__ import annotations
 
 from converter.api import Conversion, PassError, audit, convert, normalize_precision
+from converter.ir.errors import MpconvertError
+from converter.ir.precision import PrecisionError
+from converter.numerics.options import CalibrationOptions
 from converter.passes.capture import CaptureError
 from converter.passes.decide import BannedOpError
 from converter.report.build import Report
@@ -21,12 +24,15 @@ __all__ = [
     "convert",
     "audit",
     "Conversion",
+    "CalibrationOptions",
     "Report",
     "Rules",
     "RulesError",
     "CaptureError",
     "BannedOpError",
     "PassError",
+    "MpconvertError",
+    "PrecisionError",
     "LossScaler",
     "MixedPrecisionTrainer",
     "ToleranceNotMet",
@@ -43,7 +49,7 @@ def __getattr__(name: str):
 
         return LossScaler
     if name == "ToleranceNotMet":
-        from converter.numerics.calibrate import ToleranceNotMet
+        from converter.numerics.search import ToleranceNotMet
 
         return ToleranceNotMet
     if name == "MixedPrecisionTrainer":

@@ -13,6 +13,7 @@ Stages (one module each, talking only through ``node.meta``): capture → decide
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,51 +22,49 @@ from typing import Any, Iterable, Mapping, Optional, Union
 import torch
 import torch.fx
 
-from converter.passes.capture import Captured, CaptureError, capture
-from converter.passes.decide import BannedOpError, decide
+from converter.passes.capture import Captured, capture
+from converter.passes.decide import decide
 from converter.ir.graphmodule import materialize
 from converter.passes.lower import lower
-from converter.ir.meta import Decision, GraphMeta
+from converter.ir.errors import EXIT_CHECK_FAILED, EXIT_INTERNAL, MpconvertError
+from converter.ir.meta import GM_GRAPH, HALF_NAMES, META_CAST, META_DECISION, META_INFO, Decision, GraphMeta
+from converter.ir.precision import ALIASES, half_precision
 from converter.passes.place.stage import place
 from converter.report.build import Report, build_report
 from converter.passes.rewrite import rewrite
+from converter.rules.loader import Rules, load_rules
+from converter.ir.meta import Decision, GraphMeta
+from converter.numerics.options import CalibrationOptions
+from converter.numerics.redecide import PlaceSettings
+from converter.passes.capture import Captured, CaptureError, capture
+from converter.passes.decide import BannedOpError, decide
 from converter.rules.loader import Rules, RulesError, load_rules
 
 __all__ = ["convert", "audit", "Conversion", "PassError", "Fp16OverflowError", "normalize_precision", "PRECISION_ALIASES"]
 
-PRECISION_ALIASES = {
-    "fp16": "fp16",
-    "float16": "fp16",
-    "16-mixed": "fp16",
-    "16": "fp16",
-    "bf16": "bf16",
-    "bfloat16": "bf16",
-    "bf16-mixed": "bf16",
-}
+#: the half-precision spellings ``convert`` accepts (see :mod:`converter.ir.precision`)
+PRECISION_ALIASES = {name: value for name, value in ALIASES.items() if value in HALF_NAMES}
 
 
 def normalize_precision(precision: Union[str, torch.dtype]) -> str:
-    """``fp16``/``bf16`` and their aliases (``16-mixed``, ``bf16-mixed``, torch dtypes) -> fp16/bf16."""
-    if isinstance(precision, torch.dtype):
-        precision = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(precision, str(precision))
-    key = str(precision).lower()
-    if key not in PRECISION_ALIASES:
-        raise ValueError(f"unknown precision {precision!r}; use one of fp16, bf16, 16-mixed, bf16-mixed")
-    return PRECISION_ALIASES[key]
+    """``fp16``/``bf16`` and their aliases (``float16``, ``16-mixed``, ``bf16-mixed``, torch dtypes) -> fp16/bf16."""
+    return half_precision(precision)
 
 
-class PassError(RuntimeError):
+class PassError(MpconvertError, RuntimeError):
     """A stage failed; the message names it and the stages that ran before it."""
 
+    exit_code = EXIT_INTERNAL
 
-class Fp16OverflowError(ValueError):
+
+class Fp16OverflowError(MpconvertError, ValueError):
     """The fp16 conversion gives inf/NaN on the example inputs where fp32 is finite (CLI exit 1).
 
     The message names the first node that overflowed and suggests ``calibration=`` (CLI
     ``--calibrate``), which re-decides overflowing nodes, or bf16, which has fp32's range.
     """
 
-    exit_code = 1  # a failed check, not bad input
+    exit_code = EXIT_CHECK_FAILED  # a failed check, not bad input
 
     def __init__(self, message: str, *, node: str = ""):
         super().__init__(message)
@@ -116,7 +115,7 @@ def _first_overflow(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> Opti
             else:
                 run = getattr(interp, node.op)
                 mixed[node] = run(node.target, *map_arg((node.args, node.kwargs), mixed.__getitem__))
-                rec = node.meta.get("mp_cast")
+                rec = node.meta.get(META_CAST)
                 if rec is not None and rec.inserted:
                     ref[node] = ref[node.args[0]]  # the fp32 graph has no such cast
                 else:
@@ -136,7 +135,7 @@ def _check_fp16_overflow(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) ->
     if found is None:
         return
     node, peak = found
-    info = node.meta.get("mp_info")
+    info = node.meta.get(META_INFO)
     op = info.op if info is not None else str(node.target)
     where = f", module {info.module!r}" if info is not None and info.module else ""
     raise Fp16OverflowError(
@@ -159,12 +158,14 @@ class Conversion:
     original: torch.nn.Module
     example_inputs: tuple
     timings: dict = field(default_factory=dict)
-    options: dict = field(default_factory=dict)  # keep_io_types, placement, opt_level: to redo it in another dtype
+    options: dict = field(default_factory=dict)  # keep_io_types, placement, opt_level, device: to redo it in another dtype
+    calibration: Optional[list] = None  # the calibration batches, kept so that a variant is calibrated the same way
+    calibration_options: Optional[CalibrationOptions] = None
 
     @property
     def decisions(self) -> Mapping[str, Decision]:
         """Node name -> decision, for every compute node."""
-        return {n.name: n.meta["mp"] for n in self.module.graph.nodes if "mp" in n.meta and n.meta.get("mp_info") and n.meta["mp_info"].kind != "passive"}
+        return {n.name: n.meta[META_DECISION] for n in self.module.graph.nodes if META_DECISION in n.meta and n.meta.get(META_INFO) and n.meta[META_INFO].kind != "passive"}
 
     def save(self, out_dir: Union[str, Path], *, force: bool = False, model_file: Optional[str] = None) -> Path:
         """Write the artifacts of DESIGN §7 (model.py, weights, train.py, reports) atomically."""
@@ -172,16 +173,36 @@ class Conversion:
 
         return emit(self, Path(out_dir), force=force, model_file=model_file)
 
-    def export_onnx(self, path: Union[str, Path], **kwargs) -> Any:
-        from converter.export.onnx import export_onnx
+    def variant(self, precision: Union[str, torch.dtype]) -> "Conversion":
+        """The same conversion in another half dtype: same model, inputs, rules, tracer and options,
+        calibrated again on the same batches when this one was (so the overflow fallback and the
+        accuracy search hold for the variant's dtype). ``self`` when the precision is its own."""
+        target = normalize_precision(precision)
+        if target == self.precision:
+            return self
+        return convert(self.original, self.example_inputs, precision=target, rules=self.rules, tracer=self.tracer,
+                       calibration=self.calibration, calibration_options=self.calibration_options, **self.options)
 
-        return export_onnx(self, Path(path), **kwargs)
+    def export_onnx(self, path: Union[str, Path], *, precision: Union[None, str, torch.dtype] = None, **kwargs) -> Any:
+        """Export to ONNX and verify it (:func:`converter.export.onnx.export_onnx`).
+
+        ``precision``: None exports this conversion's dtype, except that a bf16 conversion exports
+        its fp16 :meth:`variant` (onnxruntime's CPU provider has no bf16 kernels), with a notice.
+        """
+        from converter.export.onnx import choose_precision, export_onnx, variant_notes
+
+        target, notes = choose_precision(self.precision, None if precision is None else normalize_precision(precision))
+        source = self.variant(target)
+        if source is not self:
+            notes += variant_notes(self.decisions, source.decisions, self.precision, target,
+                                   calibrated=self.calibration is not None)
+        return export_onnx(self, Path(path), source=source, notes=notes, **kwargs)
 
 
 def _run_stage(name: str, done: list[str], fn, *args, **kwargs):
     try:
         result = fn(*args, **kwargs)
-    except (RulesError, BannedOpError, CaptureError, ValueError, TypeError):
+    except (MpconvertError, ValueError, TypeError):
         raise
     except Exception as exc:
         before = ", ".join(done) or "none"
@@ -190,9 +211,10 @@ def _run_stage(name: str, done: list[str], fn, *args, **kwargs):
     return result
 
 
-def _pipeline(model, example_inputs, *, precision, rules, tracer, keep_io_types, placement, calibration=None,
-              calibration_options=None, opt_level="O1", device=None):
-    target = normalize_precision(precision)
+def _pipeline(model, example_inputs, *, settings: PlaceSettings, rules, tracer, calibration=None,
+              calibration_options: Optional[CalibrationOptions] = None, device=None, codegen=True):
+    """capture → decide → lower → place → (calibrate) → rewrite → (codegen), placing with ``settings``."""
+    target = settings.target
     rule_set = load_rules(rules)
     done: list[str] = []
     timings: dict[str, float] = {}
@@ -201,25 +223,33 @@ def _pipeline(model, example_inputs, *, precision, rules, tracer, keep_io_types,
     done.append("capture")
     timings["capture_s"] = time.perf_counter() - t0
     gm = captured.gm
-    gm.meta["mp_graph"] = GraphMeta(tracer=captured.tracer, precision=target,
+    gm.meta[GM_GRAPH] = GraphMeta(tracer=captured.tracer, precision=target,
                                     capture_errors=tuple(f"{k}: {v}" for k, v in captured.errors.items()),
                                     rule_files=rule_set.files)
     t1 = time.perf_counter()
     _run_stage("decide", done, decide, gm, rule_set, precision=target)
     lowered = _run_stage("lower", done, lower, gm, device=device)
-    gm.meta["mp_graph"].extra.update(device=device, lowered=tuple(lowered))
-    _run_stage("place", done, place, gm, target=target, strategy=placement, keep_io_types=keep_io_types, opt_level=opt_level)
+    gm.meta[GM_GRAPH].extra.update(device=device, lowered=tuple(lowered))
+    _run_stage("place", done, settings.run, gm)
     if calibration is not None:
         from converter.numerics.calibrate import calibrate_and_redecide
 
-        _run_stage("calibrate", done, calibrate_and_redecide, gm, calibration, rules=rule_set, target=target,
-                   placement=placement, keep_io_types=keep_io_types, **(calibration_options or {}))
-    _run_stage("rewrite", done, rewrite, gm, keep_io_types=keep_io_types)
+        _run_stage("calibrate", done, calibrate_and_redecide, gm, calibration, rules=rule_set, settings=settings,
+                   options=calibration_options or CalibrationOptions())
+    _run_stage("rewrite", done, rewrite, gm, keep_io_types=settings.keep_io_types)
     t2 = time.perf_counter()
     timings["pass_s"] = t2 - t1
-    captured.gm = gm = _run_stage("codegen", done, materialize, gm)
-    timings["codegen_s"] = time.perf_counter() - t2
+    if codegen:
+        captured.gm = gm = _run_stage("codegen", done, materialize, gm)
+        timings["codegen_s"] = time.perf_counter() - t2
     return captured, rule_set, target, timings
+
+
+def _report(captured: Captured, rule_set: Rules, target: str, timings: dict, *, opt_level: str, device) -> Report:
+    gm = captured.gm
+    return build_report(gm, precision=target, tracer=captured.tracer, rules=rule_set.to_dict(),
+                        extra={"capture_errors": captured.errors, "timings": timings, "opt_level": opt_level,
+                               "device": device, "lowered": list(gm.meta[GM_GRAPH].extra.get("lowered", ()))})
 
 
 def convert(
@@ -232,7 +262,7 @@ def convert(
     calibration: Optional[Iterable] = None,
     keep_io_types: bool = True,
     placement: str = "mincut",
-    calibration_options: Optional[dict] = None,
+    calibration_options: Union[None, CalibrationOptions, Mapping[str, Any]] = None,
     opt_level: str = "O1",
     device: Optional[str] = None,
 ) -> Conversion:
@@ -241,41 +271,39 @@ def convert(
     ``precision``: the half dtype that ``half`` rules mean (bf16 by default: it has fp32's range,
     so it needs no loss scaling). ``rules``: rule files layered over the defaults. ``tracer``:
     ``auto`` tries FX then torch.export. ``keep_io_types``: outputs keep their original dtype.
-    ``placement``: ``mincut`` (fewest cast bytes that round nothing autocast keeps fp32) or ``simple``. ``calibration``: an iterable of
-    inputs used to find and fix nodes that would overflow fp16. ``opt_level``: how the parameters
+    ``placement``: ``mincut`` (fewest cast bytes that round nothing autocast keeps in fp32),
+    ``mincut-bytes`` (fewest cast bytes only: it may round values that per-consumer casting keeps
+    in fp32, see :mod:`converter.passes.place.stage`) or ``simple``. ``calibration``: an iterable of
+    inputs used to find and fix nodes that would overflow fp16 (kept on the result, so that
+    :meth:`Conversion.variant` calibrates the same way). ``calibration_options``: a
+    :class:`~converter.numerics.options.CalibrationOptions` (or a mapping of its fields), e.g. a
+    ``tolerance`` for the accuracy search. ``opt_level``: how the parameters
     will be stored when training — ``O1`` fp32 (default: ``conv.module`` trains as is, weight casts
     are part of the cost), ``O2`` in half where every consumer is half, with fp32 master weights
     in :class:`MixedPrecisionTrainer` (``master_weights=True``); placement then treats weight casts
     as free. ``conv.module`` keeps fp32 parameters either way; the trainer stores them for O2.
-    ``placement``: also ``mincut-bytes`` (fewest cast bytes only; may round values that per-consumer
-    casting keeps in fp32, see :mod:`converter.passes.place.stage`). fp16 without ``calibration``:
-    the converted graph is run once on the example inputs and :class:`Fp16OverflowError` names the
-    first node that gives inf/NaN where fp32 is finite.
     ``device``: the device the model will train on, which enables that device's lowerings
     (:mod:`converter.lower`; ``"cpu"``: bf16 attention as matmul·softmax·matmul, 2-4x faster than
     PyTorch's CPU bf16 flash kernel). None (default): a portable graph, nothing device-specific.
+    fp16 without ``calibration``: the converted graph runs once on the example inputs beside its
+    fp32 twin, and :class:`Fp16OverflowError` names the first node that gives inf/NaN where fp32 is
+    finite.
     """
-    return _convert(model, example_inputs, precision=precision, rules=rules, tracer=tracer, calibration=calibration,
-                    keep_io_types=keep_io_types, placement=placement, calibration_options=calibration_options,
-                    opt_level=opt_level, device=device, check_overflow=True)
-
-
-def _convert(model, example_inputs, *, precision, rules, tracer, calibration, keep_io_types, placement,
-             calibration_options, opt_level, device, check_overflow: bool) -> Conversion:
+    options = CalibrationOptions.coerce(calibration_options) if calibration is not None else None
+    batches = None
+    if calibration is not None:  # kept for variants; an endless iterator is read up to max_batches only
+        batches = list(calibration if options.max_batches is None else itertools.islice(calibration, options.max_batches))
+    settings = PlaceSettings(target=normalize_precision(precision), strategy=placement, keep_io_types=keep_io_types,
+                             opt_level=opt_level)
     captured, rule_set, target, timings = _pipeline(
-        model, example_inputs, precision=precision, rules=rules, tracer=tracer, keep_io_types=keep_io_types,
-        placement=placement, calibration=calibration, calibration_options=calibration_options, opt_level=opt_level,
-        device=device,
+        model, example_inputs, settings=settings, rules=rules, tracer=tracer, calibration=batches,
+        calibration_options=options, device=device,
     )
-    gm = captured.gm
-    if check_overflow and target == "fp16" and calibration is None:
-        _check_fp16_overflow(gm, captured.args, captured.kwargs)
-    report = build_report(gm, precision=target, tracer=captured.tracer, rules=rule_set.to_dict(),
-                          extra={"capture_errors": captured.errors, "timings": timings, "opt_level": opt_level,
-                                 "device": device, "lowered": list(gm.meta["mp_graph"].extra.get("lowered", ()))})
+    if target == "fp16" and batches is None:
+        _check_fp16_overflow(captured.gm, captured.args, captured.kwargs)
     return Conversion(
-        module=gm,
-        report=report,
+        module=captured.gm,
+        report=_report(captured, rule_set, target, timings, opt_level=opt_level, device=device),
         precision=target,
         tracer=captured.tracer,
         rules=rule_set,
@@ -283,6 +311,8 @@ def _convert(model, example_inputs, *, precision, rules, tracer, calibration, ke
         example_inputs=(captured.args, captured.kwargs),
         timings=timings,
         options={"keep_io_types": keep_io_types, "placement": placement, "opt_level": opt_level, "device": device},
+        calibration=batches,
+        calibration_options=options,
     )
 
 
@@ -296,7 +326,13 @@ def audit(
     placement: str = "mincut",
     device: Optional[str] = None,
 ) -> Report:
-    """Decide and place only: the report of what :func:`convert` would do; the model is untouched."""
-    return _convert(model, example_inputs, precision=precision, rules=rules, tracer=tracer, calibration=None,
-                    keep_io_types=True, placement=placement, calibration_options=None, opt_level="O1", device=device,
-                    check_overflow=False).report
+    """The report of what :func:`convert` would do; the model is untouched.
+
+    Runs capture, decide, lower, place and rewrite on the traced copy (the rewrite is what puts
+    the casts the report counts on the graph), but no calibration and no code generation, and
+    returns only the report.
+    """
+    settings = PlaceSettings(target=normalize_precision(precision), strategy=placement)
+    captured, rule_set, target, timings = _pipeline(model, example_inputs, settings=settings, rules=rules, tracer=tracer,
+                                                    device=device, codegen=False)
+    return _report(captured, rule_set, target, timings, opt_level="O1", device=device)

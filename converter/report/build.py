@@ -24,28 +24,34 @@ Renderers (Markdown, HTML, terminal) live in :mod:`converter.render`.
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.fx
 
-from converter.report.flops import node_flops
 from converter.ir.meta import HALF_NAMES, CastRecord, Decision, NodeInfo, itemsize
+from converter.ir.meta import GM_CALIBRATION, GM_PARAM_DTYPES, META_CAST, META_DECISION, META_INFO
+from converter.rules.precedence import PRECEDENCE
+from converter.numerics.common import to_json
+from converter.report.flops import node_flops
 
 __all__ = ["Report", "build_report", "summary_line", "SCHEMA", "PRECEDENCE", "MODULE_RULE_FP32_SHARE"]
 
 SCHEMA = 1
-#: rule levels, highest precedence first (see :mod:`converter.rules`)
-PRECEDENCE = ("node", "module", "module_type", "op", "default")
 _PRECISIONS = ("fp16", "bf16", "fp32")
 
 
 @dataclass
 class Report:
-    """Everything the audit knows; ``to_dict()`` is report.json (schema 1, DESIGN §6)."""
+    """Everything the audit knows; ``to_dict()`` is report.json (schema 1, DESIGN §6).
+
+    report.json is strict JSON: a non-finite number is written as the string ``"inf"``, ``"-inf"``
+    or ``"nan"`` (an exact SQNR is ``"inf"``) and ``null`` means "not measured"; see
+    :func:`converter.numerics.common.json_float`, and read such a number back with
+    :func:`converter.numerics.common.from_json_float`.
+    """
 
     precision: str
     tracer: str
@@ -82,7 +88,7 @@ class Report:
         }
         for key, value in self.extra.items():
             out.setdefault(key, value)
-        return _jsonable(out)
+        return to_json(out)
 
     def to_json(self, **kwargs) -> str:
         return json.dumps(self.to_dict(), indent=kwargs.pop("indent", 2), allow_nan=False, **kwargs)
@@ -192,6 +198,7 @@ def _node_row(index: int, node: torch.fx.Node, info: NodeInfo, decision: Decisio
         "rule": str(decision.rule),
         "rule_level": decision.rule.table,
         "reason": decision.reason,
+        "notes": [[stage, text] for stage, text in decision.notes],  # (stage, text) pairs, oldest first
         "requested": decision.requested,
         "source": _source(node, info),
         "kind": info.kind,
@@ -291,7 +298,7 @@ def _module_tree(rows: list[tuple[dict, tuple[tuple[str, str], ...]]], casts: li
 
 
 def _memory(gm: torch.fx.GraphModule, casts: list[dict]) -> dict:
-    dtypes = gm.meta.get("mp_param_dtypes")
+    dtypes = gm.meta.get(GM_PARAM_DTYPES)
     o1 = o2 = 0
     half = 0
     for name, param in gm.named_parameters():
@@ -354,14 +361,14 @@ def build_report(gm: torch.fx.GraphModule, *, precision: str, tracer: str, rules
     cast_module: dict[str, str] = {}
     model = ""
     for index, node in enumerate(gm.graph.nodes):
-        info = node.meta.get("mp_info")
+        info = node.meta.get(META_INFO)
         if not model and info is not None and info.module_stack:
             model = info.module_stack[0][1]
-        rec = node.meta.get("mp_cast")
+        rec = node.meta.get(META_CAST)
         if rec is not None:
             casts.append(_cast_row(index, node, rec))
             cast_module[node.name] = info.module if info is not None else ""
-        decision = node.meta.get("mp")
+        decision = node.meta.get(META_DECISION)
         if info is None or decision is None or info.kind in ("cast", "passive"):
             continue
         row = _node_row(index, node, info, decision)
@@ -403,18 +410,5 @@ def build_report(gm: torch.fx.GraphModule, *, precision: str, tracer: str, rules
         ops=_op_table(nodes),
         modules=_module_tree(stacks, casts, cast_module),
         memory=_memory(gm, casts),
-        calibration=dict(gm.meta.get("mp_calibration") or {}),
+        calibration=dict(gm.meta.get(GM_CALIBRATION) or {}),
     )
-
-
-def _jsonable(value: Any) -> Any:
-    """Plain JSON types only: non-finite floats become ``None``, other objects their ``str``."""
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    return str(value)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from converter.ir.meta import TensorSpec
+from converter.ir.meta import META_INFO, META_VALUE, TensorSpec
 from converter.ir.ops import castable_arg_positions
 from converter.passes.capture import input_nodes
 
@@ -21,7 +21,7 @@ def alias_root(node: torch.fx.Node) -> torch.fx.Node:
     """The node whose precision an alias node shares."""
     seen = 0
     while True:
-        info = node.meta.get("mp_info")
+        info = node.meta.get(META_INFO)
         if info is None or info.kind != "alias" or not node.args or not isinstance(node.args[0], torch.fx.Node):
             return node
         node = node.args[0]
@@ -32,7 +32,7 @@ def alias_root(node: torch.fx.Node) -> torch.fx.Node:
 
 def castable_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
     """The producers of the floating tensors this node's precision applies to."""
-    info = node.meta["mp_info"]
+    info = node.meta[META_INFO]
     positions = castable_arg_positions(info.op, len(node.args))
     candidates: list[torch.fx.Node] = []
     if positions is None:
@@ -45,7 +45,7 @@ def castable_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
                     candidates.append(arg)
     out = []
     for n in candidates:
-        value = n.meta.get("mp_value")
+        value = n.meta.get(META_VALUE)
         if isinstance(value, TensorSpec) and value.is_convertible:
             out.append(n)
     return out

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from converter.ir.meta import HALF_NAMES, TensorSpec
+from converter.ir.meta import HALF_NAMES, META_DECISION, META_INFO, META_VALUE, TensorSpec
 from converter.passes.place.graph import alias_root, cast_cost, castable_inputs
 from converter.passes.place.solver import PlacementProblem, Tensor, solve_mincut
 
@@ -44,8 +44,8 @@ def build_problem(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, opt_l
     tensors: list[Tensor] = []
     params = {name for name, _ in gm.named_parameters()} if opt_level == "O2" else set()
     for node in gm.graph.nodes:
-        info = node.meta.get("mp_info")
-        value = node.meta.get("mp_value")
+        info = node.meta.get(META_INFO)
+        value = node.meta.get(META_VALUE)
         if node.op in ("placeholder", "get_attr"):
             if _convertible(value):
                 if node.op == "get_attr" and str(node.target) in params:
@@ -53,7 +53,7 @@ def build_problem(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, opt_l
                 else:
                     fixed[node.name] = _dtype_lab(value.dtype)
             continue
-        decision = node.meta.get("mp")
+        decision = node.meta.get(META_DECISION)
         if decision is None or info is None:
             continue
         if decision.precision == "follow":
@@ -74,10 +74,10 @@ def build_problem(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, opt_l
         return got
 
     for node in gm.graph.nodes:
-        value = node.meta.get("mp_value")
+        value = node.meta.get(META_VALUE)
         if not _convertible(value):
             continue
-        info = node.meta.get("mp_info")
+        info = node.meta.get(META_INFO)
         if info is not None and info.kind == "alias" and info.inplace:
             continue  # an in-place op's output is its input tensor: counted with the producer
         root = alias_root(node)
@@ -87,7 +87,7 @@ def build_problem(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, opt_l
         pending = list(node.users)
         while pending:
             user = pending.pop()
-            uinfo = user.meta.get("mp_info")
+            uinfo = user.meta.get(META_INFO)
             if user.op == "output":
                 if keep_io_types:
                     consumers.append(_OUT + _dtype_lab(value.dtype))
@@ -112,7 +112,7 @@ def place_mincut(gm: torch.fx.GraphModule, *, target: str, keep_io_types: bool =
     result = solve_mincut(problem, alternatives=True, invariant=invariant)
     mode = "min-cut" if invariant else "min-cut (bytes only)"
     for node in gm.graph.nodes:
-        decision = node.meta.get("mp")
+        decision = node.meta.get(META_DECISION)
         if decision is None or decision.precision not in ("follow", "promote"):
             continue
         label = result.labels[node.name]
@@ -121,6 +121,5 @@ def place_mincut(gm: torch.fx.GraphModule, *, target: str, keep_io_types: bool =
         alt = f"; the alternative costs +{extra} bytes" if extra is not None else ""
         tie = " (a tie, broken towards half)" if extra == 0 and label == "half" else ""
         pinned = " (kept fp32: its value reaches an fp32 or promote op unrounded)" if node.name in result.pinned else ""
-        node.meta["mp"] = decision.replace(
-            precision=precision, reason=f"{decision.reason}; placement: {mode} chose {precision}{alt}{tie}{pinned}"
-        )
+        node.meta[META_DECISION] = decision.noted("place", f"{mode} chose {precision}{alt}{tie}{pinned}",
+                                                  precision=precision)
