@@ -1,13 +1,13 @@
-"""The precision audit report, built only from ``node.meta`` (see :mod:`converter.meta`).
+"""The precision audit report, built only from ``node.meta`` (see :mod:`converter.ir.meta`).
 
 ``build_report(gm, ...)`` reads the records the stages left on the graph and collects:
 
 * ``nodes`` — one row per compute node (every call node of the model itself; inserted casts and
   passive nodes are not rows): name, canonical op, module path and class, precision, deciding
-  rule, reason, source location, FLOPs (:mod:`converter.flops`), output bytes, and every rule
+  rule, reason, source location, FLOPs (:mod:`converter.report.flops`), output bytes, and every rule
   that matched (for ``explain``);
 * ``casts`` — one row per cast: activation casts and O1 weight casts (``on_weight``) apart;
-* ``summary`` — DESIGN §6: counts by precision (they sum to ``compute_nodes``), ``casts`` and
+* ``summary`` — docs/report.md: counts by precision (they sum to ``compute_nodes``), ``casts`` and
   ``cast_bytes`` for the activation casts only, ``weight_casts``/``weight_cast_bytes`` for the
   others, the FLOP share in half and the unmatched ops;
 * ``ops`` — per op type: Op | Total | FP16 | BF16 | FP32 | deciding rules;
@@ -18,8 +18,11 @@
   loss-scale advice), when it ran.
 
 Measured numbers (saved activations, SQNR, per-node error, cast counts at run time) come from
-:func:`converter.measure.measure` and are attached with :meth:`Report.add_measurements`.
-Renderers (Markdown, HTML, terminal) live in :mod:`converter.render`.
+:func:`converter.numerics.measure.measure` and are attached with :meth:`Report.add_measurements`.
+The renderings read a :class:`Report` and never import this module (it imports them):
+:mod:`converter.report.markdown`, :mod:`converter.report.html`, :mod:`converter.report.terminal`,
+:mod:`converter.report.explain` (which builds a report when given a graph) and :mod:`converter.report.render`
+(``write_reports``).
 """
 from __future__ import annotations
 
@@ -31,11 +34,23 @@ from typing import Optional
 import torch
 import torch.fx
 
-from converter.ir.meta import HALF_NAMES, CastRecord, Decision, NodeInfo, itemsize
-from converter.ir.meta import GM_CALIBRATION, GM_PARAM_DTYPES, META_CAST, META_DECISION, META_INFO
-from converter.rules.precedence import PRECEDENCE
+from converter.ir.meta import (
+    GM_CALIBRATION,
+    GM_PARAM_DTYPES,
+    HALF_NAMES,
+    META_CAST,
+    META_DECISION,
+    META_INFO,
+    CastRecord,
+    Decision,
+    NodeInfo,
+    itemsize,
+)
 from converter.numerics.common import to_json
 from converter.report.flops import node_flops
+from converter.report.html import to_html
+from converter.report.markdown import to_markdown
+from converter.rules.precedence import PRECEDENCE
 
 __all__ = ["Report", "build_report", "summary_line", "SCHEMA", "PRECEDENCE", "MODULE_RULE_FP32_SHARE"]
 
@@ -45,7 +60,7 @@ _PRECISIONS = ("fp16", "bf16", "fp32")
 
 @dataclass
 class Report:
-    """Everything the audit knows; ``to_dict()`` is report.json (schema 1, DESIGN §6).
+    """Everything the audit knows; ``to_dict()`` is report.json (schema 1, docs/report.md).
 
     report.json is strict JSON: a non-finite number is written as the string ``"inf"``, ``"-inf"``
     or ``"nan"`` (an exact SQNR is ``"inf"``) and ``null`` means "not measured"; see
@@ -102,7 +117,7 @@ class Report:
         return bool(self.numerics or self.measured_casts)
 
     def add_measurements(self, measured: dict) -> "Report":
-        """Attach the result of :func:`converter.measure.measure`; returns ``self``."""
+        """Attach the result of :func:`converter.numerics.measure.measure`; returns ``self``."""
         self.memory = {**self.memory, **measured.get("memory", {})}
         self.numerics = dict(measured.get("numerics", {}))
         self.measured_casts = dict(measured.get("measured_casts", {}))
@@ -125,13 +140,11 @@ class Report:
         raise KeyError(name)
 
     def to_markdown(self) -> str:
-        from converter.report.render import to_markdown
-
+        """report.md (:func:`converter.report.markdown.to_markdown`)."""
         return to_markdown(self)
 
     def to_html(self) -> str:
-        from converter.report.render import to_html
-
+        """report.html, one self-contained page (:func:`converter.report.html.to_html`)."""
         return to_html(self)
 
     def __str__(self) -> str:
