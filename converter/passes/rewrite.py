@@ -186,7 +186,7 @@ def _share_casts_with_promotes(native: list, casts: dict, cache: dict) -> None:
     position = {n: i for i, n in enumerate(native[0][0].graph.nodes)}
     for node, want in native:
         for arg in list(node.all_input_nodes):
-            cast = casts.get((arg, want))
+            cast = casts.get((arg, want, node.meta.get(META_REGION, ())))  # within its own region only
             have = runtime_dtype(arg, cache)
             if cast is None or have is None or have == want:
                 continue
