@@ -1,4 +1,4 @@
-"""Optimal cast placement for ``follow`` and ``promote`` nodes (DESIGN.md §2 "place").
+"""Optimal cast placement for ``follow`` and ``promote`` nodes (docs/architecture.md, "Placement").
 
 The problem is pure (no torch): nodes carry a label in ``{"half", "fp32"}``.
 
