@@ -3,6 +3,7 @@
 Public API (DESIGN §5)::
 
     conv = converter.convert(model, example_inputs, precision="bf16")
+    model = converter.apply(model, example_inputs, precision="bf16")   # in place: the user's own object
     report = converter.audit(model, example_inputs)
     scaler = converter.LossScaler()
     trainer = converter.MixedPrecisionTrainer(conv.module, optimizer, precision="fp16")
@@ -10,6 +11,7 @@ Public API (DESIGN §5)::
 from __future__ import annotations
 
 from converter.api import Conversion, PassError, audit, convert, normalize_precision
+from converter.inplace import FallbackWarning, apply, conversion_of, restore
 from converter.ir.errors import MpconvertError
 from converter.ir.precision import PrecisionError
 from converter.numerics.options import CalibrationOptions
@@ -23,6 +25,10 @@ from converter._version import __version__
 __all__ = [
     "convert",
     "audit",
+    "apply",
+    "conversion_of",
+    "restore",
+    "FallbackWarning",
     "Conversion",
     "CalibrationOptions",
     "Report",
