@@ -39,7 +39,7 @@ import torch.utils._pytree as pytree
 
 from converter.api import Conversion, convert
 
-__all__ = ["apply", "conversion_of", "restore", "ConvertedForward", "FallbackWarning"]
+__all__ = ["apply", "conversion_of", "converted_forward", "restore", "ConvertedForward", "FallbackWarning"]
 
 
 class FallbackWarning(UserWarning):
@@ -64,10 +64,23 @@ def apply(model: torch.nn.Module, example_inputs: Any, **options: Any) -> torch.
     return model
 
 
+def converted_forward(model: torch.nn.Module) -> Optional["ConvertedForward"]:
+    """The :class:`ConvertedForward` of an applied model, also when another library wrapped it since
+    (accelerate/HF Trainer wrap ``forward`` in autocast and keep it as ``_original_forward``)."""
+    for start in (model.__dict__.get("forward"), model.__dict__.get("_original_forward")):
+        seen = 0
+        while start is not None and seen < 16:
+            if isinstance(start, ConvertedForward):
+                return start if start.model is model else None
+            start = getattr(start, "__wrapped__", None)
+            seen += 1
+    return None
+
+
 def conversion_of(model: torch.nn.Module) -> Optional[Conversion]:
     """The :class:`~converter.api.Conversion` behind an applied model (None: not applied)."""
-    forward = model.__dict__.get("forward")
-    return forward.conversion if isinstance(forward, ConvertedForward) else None
+    forward = converted_forward(model)
+    return forward.conversion if forward is not None else None
 
 
 def restore(model: torch.nn.Module) -> torch.nn.Module:
@@ -77,6 +90,9 @@ def restore(model: torch.nn.Module) -> torch.nn.Module:
         del model.__dict__["forward"]
         if forward.instance_forward is not None:
             model.forward = forward.instance_forward
+    elif converted_forward(model) is not None:
+        raise ValueError(f"cannot restore {type(model).__name__}: another library wrapped its converted forward since "
+                         "apply(); restore it before wrapping (e.g. before accelerate.prepare or Trainer)")
     return model
 
 
@@ -95,6 +111,16 @@ def _named_arguments(signature: inspect.Signature, args: tuple, kwargs: dict) ->
         else:
             named[name] = value
     return named
+
+
+def _advertised(signature: inspect.Signature, example: dict) -> inspect.Signature:
+    """The forward's signature without ``**kwargs`` when the example passed nothing through it: the
+    graph takes only what it was captured with, and callers that look for ``**kwargs`` (HF Trainer's
+    ``num_items_in_batch``) then do not pass arguments that would make every call fall back."""
+    named = set(signature.parameters)
+    keep = [p for p in signature.parameters.values()
+            if p.kind is not inspect.Parameter.VAR_KEYWORD or any(name not in named for name in example)]
+    return signature.replace(parameters=keep)
 
 
 def _same_constant(a: Any, b: Any) -> bool:
@@ -138,13 +164,15 @@ class ConvertedForward:
         self.conversion = conversion
         self.instance_forward = original  # an instance attribute forward the model had before, if any
         self.original = original if original is not None else type(model).forward.__get__(model)
-        self.__signature__ = inspect.signature(self.original)
+        self._binder = inspect.signature(self.original)
         self.__doc__ = getattr(self.original, "__doc__", None)
         args, kwargs = conversion.example_inputs
         self._positional = len(args)
-        self._example = _named_arguments(self.__signature__, args, kwargs)
+        self._example = _named_arguments(self._binder, args, kwargs)
+        self.__signature__ = _advertised(self._binder, self._example)
         self._captured_keys = (tuple(self._example)[: self._positional], tuple(kwargs))
         self._dynamic = dict(conversion.report.extra.get("dynamic_dims") or {})
+        self._all_dynamic = conversion.tracer == "fx"  # symbolic_trace records no sizes
         modes = str(conversion.report.extra.get("modes") or "")
         self._frozen = "train" if modes.startswith("frozen in train") else "eval" if modes.startswith("frozen in eval") else None
         self._warned: set[str] = set()
@@ -170,7 +198,7 @@ class ConvertedForward:
         self.calls["converted"] += 1
         gm = self._graphs.get(self._device() or self._graphs.home)
         self._bind(gm)
-        named = _named_arguments(self.__signature__, args, kwargs)
+        named = _named_arguments(self._binder, args, kwargs)
         positional, keywords = self._captured_keys
         call_args = tuple(named[name] for name in positional)
         call_kwargs = {name: named[name] for name in keywords}
@@ -207,7 +235,7 @@ class ConvertedForward:
         if self._frozen is not None and self.model.training != (self._frozen == "train"):
             return f"the model in {'train' if self.model.training else 'eval'} mode (the graph is frozen in {self._frozen} mode)"
         try:
-            named = _named_arguments(self.__signature__, args, kwargs)
+            named = _named_arguments(self._binder, args, kwargs)
         except TypeError as exc:
             return f"arguments the forward does not take ({exc})"
         extra = sorted(set(named) - set(self._example))
@@ -232,11 +260,12 @@ class ConvertedForward:
             if isinstance(w, torch.Tensor) and isinstance(g, torch.Tensor):
                 if w.dtype != g.dtype or w.dim() != g.dim():
                     return f"{label} as {g.dtype} of rank {g.dim()} (captured: {w.dtype} of rank {w.dim()})"
-                dynamic = self._dynamic.get(label)
-                if dynamic is not None:
-                    fixed = [i for i in range(w.dim()) if i not in dynamic and w.shape[i] != g.shape[i]]
-                    if fixed:
-                        return f"{label} of shape {tuple(g.shape)} (dims {fixed} are static, captured {tuple(w.shape)})"
+                if self._all_dynamic:
+                    continue
+                dynamic = self._dynamic.get(label, ())  # an input it does not list is static
+                fixed = [i for i in range(w.dim()) if i not in dynamic and w.shape[i] != g.shape[i]]
+                if fixed:
+                    return f"{label} of shape {tuple(g.shape)} (dims {fixed} are static, captured {tuple(w.shape)})"
             elif not _same_constant(w, g):
                 return f"{label}={_short_repr(g)} (captured with {_short_repr(w)})"
         return None

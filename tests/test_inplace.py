@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 import converter
-from converter.inplace import ConvertedForward
+from converter.inplace import ConvertedForward, converted_forward
 
 transformers = pytest.importorskip("transformers")
 
@@ -132,7 +132,8 @@ def test_hf_trainer_bf16_cpu_trains_and_checkpoint_reloads(tmp_path):
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(losses) == 10 and losses[-1] < losses[0] - 0.2, f"loss did not go down: {losses}"
-    calls = model.forward.calls
+    calls = converted_forward(model).calls  # Trainer (accelerate) wrapped the forward in autocast
+    assert converted_forward(model) is not model.forward
     assert calls["fallback"] == 0 and calls["converted"] >= 10, calls
     reloaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out" / "checkpoint-10")
     final = model.state_dict()
