@@ -253,3 +253,46 @@ def test_deepcopy_of_an_applied_model_is_independent():
         twin[0].weight.add_(1.0)
         x = torch.randn(2, 3, 8, 8)
         assert not torch.equal(model(x), twin(x))
+
+
+@pytest.mark.parametrize("opt_level, master_weights", [("O1", False), ("O2", True)])
+def test_fp16_loss_scaling_and_master_weights_with_mixed_precision_trainer(opt_level, master_weights):
+    batch = _batch(4, 12, seed=2)
+    model = converter.apply(_llama(), batch, precision="fp16", opt_level=opt_level)
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=3e-3)
+    trainer = converter.MixedPrecisionTrainer(model, optimizer, precision="fp16", master_weights=master_weights)
+    losses = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", converter.FallbackWarning)
+        for _ in range(6):
+            trainer.zero_grad()
+            loss = model(**batch).loss
+            trainer.backward(loss)
+            assert trainer.step()
+            losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.3, f"loss did not go down: {losses}"
+    assert trainer.stats.steps == 6 and trainer.stats.skipped == 0 and trainer.stats.scale > 1
+    assert [id(p) for p in model.parameters()] == [id(p) for p in params]
+    dtypes = {p.dtype for p in model.parameters()}
+    assert dtypes == ({torch.float32, torch.float16} if master_weights else {torch.float32}), dtypes
+    assert converted_forward(model).calls == {"converted": 6, "fallback": 0}
+
+
+def test_accelerate_prepare_keeps_the_applied_model():
+    accelerate = pytest.importorskip("accelerate")
+    batch = _batch(4, 12, seed=2)
+    model = converter.apply(_llama(), batch, precision="bf16")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    accelerator = accelerate.Accelerator(cpu=True, mixed_precision="bf16")
+    prepared, optimizer = accelerator.prepare(model, optimizer)
+    assert prepared is model
+    losses = []
+    for _ in range(6):
+        optimizer.zero_grad()
+        loss = prepared(**batch).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.3, f"loss did not go down: {losses}"
+    assert converted_forward(model).calls == {"converted": 6, "fallback": 0}
