@@ -1,6 +1,6 @@
 """mpconvert: rule-driven mixed precision for PyTorch models, with an audit of every decision.
 
-Public API (DESIGN §5)::
+Public API (docs/architecture.md; the names are a stable contract)::
 
     conv = converter.convert(model, example_inputs, precision="bf16")
     model = converter.apply(model, example_inputs, precision="bf16")   # in place: the user's own object
@@ -42,6 +42,8 @@ __all__ = [
     "LossScaler",
     "MixedPrecisionTrainer",
     "ToleranceNotMet",
+    "SpikeGuard",
+    "TrainingStalledError",
     "load_rules",
     "normalize_precision",
     "__version__",
@@ -58,8 +60,8 @@ def __getattr__(name: str):
         from converter.numerics.search import ToleranceNotMet
 
         return ToleranceNotMet
-    if name == "MixedPrecisionTrainer":
-        from converter.train.trainer import MixedPrecisionTrainer
+    if name in ("MixedPrecisionTrainer", "SpikeGuard", "TrainingStalledError"):
+        from converter.train import trainer
 
-        return MixedPrecisionTrainer
+        return getattr(trainer, name)
     raise AttributeError(f"module 'converter' has no attribute {name!r}")
