@@ -11,7 +11,7 @@ Public API (docs/architecture.md; the names are a stable contract)::
 from __future__ import annotations
 
 from converter.api import Conversion, PassError, audit, convert, normalize_precision
-from converter.inplace import FallbackWarning, apply, conversion_of, restore
+from converter.inplace import FallbackWarning, InPlaceError, apply, conversion_of, restore
 from converter.ir.errors import MpconvertError
 from converter.ir.precision import PrecisionError
 from converter.numerics.options import CalibrationOptions
@@ -29,6 +29,7 @@ __all__ = [
     "conversion_of",
     "restore",
     "FallbackWarning",
+    "InPlaceError",
     "Conversion",
     "CalibrationOptions",
     "Report",

@@ -38,8 +38,14 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from converter.api import Conversion, convert
+from converter.ir.errors import MpconvertError
 
-__all__ = ["apply", "conversion_of", "converted_forward", "restore", "ConvertedForward", "FallbackWarning"]
+__all__ = ["apply", "conversion_of", "converted_forward", "restore", "ConvertedForward", "FallbackWarning",
+           "InPlaceError"]
+
+
+class InPlaceError(MpconvertError, ValueError):
+    """The converted graph cannot run on the model's own tensors."""
 
 
 class FallbackWarning(UserWarning):
@@ -181,6 +187,13 @@ class ConvertedForward:
         gm = conversion.module
         self._graphs = _Graphs(gm, self._device() or torch.device("cpu"))
         self._bind(gm)
+        own = {id(p) for p in model.parameters()}
+        foreign = [name for name, p in gm.named_parameters() if id(p) not in own]
+        if foreign:
+            raise InPlaceError(
+                f"cannot convert {type(model).__name__} in place: the converted graph's parameters "
+                f"{', '.join(foreign[:3])} have no counterpart of the same name in the model, so training would not "
+                "update them; use converter.convert(...).module instead")
 
     # -- calling -----------------------------------------------------------------------------
 

@@ -296,3 +296,11 @@ def test_accelerate_prepare_keeps_the_applied_model():
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.3, f"loss did not go down: {losses}"
     assert converted_forward(model).calls == {"converted": 6, "fallback": 0}
+
+
+def test_a_graph_that_does_not_read_the_model_parameters_is_refused():
+    conv = converter.convert(_cnn(), (torch.randn(2, 3, 8, 8),), precision="bf16")
+    other = nn.Sequential(nn.Linear(3, 3))
+    with pytest.raises(converter.InPlaceError, match="cannot convert Sequential in place: the converted graph.s parameters"):
+        ConvertedForward(other, conv)
+    assert "forward" not in other.__dict__
