@@ -19,7 +19,7 @@ A call the graph was not captured for (other keyword arguments, other non-tensor
 dtypes or ranks, another size of a static dimension, a Cache object, the other train/eval mode of a
 graph frozen in one mode) runs the model's original fp32 forward instead, with a
 :class:`FallbackWarning` that names the difference (once per difference). ``generate()`` works this way:
-its cached decoding steps pass ``past_key_values`` and run the original forward.
+its calls pass ``return_dict`` (and ``past_key_values`` with a cache), so decoding runs the original forward.
 
 The converted forward runs with autocast off: the graph already carries its casts, and an outer
 ``torch.autocast`` (HF ``Trainer(bf16=True)``, Lightning ``precision="bf16-mixed"``) would override
@@ -200,17 +200,13 @@ class ConvertedForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         why = self._mismatch(args, kwargs)
         if why is not None:
-            if why not in self._warned:
-                self._warned.add(why)
-                warnings.warn(
-                    f"mpconvert: {type(self.model).__name__}.forward was called with {why}; running the original fp32 "
-                    "forward for this call (pass such inputs to converter.apply to convert them)",
-                    FallbackWarning, stacklevel=2)
-            self.calls["fallback"] += 1
-            return self.original(*args, **kwargs)
-        self.calls["converted"] += 1
+            return self._fallback(why, args, kwargs)
         gm = self._graphs.get(self._device() or self._graphs.home)
-        self._bind(gm)
+        missing = self._bind(gm)
+        if missing:
+            return self._fallback(f"a model whose structure changed since apply() (it has no {', '.join(missing[:3])}; "
+                                  "call converter.apply again)", args, kwargs)
+        self.calls["converted"] += 1
         named = _named_arguments(self._binder, args, kwargs)
         positional, keywords = self._captured_keys
         call_args = tuple(named[name] for name in positional)
@@ -221,6 +217,16 @@ class ConvertedForward:
                 return gm(*call_args, **call_kwargs)
         return gm(*call_args, **call_kwargs)
 
+    def _fallback(self, why: str, args: tuple, kwargs: dict) -> Any:
+        if why not in self._warned:
+            self._warned.add(why)
+            warnings.warn(
+                f"mpconvert: {type(self.model).__name__}.forward was called with {why}; running the original fp32 "
+                "forward for this call (pass such inputs to converter.apply to convert them)",
+                FallbackWarning, stacklevel=3)
+        self.calls["fallback"] += 1
+        return self.original(*args, **kwargs)
+
     def _device(self) -> Optional[torch.device]:
         for tensor in self.model.parameters():
             return tensor.device
@@ -228,20 +234,27 @@ class ConvertedForward:
             return tensor.device
         return None
 
-    def _bind(self, gm: torch.fx.GraphModule) -> None:
-        """Point ``gm`` at the model's current parameters and buffers, and copy its train/eval flags."""
+    def _bind(self, gm: torch.fx.GraphModule) -> list[str]:
+        """Point ``gm`` at the model's current parameters and buffers, and copy its train/eval flags.
+
+        Returns the graph's tensors that the model no longer has (its structure changed)."""
         modules = dict(self.model.named_modules(remove_duplicate=False))
+        missing = []
         for path, sub in gm.named_modules(remove_duplicate=False):
             owner = modules.get(path)
             if owner is None:
+                missing.extend(f"{path}.{name}" for name in sub._parameters)
                 continue
             sub.training = owner.training
             for table in ("_parameters", "_buffers"):
                 mine, theirs = getattr(sub, table), getattr(owner, table)
                 for name, value in mine.items():
-                    if name in theirs and theirs[name] is not value:
+                    if name not in theirs:
+                        missing.append(f"{path}.{name}" if path else name)
+                    elif theirs[name] is not value:
                         mine[name] = theirs[name]
         gm.training = self.model.training
+        return missing
 
     def _mismatch(self, args: tuple, kwargs: dict) -> Optional[str]:
         """Why the captured graph cannot run this call (None: it can)."""

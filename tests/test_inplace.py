@@ -304,3 +304,20 @@ def test_a_graph_that_does_not_read_the_model_parameters_is_refused():
     with pytest.raises(converter.InPlaceError, match="cannot convert Sequential in place: the converted graph.s parameters"):
         ConvertedForward(other, conv)
     assert "forward" not in other.__dict__
+
+
+def test_replaced_modules_are_followed_and_a_changed_structure_falls_back():
+    model = converter.apply(_cnn(), (torch.randn(2, 3, 8, 8),), precision="bf16").eval()
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(4))
+    model[9] = nn.Linear(8, 4)  # same names: the graph reads the new module's parameters
+    with torch.no_grad():
+        out = model(x)
+        want = nn.Sequential.forward(model, x)
+    diff = _max_diff(out, want)
+    assert converted_forward(model).calls["converted"] == 1 and diff < 0.05, f"differs from fp32 by {diff}"
+    model[9] = nn.Sequential(nn.Linear(8, 4))  # "9.weight" is now "9.0.weight"
+    with pytest.warns(converter.FallbackWarning, match=r"structure changed since apply\(\) \(it has no 9\.weight"):
+        with torch.no_grad():
+            out = model(x)
+    assert torch.equal(out, nn.Sequential.forward(model, x))
+    assert converted_forward(model).calls == {"converted": 1, "fallback": 1}
