@@ -48,8 +48,9 @@ class InPlaceError(MpconvertError, ValueError):
     """The converted graph cannot run on the model's own tensors."""
 
 
-class FallbackWarning(UserWarning):
-    """A call that the converted graph was not captured for ran the model's original forward."""
+class FallbackWarning(MpconvertError, UserWarning):
+    """A call that the converted graph was not captured for ran the model's original forward
+    (a warning; it derives from :class:`MpconvertError` like every mpconvert exception class)."""
 
 
 def apply(model: torch.nn.Module, example_inputs: Any, **options: Any) -> torch.nn.Module:
