@@ -98,7 +98,7 @@ def restore(model: torch.nn.Module) -> torch.nn.Module:
         if forward.instance_forward is not None:
             model.forward = forward.instance_forward
     elif converted_forward(model) is not None:
-        raise ValueError(f"cannot restore {type(model).__name__}: another library wrapped its converted forward since "
+        raise InPlaceError(f"cannot restore {type(model).__name__}: another library wrapped its converted forward since "
                          "apply(); restore it before wrapping (e.g. before accelerate.prepare or Trainer)")
     return model
 
