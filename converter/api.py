@@ -208,7 +208,7 @@ def _run_stage(name: str, done: list[str], fn, *args, **kwargs):
 
 def _pipeline(model, example_inputs, *, settings: PlaceSettings, rules, tracer, calibration=None,
               calibration_options: Optional[CalibrationOptions] = None, device=None, codegen=True,
-              dynamic=True, dynamic_shapes=None):
+              dynamic: bool = True, dynamic_shapes: Any = None):
     """capture → decide → lower → place → (calibrate) → rewrite → (codegen), placing with ``settings``."""
     target = settings.target
     rule_set = load_rules(rules)

@@ -148,6 +148,33 @@ def test_no_grad_region_cuts_grad_only_inside(tmp_path):
     assert torch.equal(emitted(x), gm(x))
 
 
+class _Buffers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.spare = nn.Linear(8, 8)  # unused by forward
+        self.register_buffer("offset", torch.ones(8))
+        self.register_buffer("scratch", torch.full((8,), 0.5), persistent=False)
+
+    def forward(self, x):
+        with torch.no_grad():
+            shift = self.offset * self.scratch
+        return self.fc(x) + shift
+
+
+def test_export_capture_keeps_the_state_dict_keys_and_modes():
+    model = _Buffers()
+    conv = converter.convert(model, (torch.randn(4, 8),), tracer="export")
+    state = conv.module.state_dict()
+    assert sorted(state) == sorted(model.state_dict()), sorted(state)
+    fresh = _Buffers()
+    fresh.load_state_dict(state, strict=True)
+    x = torch.randn(3, 8)
+    assert torch.equal(fresh(x), model(x))
+    assert conv.module.train() is conv.module and conv.module.training
+    assert conv.module.eval() is conv.module and not conv.module.training
+
+
 # ---------------------------------------------------------------------------------------------
 # 1: dynamic shapes
 
@@ -193,6 +220,29 @@ def test_block_runs_at_new_sizes(tracer, example):
         with torch.no_grad():
             db = _sqnr(model(x), conv.module(x))
         assert db > 30, f"{tracer} example {example} at {shape}: SQNR {db:.1f} dB"
+
+
+class _Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(16, 16)
+
+    def forward(self, x, mask):
+        scores = self.q(x) @ x.transpose(1, 2)
+        return (scores + mask).softmax(-1) @ x
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_broadcast_mask_dim_stays_static_and_batch_one_is_dynamic(batch):
+    """A (B, 1, T) mask: its size-1 broadcast dim must not be unified with T, and a batch-1 example
+    must not pin the batch to 1."""
+    model = _Masked()
+    conv = converter.convert(model, (torch.randn(batch, 5, 16), torch.zeros(batch, 1, 5)), tracer="export")
+    assert conv.report.extra["dynamic_dims"] == {"x": [0, 1], "mask": [0, 2]}, conv.report.extra["shapes"]
+    x, mask = torch.randn(3, 7, 16), torch.randn(3, 1, 7)
+    with torch.no_grad():
+        db = _sqnr(model(x, mask), conv.module(x, mask))
+    assert db > 30, f"SQNR {db:.1f} dB"
 
 
 def test_static_freezes_export_shapes():

@@ -54,11 +54,10 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
-from converter.ir.graphmodule import new_graph_module
-from converter.ir.meta import NodeInfo, TensorSpec
-from converter.ir.ops import CAST_OPS, NORM_OPS, canonical_op, explicit_dtype, is_inplace
-from converter.ir.meta import META_INFO, META_SOURCE, META_VALUE
 from converter.ir.errors import MpconvertError
+from converter.ir.graphmodule import new_graph_module
+from converter.ir.meta import META_INFO, META_SOURCE, META_VALUE, NodeInfo, TensorSpec
+from converter.ir.ops import CAST_OPS, NORM_OPS, canonical_op, explicit_dtype, is_inplace
 from converter.passes.modes import make_mode_aware
 from converter.passes.regions import inline_regions
 
@@ -195,9 +194,12 @@ def _trace_fx(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Shapes
 
 def _trace_export(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Shapes) -> torch.fx.GraphModule:
     ep = _export_dynamic(model, args, kwargs, shapes)
-    exported = ep.module()
-    # a plain GraphModule over the same graph: ep.module()'s train()/eval() raise NotImplementedError
-    gm = new_graph_module(exported, exported.graph, type(model).__name__)
+    gm = ep.module()
+    # ep.module() replaces train()/eval() on the instance by ones that raise NotImplementedError;
+    # the graph reads self.training instead (converter.passes.modes), so the class's methods serve
+    for name in ("train", "eval"):
+        if name in vars(gm):
+            delattr(gm, name)
     inline_regions(gm)
     _drop_metadata_asserts(gm)
     for node in gm.graph.nodes:
@@ -260,8 +262,12 @@ class _Shapes:
     note: str = ""
 
 
-def _auto_spec(model: torch.nn.Module, args: tuple, kwargs: dict) -> Optional[dict]:
-    """``Dim.AUTO`` for every dimension of every tensor input, keyed by the forward's parameter names."""
+def _auto_spec(model: torch.nn.Module, args: tuple, kwargs: dict, *, unit_dims: str = "all") -> Optional[dict]:
+    """``Dim.AUTO`` for the dims of every tensor input, keyed by the forward's parameter names.
+
+    ``unit_dims``: which example dims of size 1 get it too: ``all``, or ``batch`` (dim 0 only: a
+    ``(B, 1, T)`` mask keeps its broadcast dim static).
+    """
     import inspect
 
     try:
@@ -273,9 +279,10 @@ def _auto_spec(model: torch.nn.Module, args: tuple, kwargs: dict) -> Optional[di
         return None
 
     def leaf(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return {i: torch.export.Dim.AUTO for i in range(value.dim())} if value.dim() else None
-        return None
+        if not isinstance(value, torch.Tensor) or not value.dim():
+            return None
+        return {i: torch.export.Dim.AUTO for i, size in enumerate(value.shape)
+                if size != 1 or unit_dims == "all" or i == 0} or None
 
     return {name: pytree.tree_map(leaf, value) for name, value in bound.arguments.items()}
 
@@ -307,13 +314,17 @@ def _export_dynamic(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _
         return run(None)
     failures = []
     if _has_unit_dims(args, kwargs):
-        # a size-1 example dim would be specialised to 1; size-oblivious tracing keeps it dynamic
-        try:
-            ep = run(spec, oblivious=True)
-            shapes.note = "Dim.AUTO on every input dim; size-1 example dims traced size-obliviously"
-            return ep
-        except Exception as exc:  # retried below without size-oblivious tracing
-            failures.append(_short(exc))
+        # a size-1 example dim would be specialised to 1; size-oblivious tracing keeps it dynamic:
+        # every such dim first, then only the batch dim
+        for unit_dims in ("all", "batch"):
+            try:
+                ep = run(_auto_spec(model, args, kwargs, unit_dims=unit_dims), oblivious=True)
+                _check_example_guards(ep, args, kwargs)
+                which = "" if unit_dims == "all" else " but size-1 dims past dim 0 (kept static: broadcast dims)"
+                shapes.note = f"Dim.AUTO on every input dim{which}, traced size-obliviously (size-1 example dims)"
+                return ep
+            except Exception as exc:  # retried below
+                failures.append(_short(exc))
     try:
         ep = run(spec)
         shapes.note = "Dim.AUTO on every input dim (torch.export keeps static what the model fixes" + (
@@ -324,6 +335,18 @@ def _export_dynamic(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _
     ep = run(None)
     shapes.note = f"static shapes: dynamic capture failed ({failures[-1]})"
     return ep
+
+
+def _check_example_guards(ep: Any, args: tuple, kwargs: dict) -> None:
+    """Raise if the example itself fails the graph's shape guards.
+
+    Size-oblivious tracing may unify a broadcast dim of size 1 (a ``(B, 1, T)`` mask) with the
+    size it broadcasts to; the graph would then refuse the very inputs it was captured from.
+    """
+    gm = ep.module()
+    guard = getattr(gm, "_guards_fn", None)
+    if guard is not None:
+        guard(*placeholder_values(gm, args, kwargs))
 
 
 def _placeholders(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:

@@ -47,11 +47,10 @@ from typing import Any, Optional
 import torch
 import torch.fx
 
-from converter.passes.capture import _classify, _flat_specs, _spec_of
 from converter.ir.graphmodule import pauses_gc
-from converter.ir.meta import Decision, NodeInfo, TensorSpec
+from converter.ir.meta import META_DECISION, META_INFO, META_LOWERED, META_MODE_FLAG, META_VALUE, Decision, NodeInfo, TensorSpec
 from converter.ir.ops import canonical_op
-from converter.ir.meta import META_DECISION, META_INFO, META_LOWERED, META_MODE_FLAG, META_VALUE
+from converter.passes.capture import _classify, _flat_specs, _spec_of
 
 __all__ = ["lower", "DEVICES"]
 

@@ -27,9 +27,22 @@ import torch.fx
 from torch.fx.node import map_arg
 
 from converter.ir.graphmodule import pauses_gc
-from converter.ir.meta import BUILTIN, DTYPES, CastRecord, NodeInfo, RuleRef, TensorSpec, name_of
+from converter.ir.meta import (
+    BUILTIN,
+    DTYPES,
+    GM_PARAM_DTYPES,
+    META_CAST,
+    META_DECISION,
+    META_INFO,
+    META_REGION,
+    META_VALUE,
+    CastRecord,
+    NodeInfo,
+    RuleRef,
+    TensorSpec,
+    name_of,
+)
 from converter.ir.ops import CAST_OPS, NATIVE_PROMOTE_OPS, explicit_dtype, map_castable_args
-from converter.ir.meta import GM_PARAM_DTYPES, META_CAST, META_DECISION, META_INFO, META_REGION, META_VALUE
 
 __all__ = ["rewrite", "inserted_casts", "runtime_dtype"]
 
@@ -173,7 +186,7 @@ def _share_casts_with_promotes(native: list, casts: dict, cache: dict) -> None:
     position = {n: i for i, n in enumerate(native[0][0].graph.nodes)}
     for node, want in native:
         for arg in list(node.all_input_nodes):
-            cast = casts.get((arg, want))
+            cast = casts.get((arg, want, node.meta.get(META_REGION, ())))  # within its own region only
             have = runtime_dtype(arg, cache)
             if cast is None or have is None or have == want:
                 continue
