@@ -22,23 +22,18 @@ from typing import Any, Iterable, Mapping, Optional, Union
 import torch
 import torch.fx
 
-from converter.passes.capture import Captured, capture
-from converter.passes.decide import decide
-from converter.ir.graphmodule import materialize
-from converter.passes.lower import lower
 from converter.ir.errors import EXIT_CHECK_FAILED, EXIT_INTERNAL, MpconvertError
+from converter.ir.graphmodule import materialize
 from converter.ir.meta import GM_GRAPH, HALF_NAMES, META_CAST, META_DECISION, META_INFO, Decision, GraphMeta
 from converter.ir.precision import ALIASES, half_precision
-from converter.passes.place.stage import place
-from converter.report.build import Report, build_report
-from converter.passes.rewrite import rewrite
-from converter.rules.loader import Rules, load_rules
-from converter.ir.meta import Decision, GraphMeta
 from converter.numerics.options import CalibrationOptions
 from converter.numerics.redecide import PlaceSettings
-from converter.passes.capture import Captured, CaptureError, capture
-from converter.passes.decide import BannedOpError, decide
-from converter.rules.loader import Rules, RulesError, load_rules
+from converter.passes.capture import Captured, capture
+from converter.passes.decide import decide
+from converter.passes.lower import lower
+from converter.passes.rewrite import rewrite
+from converter.report.build import Report, build_report
+from converter.rules.loader import Rules, load_rules
 
 __all__ = ["convert", "audit", "Conversion", "PassError", "Fp16OverflowError", "normalize_precision", "PRECISION_ALIASES"]
 
