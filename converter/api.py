@@ -8,8 +8,8 @@
     conv.decisions       # node name -> Decision (precision, rule, reason)
     conv.save("out/")    # the artifacts of DESIGN §7
 
-Stages (one module each, talking only through ``node.meta``): capture → decide → place → rewrite
-→ report. When a stage fails, the error names it and the stages that ran before it.
+Stages (one module each, talking only through ``node.meta``): capture → decide → lower → place
+→ rewrite → fp32_math → report. When a stage fails, the error names it and the stages that ran before it.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import torch.fx
 
 from converter.passes.capture import Captured, capture
 from converter.passes.decide import decide
+from converter.passes.fp32_math import DEFAULT_FP32_MATH, fp32_math
 from converter.ir.graphmodule import materialize
 from converter.passes.lower import lower
 from converter.ir.errors import EXIT_INTERNAL, MpconvertError
@@ -118,6 +119,9 @@ def _pipeline(model, example_inputs, *, precision, rules, tracer, keep_io_types,
         _run_stage("calibrate", done, calibrate_and_redecide, gm, calibration, rules=rule_set, target=target,
                    placement=placement, keep_io_types=keep_io_types, **(calibration_options or {}))
     _run_stage("rewrite", done, rewrite, gm, keep_io_types=keep_io_types)
+    math_setting = rule_set.setting("fp32_math", DEFAULT_FP32_MATH)
+    regions = _run_stage("fp32_math", done, fp32_math, gm, setting=math_setting)
+    gm.meta[GM_GRAPH].extra.update(fp32_math=math_setting, fp32_math_regions=regions)
     t2 = time.perf_counter()
     timings["pass_s"] = t2 - t1
     captured.gm = gm = _run_stage("codegen", done, materialize, gm)

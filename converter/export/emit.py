@@ -69,6 +69,7 @@ from torch.fx.node import map_aggregate
 
 from converter.ir.meta import GM_PARAM_DTYPES, META_CAST, META_DECISION, META_INFO
 from converter.ir.errors import EXIT_CHECK_FAILED, MpconvertError
+from converter.passes.fp32_math import RUNTIME_HELPERS, runtime_source
 
 __all__ = [
     "emit",
@@ -461,7 +462,9 @@ def generate_model_source(conv, *, model_file: Optional[str] = None) -> ModelSou
     body = python.src[python.src.index("def forward("):]
     body = _annotate_lines(body, nodes_by_name, (original, gm))
     used = {name: obj for name, obj in python.globals.items() if re.search(rf"\b{re.escape(name)}\b", body)}
-    imports = _import_lines(used, warnings)
+    # the fp32 math scope calls: their (torch-only) source goes into model.py instead of an import
+    runtime = {name: obj for name, obj in used.items() if obj in RUNTIME_HELPERS}
+    imports = _import_lines({k: v for k, v in used.items() if k not in runtime}, warnings)
 
     # --- the structure: containers, leaf modules, parameters, buffers, constants -------------
     module_lines: list[str] = []
@@ -550,6 +553,9 @@ def generate_model_source(conv, *, model_file: Optional[str] = None) -> ModelSou
     ]
     extra_imports = [line for line in imports if line not in ("import torch",)]
     lines += extra_imports
+    if runtime:
+        lines += ["", "", "# fp32 math scopes around fp32 matmul/conv runs (mpconvert docs/rules.md, \"fp32 math\")",
+                  *runtime_source().splitlines(), "", *[f"{k} = {v.__name__}" for k, v in runtime.items()]]
     lines += [
         "",
         f"PRECISION = {conv.precision!r}",

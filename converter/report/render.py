@@ -192,6 +192,7 @@ def to_markdown(report: Report) -> str:
         ["tuned for", _tuned_for(report, md_escape)],
     ]))
     out.append("")
+    out.extend(_md_fp32_math(report))
     out.extend(_md_memory(report))
     out.extend(_md_numerics(report))
     if report.calibration:
@@ -262,7 +263,8 @@ def to_markdown(report: Report) -> str:
 
     def node_row(r: dict) -> list:
         cells = [r["index"], md_escape(r["name"]), md_escape(r["op"]), md_escape(r["module"]), md_escape(r["module_type"]),
-                 r["precision"] + (" (unmatched)" if r["unmatched"] else ""), md_escape(r["rule"]), r["flops"], r["out_bytes"]]
+                 r["precision"] + (f" ({r['fp32_math']} math)" if r.get("fp32_math") else "")
+                 + (" (unmatched)" if r["unmatched"] else ""), md_escape(r["rule"]), r["flops"], r["out_bytes"]]
         if measured:
             cells += [_db(r.get("sqnr_db")), _db(r.get("local_sqnr_db"))] if "sqnr_db" in r else ["—", "—"]
         return cells + [md_escape(r["source"]), md_escape(_reason(r))]
@@ -270,6 +272,39 @@ def to_markdown(report: Report) -> str:
     out.append(_md_table(header, (node_row(r) for r in report.nodes)))
     out.append("")
     return "\n".join(out)
+
+
+def _fp32_math_facts(report: Report) -> tuple[list[tuple[str, str]], list[str], list[str]]:
+    """(rows of setting/global flags/node counts, warnings, notes) of the fp32 math section."""
+    fm = report.fp32_math or {}
+    counts = fm.get("nodes", {})
+    rows = [("fp32_math setting", str(fm.get("setting", ""))),
+            ("fp32 matmul/conv nodes", " · ".join(f"{k} {v}" for k, v in counts.items()) or "none"),
+            ("scoped regions", str(fm.get("regions", 0)))]
+    rows += [(f"global {k}", str(v)) for k, v in (fm.get("global") or {}).items()]
+    return rows, list(fm.get("warnings", [])), list(fm.get("notes", []))
+
+
+def _md_fp32_math(report: Report) -> list[str]:
+    if not report.fp32_math:
+        return []
+    rows, warnings, notes = _fp32_math_facts(report)
+    out = ["## fp32 math", "", "The math fp32 matmul/conv nodes run with (ieee: enforced IEEE fp32; tf32: enforced reduced "
+           "fp32 math, TF32 on CUDA and bf16 in oneDNN; inherit: the global flags at run time), and the global flags at "
+           "conversion time.", "", _md_table(["", "value"], ([md_escape(k), md_escape(v)] for k, v in rows)), ""]
+    out += [f"> **Warning:** {md_escape(w)}" for w in warnings] + ([""] if warnings else [])
+    out += [f"> Note: {md_escape(n)}" for n in notes] + ([""] if notes else [])
+    return out
+
+
+def _fp32_math_html(report: Report) -> str:
+    rows, warnings, notes = _fp32_math_facts(report)
+    table = "".join(f'<tr><td>{_e(k)}</td><td class="mono">{_e(v)}</td></tr>' for k, v in rows)
+    warn = "".join(f'<p class=note><span class=bad>warning</span> {_e(w)}</p>' for w in warnings)
+    note = "".join(f"<p class=note>{_e(n)}</p>" for n in notes)
+    return ("<p class=note>The math fp32 matmul/conv nodes run with (ieee: enforced IEEE fp32; tf32: enforced reduced fp32 "
+            "math, TF32 on CUDA and bf16 in oneDNN; inherit: the global flags at run time), and the global flags at "
+            f"conversion time.</p>{warn}{note}<table><tbody>{table}</tbody></table>")
 
 
 def _md_memory(report: Report) -> list[str]:
@@ -699,7 +734,8 @@ def _nodes_html(report: Report) -> str:
             f'<td class="mono">{_e(r["op"])}</td>',
             f'<td class="mono">{_e(r["module"])}</td>',
             f'<td>{_e(r["module_type"])}</td>',
-            f'<td data-v="{_e(r["precision"])}">{_badge(r["precision"])}{unmatched if r["unmatched"] else ""}</td>',
+            f'<td data-v="{_e(r["precision"])}">{_badge(r["precision"])}{unmatched if r["unmatched"] else ""}'
+            + (f' <span class="mono" title="fp32 math">{_e(r["fp32_math"])}</span>' if r.get("fp32_math") else "") + "</td>",
             f'<td class="mono nw" title="{_e(r["rule"])}">{_e(_short_rule(r["rule"]))}</td>',
             f'<td class=n data-v="{r["flops"]}">{_e(_flops(r["flops"]))}</td>',
             f'<td class=n data-v="{r["out_bytes"]}">{_e(_bytes(r["out_bytes"]))}</td>',
@@ -852,6 +888,7 @@ def to_html(report: Report) -> str:
         ("plots", "FLOPs and bytes", _plots(report)),
         ("numerics", "Numerics", _numerics_html(report)),
         ("memory", "Memory", _memory_html(report)),
+        *([("fp32math", "fp32 math", _fp32_math_html(report))] if report.fp32_math else []),
         *([("calibration", "Calibration", _calibration_html(report))] if report.calibration else []),
         ("ops", "Ops", _ops_html(report)),
         ("unmatched", f"Unmatched ops ({len(s['unmatched_ops'])})", _unmatched_html(report)),
