@@ -464,6 +464,8 @@ def generate_model_source(conv, *, model_file: Optional[str] = None) -> ModelSou
     used = {name: obj for name, obj in python.globals.items() if re.search(rf"\b{re.escape(name)}\b", body)}
     # the fp32 math scope calls: their (torch-only) source goes into model.py instead of an import
     runtime = {name: obj for name, obj in used.items() if obj in RUNTIME_HELPERS}
+    for name, obj in runtime.items():
+        body = re.sub(rf"\b{re.escape(name)}\b", obj.__name__, body)
     imports = _import_lines({k: v for k, v in used.items() if k not in runtime}, warnings)
 
     # --- the structure: containers, leaf modules, parameters, buffers, constants -------------
@@ -555,7 +557,7 @@ def generate_model_source(conv, *, model_file: Optional[str] = None) -> ModelSou
     lines += extra_imports
     if runtime:
         lines += ["", "", "# fp32 math scopes around fp32 matmul/conv runs (mpconvert docs/rules.md, \"fp32 math\")",
-                  *runtime_source().splitlines(), "", *[f"{k} = {v.__name__}" for k, v in runtime.items()]]
+                  *runtime_source().splitlines()]
     lines += [
         "",
         f"PRECISION = {conv.precision!r}",

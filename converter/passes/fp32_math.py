@@ -24,8 +24,8 @@ math it runs with:
 Enforcement brackets each maximal run of nodes that want the same enforced math with two calls,
 :func:`mp_fp32_math_enter` (saves the current per-backend precisions, sets the wanted ones) and
 :func:`mp_fp32_math_exit` (restores them). Nodes that no math flag affects (half-precision ops,
-pointwise ops, norms) may sit inside a run; an ``inherit`` node, an opaque fp32 leaf module or a
-node wanting the other math ends it. Both helpers depend only on torch: the emitted model.py
+pointwise ops, norms) may sit inside a run; an ``inherit`` node, an fp32 recurrent layer or
+unknown leaf module (reported as ``inherit``: not scoped) or a node wanting the other math ends it. Both helpers depend only on torch: the emitted model.py
 carries their source verbatim, so it runs exactly like ``conv.module``. Both are registered with
 ``torch.fx.node.has_side_effect`` so FX dead-code elimination keeps them.
 
@@ -54,6 +54,7 @@ from torch.fx.node import has_side_effect
 
 from converter.ir.graphmodule import pauses_gc
 from converter.ir.meta import META_DECISION, META_INFO, META_MATH, FP32Math, MathRecord
+from converter.ir.ops import known_op_names
 
 __all__ = [
     "FP32_MATH_MODES",
@@ -82,6 +83,8 @@ MATH_OPS = frozenset({
     "bilinear", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
     "scaled_dot_product_attention", "multi_head_attention",
 })
+#: fp32 ops with matmuls inside that are not scoped: they run with the global math and end a run
+_OPAQUE = frozenset({"lstm", "gru", "rnn", "rnn_tanh", "rnn_relu"})
 _CONV_OPS = frozenset(op for op in MATH_OPS if op.startswith("conv"))
 #: (backend, op) -> precision for IEEE math: cuBLAS, cuDNN conv, oneDNN matmul and conv
 IEEE: dict[tuple[str, str], str] = {("cuda", "matmul"): "ieee", ("cuda", "conv"): "ieee",
@@ -108,7 +111,7 @@ def mp_fp32_math_enter(settings):
     get = torch._C._get_fp32_precision_getter
     saved = tuple((backend, op, get(backend, op)) for backend, op, _ in settings)
     changed = False
-    for (backend, op, now), (_, _, want) in zip(saved, settings):
+    for (backend, _op, now), (_, _, want) in zip(saved, settings):
         if now == "none":  # inherits: the backend's "all", then the generic setting, then IEEE
             now = get(backend, "all")
             now = get("generic", "all") if now == "none" else now
@@ -203,8 +206,9 @@ def _want(node: torch.fx.Node, setting: FP32Math) -> tuple[Optional[FP32Math], s
         if decision.requested == "tf32":
             return "tf32", f"rule {decision.rule} asks for tf32 (fp32 storage, reduced fp32 math)"
         return setting, f"decided fp32 by {decision.rule}; [settings] fp32_math = {setting!r}"
-    if node.op == "call_module":  # an opaque fp32 leaf module may run matmuls: run it as the user set
-        return "inherit", "an fp32 leaf module: its inner matmuls run with the global math"
+    if info.op in _OPAQUE or (node.op == "call_module" and info.op not in known_op_names()):
+        # recurrent layers (their own cudnn/oneDNN rnn knobs) and leaf modules we cannot see into
+        return "inherit", f"fp32 {info.op}: its inner matmuls run with the global math (not scoped)"
     return None, ""
 
 
