@@ -129,10 +129,10 @@ class MetaKey:
 
 CONTRACT: tuple[MetaKey, ...] = (
     MetaKey(META_INFO, "node", "NodeInfo", ("capture", "lower", "rewrite"),
-            ("decide", "place", "calibrate", "search", "measure", "report", "export", "train", "api"),
+            ("decide", "place", "calibrate", "search", "measure", "fp32_math", "report", "export", "train", "api"),
             "what capture learned: op, module, kind, outputs (lower and rewrite describe the nodes they make)"),
     MetaKey(META_DECISION, "node", "Decision", ("decide", "lower", "place", "calibrate"),
-            ("rewrite", "search", "measure", "report", "export", "api", "cli"),
+            ("rewrite", "fp32_math", "search", "measure", "report", "export", "api", "cli"),
             "the node's precision and its provenance; later stages amend it with Decision.noted"),
     MetaKey(META_CAST, "node", "CastRecord", ("rewrite",), ("measure", "report", "export", "train"),
             "on every cast node: what it converts and which rule made it necessary"),
