@@ -989,6 +989,8 @@ def print_report(report: Report, console=None, *, nodes: bool = False) -> None:
         console.print(table)
     if s["unmatched_ops"]:
         console.print(Text(f"Unmatched ops (kept fp32, add rules for them): {', '.join(s['unmatched_ops'])}", style="yellow"))
+    for warning in (report.fp32_math or {}).get("warnings", []):
+        console.print(Text(f"fp32 math: {warning}", style="yellow"))
 
 
 # ---------------------------------------------------------------------------------------------
