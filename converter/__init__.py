@@ -1,6 +1,6 @@
 """mpconvert: rule-driven mixed precision for PyTorch models, with an audit of every decision.
 
-Public API (DESIGN §5)::
+Public API (docs/architecture.md; the names are a stable contract)::
 
     conv = converter.convert(model, example_inputs, precision="bf16")
     report = converter.audit(model, example_inputs)
@@ -12,6 +12,7 @@ from __future__ import annotations
 from converter.api import Conversion, PassError, audit, convert, normalize_precision
 from converter.ir.errors import MpconvertError
 from converter.ir.precision import PrecisionError
+from converter.numerics.options import CalibrationOptions
 from converter.passes.capture import CaptureError
 from converter.passes.decide import BannedOpError
 from converter.report.build import Report
@@ -23,6 +24,7 @@ __all__ = [
     "convert",
     "audit",
     "Conversion",
+    "CalibrationOptions",
     "Report",
     "Rules",
     "RulesError",
@@ -34,6 +36,8 @@ __all__ = [
     "LossScaler",
     "MixedPrecisionTrainer",
     "ToleranceNotMet",
+    "SpikeGuard",
+    "TrainingStalledError",
     "load_rules",
     "normalize_precision",
     "__version__",
@@ -47,11 +51,11 @@ def __getattr__(name: str):
 
         return LossScaler
     if name == "ToleranceNotMet":
-        from converter.numerics.calibrate import ToleranceNotMet
+        from converter.numerics.search import ToleranceNotMet
 
         return ToleranceNotMet
-    if name == "MixedPrecisionTrainer":
-        from converter.train.trainer import MixedPrecisionTrainer
+    if name in ("MixedPrecisionTrainer", "SpikeGuard", "TrainingStalledError"):
+        from converter.train import trainer
 
-        return MixedPrecisionTrainer
+        return getattr(trainer, name)
     raise AttributeError(f"module 'converter' has no attribute {name!r}")

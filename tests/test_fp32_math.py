@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import converter
-from converter.export import emit as emit_mod
+from converter.export.verify import import_file
 from converter.ir.meta import META_INFO, META_MATH
 from converter.passes.fp32_math import mp_fp32_math_enter, mp_fp32_math_exit
 from converter.rules.loader import Rules, RulesError
@@ -271,7 +271,7 @@ def test_emitted_model_py_enforces_the_same_math(three, medium, tmp_path):
     out = conv.save(tmp_path / "three_mp")
     source = (out / "model.py").read_text()
     assert "def mp_fp32_math_enter(settings):" in source and "converter" not in source.split('"""', 2)[2].split("PRECISION =")[0]
-    loaded = emit_mod._import_file(out / "model.py").load()
+    loaded = import_file(out / "model.py").load()
     before = (_knobs(), _legacy())
     pinned, reduced, half = loaded(x)
     assert (_knobs(), _legacy()) == before

@@ -1,13 +1,13 @@
-"""The precision audit report, built only from ``node.meta`` (see :mod:`converter.meta`).
+"""The precision audit report, built only from ``node.meta`` (see :mod:`converter.ir.meta`).
 
 ``build_report(gm, ...)`` reads the records the stages left on the graph and collects:
 
 * ``nodes`` — one row per compute node (every call node of the model itself; inserted casts and
   passive nodes are not rows): name, canonical op, module path and class, precision, deciding
-  rule, reason, source location, FLOPs (:mod:`converter.flops`), output bytes, and every rule
+  rule, reason, source location, FLOPs (:mod:`converter.report.flops`), output bytes, and every rule
   that matched (for ``explain``);
 * ``casts`` — one row per cast: activation casts and O1 weight casts (``on_weight``) apart;
-* ``summary`` — DESIGN §6: counts by precision (they sum to ``compute_nodes``), ``casts`` and
+* ``summary`` — docs/report.md: counts by precision (they sum to ``compute_nodes``), ``casts`` and
   ``cast_bytes`` for the activation casts only, ``weight_casts``/``weight_cast_bytes`` for the
   others, the FLOP share in half and the unmatched ops;
 * ``ops`` — per op type: Op | Total | FP16 | BF16 | FP32 | deciding rules;
@@ -22,24 +22,41 @@
   (:mod:`converter.passes.fp32_math`).
 
 Measured numbers (saved activations, SQNR, per-node error, cast counts at run time) come from
-:func:`converter.measure.measure` and are attached with :meth:`Report.add_measurements`.
-Renderers (Markdown, HTML, terminal) live in :mod:`converter.render`.
+:func:`converter.numerics.measure.measure` and are attached with :meth:`Report.add_measurements`.
+The renderings read a :class:`Report` and never import this module (it imports them):
+:mod:`converter.report.markdown`, :mod:`converter.report.html`, :mod:`converter.report.terminal`,
+:mod:`converter.report.explain` (which builds a report when given a graph) and :mod:`converter.report.render`
+(``write_reports``).
 """
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.fx
 
-from converter.report.flops import node_flops
-from converter.ir.meta import HALF_NAMES, CastRecord, Decision, NodeInfo, itemsize
-from converter.ir.meta import GM_CALIBRATION, GM_GRAPH, GM_PARAM_DTYPES, META_CAST, META_DECISION, META_INFO, META_MATH
+from converter.ir.meta import (
+    GM_CALIBRATION,
+    GM_GRAPH,
+    GM_PARAM_DTYPES,
+    HALF_NAMES,
+    META_CAST,
+    META_DECISION,
+    META_INFO,
+    META_MATH,
+    CastRecord,
+    Decision,
+    NodeInfo,
+    itemsize,
+)
+from converter.numerics.common import to_json
 from converter.passes.fp32_math import DEFAULT_FP32_MATH, global_math_settings, reduced_globals
+from converter.report.flops import node_flops
+from converter.report.html import to_html
+from converter.report.markdown import to_markdown
 from converter.rules.precedence import PRECEDENCE
 
 __all__ = ["Report", "build_report", "summary_line", "SCHEMA", "PRECEDENCE"]
@@ -50,7 +67,13 @@ _PRECISIONS = ("fp16", "bf16", "fp32")
 
 @dataclass
 class Report:
-    """Everything the audit knows; ``to_dict()`` is report.json (schema 1, DESIGN §6)."""
+    """Everything the audit knows; ``to_dict()`` is report.json (schema 1, docs/report.md).
+
+    report.json is strict JSON: a non-finite number is written as the string ``"inf"``, ``"-inf"``
+    or ``"nan"`` (an exact SQNR is ``"inf"``) and ``null`` means "not measured"; see
+    :func:`converter.numerics.common.json_float`, and read such a number back with
+    :func:`converter.numerics.common.from_json_float`.
+    """
 
     precision: str
     tracer: str
@@ -89,7 +112,7 @@ class Report:
         }
         for key, value in self.extra.items():
             out.setdefault(key, value)
-        return _jsonable(out)
+        return to_json(out)
 
     def to_json(self, **kwargs) -> str:
         return json.dumps(self.to_dict(), indent=kwargs.pop("indent", 2), allow_nan=False, **kwargs)
@@ -103,7 +126,7 @@ class Report:
         return bool(self.numerics or self.measured_casts)
 
     def add_measurements(self, measured: dict) -> "Report":
-        """Attach the result of :func:`converter.measure.measure`; returns ``self``."""
+        """Attach the result of :func:`converter.numerics.measure.measure`; returns ``self``."""
         self.memory = {**self.memory, **measured.get("memory", {})}
         self.numerics = dict(measured.get("numerics", {}))
         self.measured_casts = dict(measured.get("measured_casts", {}))
@@ -126,13 +149,11 @@ class Report:
         raise KeyError(name)
 
     def to_markdown(self) -> str:
-        from converter.report.render import to_markdown
-
+        """report.md (:func:`converter.report.markdown.to_markdown`)."""
         return to_markdown(self)
 
     def to_html(self) -> str:
-        from converter.report.render import to_html
-
+        """report.html, one self-contained page (:func:`converter.report.html.to_html`)."""
         return to_html(self)
 
     def __str__(self) -> str:
@@ -319,6 +340,15 @@ def _memory(gm: torch.fx.GraphModule, casts: list[dict]) -> dict:
     }
 
 
+def _dtype(name: str) -> torch.dtype:
+    from converter.ir.meta import DTYPES
+
+    return DTYPES.get(name, torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
 def _fp32_math(gm: torch.fx.GraphModule, nodes: list[dict]) -> dict:
     """The fp32 math section: setting, global flags now, per-math counts, and the silent-reduction warning."""
     graph_meta = gm.meta.get(GM_GRAPH)
@@ -354,15 +384,6 @@ def _fp32_math(gm: torch.fx.GraphModule, nodes: list[dict]) -> dict:
         "warnings": warnings,
         "notes": notes,
     }
-
-
-def _dtype(name: str) -> torch.dtype:
-    from converter.ir.meta import DTYPES
-
-    return DTYPES.get(name, torch.float32)
-
-
-# ---------------------------------------------------------------------------------------------
 
 
 def build_report(gm: torch.fx.GraphModule, *, precision: str, tracer: str, rules: Optional[dict] = None, extra: Optional[dict] = None) -> Report:
@@ -424,16 +445,3 @@ def build_report(gm: torch.fx.GraphModule, *, precision: str, tracer: str, rules
         calibration=dict(gm.meta.get(GM_CALIBRATION) or {}),
         fp32_math=_fp32_math(gm, nodes),
     )
-
-
-def _jsonable(value: Any) -> Any:
-    """Plain JSON types only: non-finite floats become ``None``, other objects their ``str``."""
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    return str(value)
