@@ -237,27 +237,33 @@ def test_enter_is_a_no_op_when_the_global_mode_already_matches(restore_math):
     assert _knobs()[2] == "none" and torch.get_float32_matmul_precision() == "highest"
 
 
-def test_real_transformer_fp32_head_is_unaffected_by_the_global_flag(restore_math):
-    """tiny_transformer with the LLM rules (embedding and lm_head fp32, the rest bf16): the converted
-    model gives bit-identical logits under 'medium' and 'highest', in eval and train mode, at another
-    batch size and length; without scoping (fp32_math = inherit) 'medium' changes them."""
+def test_real_transformer_fp32_head_is_unaffected_by_the_global_flag(tmp_path, restore_math):
+    """samples/tiny_transformer.py (RMSNorm, SDPA and explicit attention) at d256, vocab 512, with the
+    LLM rules (embedding and lm_head fp32, the rest bf16): the converted model gives bit-identical
+    logits under 'medium' and 'highest', in eval and train mode, at another batch size and length;
+    the same conversion with fp32_math = "inherit" does not (so the check can fail)."""
     tiny = load_sample("tiny_transformer")
     torch.manual_seed(0)
-    model = tiny.build_model().eval()
-    conv = converter.convert(model, tiny.example_inputs(), rules="llm")
-    assert conv.report.fp32_math["nodes"]["ieee"] >= 1 and conv.report.fp32_math["warnings"] == []
-    tokens = torch.randint(0, 128, (3, 11))
+    model = tiny.TinyTransformer(vocab=512, dim=256).eval()
+    example = (torch.randint(0, 512, (2, 16)),)
+    inherit = tmp_path / "inherit.toml"
+    inherit.write_text('[settings]\nfp32_math = "inherit"\n')
+    scoped = converter.convert(model, example, rules="llm")
+    unscoped = converter.convert(model, example, rules=["llm", str(inherit)])
+    assert scoped.report.fp32_math["nodes"] == {"ieee": 1, "tf32": 0, "inherit": 0}, scoped.report.fp32_math["nodes"]
+    tokens = torch.randint(0, 512, (3, 24))
     for train in (False, True):
-        conv.module.train(train)
-        torch.manual_seed(1)
-        high = _under("highest", lambda: conv.module(tokens))
-        torch.manual_seed(1)
-        med = _under("medium", lambda: conv.module(tokens))
+        for conv in (scoped, unscoped):
+            conv.module.train(train)
+        high = _under("highest", lambda: scoped.module(tokens))
+        med = _under("medium", lambda: scoped.module(tokens))
         assert torch.equal(high, med), f"train={train}: logits differ, rel. {_rel(med, high):.3g}"
-    conv.module.eval()
-    lm_head = next(n for n in conv.module.graph.nodes if META_MATH in n.meta and n.meta[META_MATH].reason.endswith("'ieee'")
-                   and n.meta[META_INFO].module == "lm_head")
-    assert lm_head.meta[META_MATH].mode == "ieee"
+        ref = _under("highest", lambda: unscoped.module(tokens))
+        assert torch.equal(ref, high)  # same graph apart from the scope calls
+        if torch.equal(_under("medium", lambda: unscoped.module(tokens)), ref):
+            pytest.skip("this CPU's oneDNN gives IEEE results under 'medium' for the lm_head: nothing to enforce here")
+    lm_head = next(n for n in scoped.module.graph.nodes if META_MATH in n.meta and not n.meta[META_MATH].scope)
+    assert (lm_head.meta[META_INFO].module, lm_head.meta[META_MATH].mode) == ("lm_head", "ieee")
 
 
 # ---------------------------------------------------------------------------------------------
