@@ -322,6 +322,8 @@ def test_report_warns_when_fp32_nodes_would_silently_run_reduced(tmp_path, mediu
     assert warning.startswith("1 fp32-pinned matmul node(s) (pinned) will run in reduced precision")
     assert "mkldnn.matmul.fp32_precision=bf16" in warning and 'fp32_math = "ieee"' in warning
     assert "**Warning:** 1 fp32-pinned matmul" in report.to_markdown()
+    reduced = [w["message"] for w in report.summary["warnings"] if w["kind"] == "fp32_math_reduced"]
+    assert reduced == [warning] and f"; warning: {warning}" in report.line
     # the same conversion under 'highest' has nothing to warn about
     torch.set_float32_matmul_precision("highest")
     quiet = converter.convert(model, (x,), rules=_rules(tmp_path, "inherit")).report.to_dict()["fp32_math"]

@@ -134,7 +134,7 @@ CONTRACT: tuple[MetaKey, ...] = (
     MetaKey(META_DECISION, "node", "Decision", ("decide", "lower", "place", "calibrate"),
             ("rewrite", "fp32_math", "search", "measure", "report", "export", "api", "cli"),
             "the node's precision and its provenance; later stages amend it with Decision.noted"),
-    MetaKey(META_CAST, "node", "CastRecord", ("rewrite",), ("measure", "report", "export", "train"),
+    MetaKey(META_CAST, "node", "CastRecord", ("rewrite",), ("measure", "report", "export", "train", "api"),
             "on every cast node: what it converts and which rule made it necessary"),
     MetaKey(META_VALUE, "node", "TensorSpec | tuple | torch.dtype | str", ("capture", "lower", "rewrite"),
             ("ir", "place", "calibrate", "report", "export"),

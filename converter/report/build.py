@@ -59,7 +59,7 @@ from converter.report.html import to_html
 from converter.report.markdown import to_markdown
 from converter.rules.precedence import PRECEDENCE
 
-__all__ = ["Report", "build_report", "summary_line", "SCHEMA", "PRECEDENCE"]
+__all__ = ["Report", "build_report", "summary_line", "SCHEMA", "PRECEDENCE", "MODULE_RULE_FP32_SHARE"]
 
 SCHEMA = 1
 _PRECISIONS = ("fp16", "bf16", "fp32")
@@ -173,6 +173,7 @@ def summary_line(summary: dict, precision: str) -> str:
         f"({100 * summary['half_flop_fraction']:.1f}% of FLOPs) to {target} with {summary['casts']} casts, "
         f"{mib:.2f} MiB per forward (+{summary.get('weight_casts', 0)} weight casts, "
         f"{summary.get('weight_cast_bytes', 0) / 2**20:.2f} MiB)"
+        + "".join(f"; warning: {w['message']}" for w in summary.get("warnings", ()))
     )
 
 
@@ -386,6 +387,32 @@ def _fp32_math(gm: torch.fx.GraphModule, nodes: list[dict]) -> dict:
     }
 
 
+#: a module rule that pins more than this share of the model's FLOPs to fp32 is reported
+MODULE_RULE_FP32_SHARE = 0.25
+
+
+def _module_rule_warnings(nodes: list[dict], total_flops: int) -> list[dict]:
+    """One record per module rule that pins more than :data:`MODULE_RULE_FP32_SHARE` of FLOPs to fp32."""
+    pinned: dict[str, int] = {}
+    for row in nodes:
+        if row["precision"] == "fp32" and row["rule_level"] in ("module", "module_type"):
+            pinned[row["rule"]] = pinned.get(row["rule"], 0) + row["flops"]
+    out = []
+    for rule, flops in sorted(pinned.items(), key=lambda item: -item[1]):
+        share = flops / total_flops if total_flops else 0.0
+        if share > MODULE_RULE_FP32_SHARE:
+            out.append({
+                "kind": "module_rule_pins_flops",
+                "rule": rule,
+                "fp32_flops": flops,
+                "share": share,
+                "message": f"module rule {rule} pins {100 * share:.0f}% of FLOPs to fp32 (over "
+                           f"{100 * MODULE_RULE_FP32_SHARE:.0f}%): check that it names the module you mean "
+                           "(scope = \"self\" keeps it off child modules)",
+            })
+    return out
+
+
 def build_report(gm: torch.fx.GraphModule, *, precision: str, tracer: str, rules: Optional[dict] = None, extra: Optional[dict] = None) -> Report:
     """Read ``node.meta`` of the converted (or only decided) graph into a :class:`Report`."""
     nodes: list[dict] = []
@@ -415,6 +442,7 @@ def build_report(gm: torch.fx.GraphModule, *, precision: str, tracer: str, rules
     act = [c for c in casts if not c["on_weight"]]
     weight = [c for c in casts if c["on_weight"]]
     unmatched = sorted({r["op"] for r in nodes if r["unmatched"]})
+    fp32_math = _fp32_math(gm, nodes)
     summary = {
         "nodes": len(gm.graph.nodes),
         "compute_nodes": len(nodes),
@@ -429,6 +457,8 @@ def build_report(gm: torch.fx.GraphModule, *, precision: str, tracer: str, rules
         "unmatched_ops": unmatched,
         "unmatched_nodes": sum(1 for r in nodes if r["unmatched"]),
         "out_bytes": sum(r["out_bytes"] for r in nodes),
+        "warnings": _module_rule_warnings(nodes, total_flops)
+        + [{"kind": "fp32_math_reduced", "message": text} for text in fp32_math["warnings"]],
     }
     return Report(
         precision=precision,
@@ -443,5 +473,5 @@ def build_report(gm: torch.fx.GraphModule, *, precision: str, tracer: str, rules
         modules=_module_tree(stacks, casts, cast_module),
         memory=_memory(gm, casts),
         calibration=dict(gm.meta.get(GM_CALIBRATION) or {}),
-        fp32_math=_fp32_math(gm, nodes),
+        fp32_math=fp32_math,
     )
