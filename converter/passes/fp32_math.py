@@ -46,6 +46,7 @@ has no ``finally``); the next converted forward restores nothing it did not set.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -252,5 +253,7 @@ def fp32_math(gm: torch.fx.GraphModule, *, setting: FP32Math = DEFAULT_FP32_MATH
         runs.append(current)
     for region, (mode, members) in enumerate(runs):
         _bracket(graph, region, mode, members)
+    if runs and os.environ.get("MPCONVERT_CHECK") == "1":  # as rewrite: the test suite lints every pass
+        graph.lint()
     gm.recompile()
     return len(runs)
