@@ -138,8 +138,7 @@ def mp_fp32_math_exit(saved):
 RUNTIME_HELPERS = (mp_fp32_math_enter, mp_fp32_math_exit)
 
 
-def runtime_source() -> str:
-    """The helpers' source, without the registration decorator, for the emitted model.py."""
+def _helper_source() -> str:
     import inspect
 
     blocks = []
@@ -147,6 +146,15 @@ def runtime_source() -> str:
         lines = [line for line in inspect.getsource(fn).splitlines() if not line.startswith("@")]
         blocks.append("\n".join(lines))
     return "\n\n\n".join(blocks) + "\n"
+
+
+# read once, at import: the file on disk then matches the code that runs (inspect re-reads the file)
+_RUNTIME_SOURCE = _helper_source()
+
+
+def runtime_source() -> str:
+    """The helpers' source, without the registration decorator, for the emitted model.py."""
+    return _RUNTIME_SOURCE
 
 
 # ---------------------------------------------------------------------------------------------
