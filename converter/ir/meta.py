@@ -24,6 +24,8 @@ from typing import Literal, Optional, get_args
 
 import torch
 
+from converter.ir.notes import NOTE_LABELS, NoteStage, note_text
+
 __all__ = [
     "Precision",
     "HalfPrecision",
@@ -45,6 +47,8 @@ __all__ = [
     "META_SOURCE",
     "META_TRAINER",
     "META_MATH",
+    "META_REGION",
+    "META_MODE_FLAG",
     "GM_GRAPH",
     "GM_PARAM_DTYPES",
     "GM_CALIBRATION",
@@ -86,10 +90,7 @@ NodeKind = Literal["compute", "fixed", "alias", "passive", "cast"]
 NODE_KINDS: tuple[str, ...] = get_args(NodeKind)
 #: ``RuleRef.table``: a rule table, or where a non-rule decision came from
 RuleTable = Literal["node", "module", "module_type", "op", "default", "builtin", "placement", "calibration"]
-#: the stage that added a note to a decision (``Decision.notes``)
-NoteStage = Literal["lower", "place"]
-#: how a note is labelled when shown (``explain``, the report's reason column)
-NOTE_LABELS: dict[str, str] = {"lower": "lowered", "place": "placement"}
+# NoteStage, NOTE_LABELS and note_text live in the torch-free converter.ir.notes (imported above)
 
 # ---------------------------------------------------------------------------------------------
 # the meta contract: every key, its type, who writes it and who reads it
@@ -103,6 +104,8 @@ META_LOWERED = "mp_lowered"
 META_SOURCE = "mp_source"
 META_TRAINER = "mp_trainer"
 META_MATH = "mp_math"
+META_REGION = "mp_region"
+META_MODE_FLAG = "mp_mode_flag"
 GM_GRAPH = "mp_graph"
 GM_PARAM_DTYPES = "mp_param_dtypes"
 GM_CALIBRATION = "mp_calibration"
@@ -132,7 +135,7 @@ CONTRACT: tuple[MetaKey, ...] = (
             ("decide", "place", "calibrate", "search", "measure", "fp32_math", "report", "export", "train", "api"),
             "what capture learned: op, module, kind, outputs (lower and rewrite describe the nodes they make)"),
     MetaKey(META_DECISION, "node", "Decision", ("decide", "lower", "place", "calibrate"),
-            ("rewrite", "fp32_math", "search", "measure", "report", "export", "api", "cli"),
+            ("rewrite", "fp32_math", "search", "measure", "report", "export", "api"),
             "the node's precision and its provenance; later stages amend it with Decision.noted"),
     MetaKey(META_CAST, "node", "CastRecord", ("rewrite",), ("measure", "report", "export", "train", "api"),
             "on every cast node: what it converts and which rule made it necessary"),
@@ -149,6 +152,10 @@ CONTRACT: tuple[MetaKey, ...] = (
             "marks a node the trainer inserted (e.g. embedding_grad_shrink)"),
     MetaKey(META_MATH, "node", "MathRecord", ("fp32_math",), ("report",),
             "the fp32 math a matmul/conv node runs with (ieee/tf32/inherit); on the scope calls fp32_math inserted"),
+    MetaKey(META_REGION, "node", "tuple[str, ...]", ("regions", "rewrite"), ("rewrite",),
+            "the no_grad/autocast regions (outermost first) capture inlined the node from; casts are not shared across"),
+    MetaKey(META_MODE_FLAG, "node", "bool", ("modes",), ("lower",),
+            "marks the node reading self.training (or p * self.training) that capture put in a mode-dependent op"),
     MetaKey(GM_GRAPH, "graph", "GraphMeta", ("api",), ("report",),
             "graph-level facts: tracer, precision, capture errors, rule files; in extra: lower's list, "
             "the fp32_math setting and region count"),
@@ -296,11 +303,6 @@ class Decision:
     def full_reason(self) -> str:
         """``reason`` followed by every labelled note, ``; ``-separated: the one-line form for tables."""
         return "; ".join((self.reason, *(note_text(stage, text) for stage, text in self.notes)))
-
-
-def note_text(stage: str, text: str) -> str:
-    """One note as shown: ``placement: min-cut chose bf16``."""
-    return f"{NOTE_LABELS.get(stage, stage)}: {text}"
 
 
 @dataclass(frozen=True)
