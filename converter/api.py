@@ -8,8 +8,8 @@
     conv.decisions       # node name -> Decision (precision, rule, reason)
     conv.save("out/")    # the artifacts of DESIGN §7
 
-Stages (one module each, talking only through ``node.meta``): capture → decide → place → rewrite
-→ report. When a stage fails, the error names it and the stages that ran before it.
+Stages (one module each, talking only through ``node.meta``): capture → decide → lower → place
+→ rewrite → fp32_math → report. When a stage fails, the error names it and the stages that ran before it.
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from converter.numerics.options import CalibrationOptions
 from converter.numerics.redecide import PlaceSettings
 from converter.passes.capture import Captured, capture
 from converter.passes.decide import decide
+from converter.passes.fp32_math import DEFAULT_FP32_MATH, fp32_math
 from converter.passes.lower import lower
 from converter.passes.rewrite import rewrite
 from converter.report.build import Report, build_report
@@ -209,7 +210,7 @@ def _run_stage(name: str, done: list[str], fn, *args, **kwargs):
 def _pipeline(model, example_inputs, *, settings: PlaceSettings, rules, tracer, calibration=None,
               calibration_options: Optional[CalibrationOptions] = None, device=None, codegen=True,
               dynamic: bool = True, dynamic_shapes: Any = None):
-    """capture → decide → lower → place → (calibrate) → rewrite → (codegen), placing with ``settings``."""
+    """capture → decide → lower → place → (calibrate) → rewrite → fp32_math → (codegen), placing with ``settings``."""
     target = settings.target
     rule_set = load_rules(rules)
     done: list[str] = []
@@ -233,6 +234,9 @@ def _pipeline(model, example_inputs, *, settings: PlaceSettings, rules, tracer, 
         _run_stage("calibrate", done, calibrate_and_redecide, gm, calibration, rules=rule_set, settings=settings,
                    options=calibration_options or CalibrationOptions())
     _run_stage("rewrite", done, rewrite, gm, keep_io_types=settings.keep_io_types)
+    math_setting = rule_set.setting("fp32_math", DEFAULT_FP32_MATH)
+    regions = _run_stage("fp32_math", done, fp32_math, gm, setting=math_setting)
+    gm.meta[GM_GRAPH].extra.update(fp32_math=math_setting, fp32_math_regions=regions)
     t2 = time.perf_counter()
     timings["pass_s"] = t2 - t1
     if codegen:
