@@ -9,7 +9,8 @@
     conv.save("out/")    # the artifacts of DESIGN §7
 
 Stages (one module each, talking only through ``node.meta``): capture → decide → place → rewrite
-→ report. When a stage fails, the error names it and the stages that ran before it.
+→ check (one forward on the example inputs; a failure names the node) → report. When a stage
+fails, the error names it and the stages that ran before it.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from converter.ir.meta import Decision, GraphMeta
 from converter.passes.place.stage import place
 from converter.report.build import Report, build_report
 from converter.passes.rewrite import rewrite
+from converter.passes.verify import check_forward
 from converter.rules.loader import Rules, RulesError, load_rules
 
 __all__ = ["convert", "audit", "Conversion", "PassError", "normalize_precision", "PRECISION_ALIASES"]
@@ -130,6 +132,10 @@ def _pipeline(model, example_inputs, *, precision, rules, tracer, keep_io_types,
     timings["pass_s"] = t2 - t1
     captured.gm = gm = _run_stage("codegen", done, materialize, gm)
     timings["codegen_s"] = time.perf_counter() - t2
+    t3 = time.perf_counter()
+    # never hand back a module whose example forward fails: the error names the node
+    _run_stage("check", done, check_forward, gm, captured.args, captured.kwargs)
+    timings["check_s"] = time.perf_counter() - t3
     return captured, rule_set, target, timings
 
 
