@@ -89,8 +89,9 @@ def test_masked_fill_with_finfo_min_stays_fp32_runs_and_matches(precision, one_t
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_additive_finfo_mask_with_a_fully_masked_row_is_not_nan(precision, one_thread):
-    """The constant reaches the scores through a follow add: that add stays fp32, so a fully
-    masked row is uniform as in fp32 instead of softmax(-inf...) = NaN."""
+    """The constant reaches the scores through a follow add: that add stays fp32 by the
+    constant-range rule (not by the chance of placement), so a fully masked row is uniform as in
+    fp32 instead of softmax(-inf...) = NaN."""
     torch.manual_seed(0)
     model = AdditiveMaskAttention().eval()
     x = _inputs(1)
