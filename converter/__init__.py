@@ -10,12 +10,14 @@ Public API (DESIGN §5)::
 from __future__ import annotations
 
 from converter.api import Conversion, PassError, audit, convert, normalize_precision
+from converter.ir.errors import MpconvertError
+from converter.ir.precision import PrecisionError
 from converter.passes.capture import CaptureError
 from converter.passes.decide import BannedOpError
 from converter.report.build import Report
 from converter.rules.loader import Rules, RulesError, load_rules
 
-__version__ = "0.1.0"
+from converter._version import __version__
 
 __all__ = [
     "convert",
@@ -27,6 +29,8 @@ __all__ = [
     "CaptureError",
     "BannedOpError",
     "PassError",
+    "MpconvertError",
+    "PrecisionError",
     "LossScaler",
     "MixedPrecisionTrainer",
     "ToleranceNotMet",

@@ -22,42 +22,34 @@ from typing import Any, Iterable, Mapping, Optional, Union
 import torch
 import torch.fx
 
-from converter.passes.capture import Captured, CaptureError, capture
-from converter.passes.decide import BannedOpError, decide
+from converter.passes.capture import Captured, capture
+from converter.passes.decide import decide
 from converter.ir.graphmodule import materialize
 from converter.passes.lower import lower
-from converter.ir.meta import Decision, GraphMeta
+from converter.ir.errors import EXIT_INTERNAL, MpconvertError
+from converter.ir.meta import GM_GRAPH, HALF_NAMES, META_DECISION, META_INFO, Decision, GraphMeta
+from converter.ir.precision import ALIASES, half_precision
 from converter.passes.place.stage import place
 from converter.report.build import Report, build_report
 from converter.passes.rewrite import rewrite
 from converter.passes.verify import check_forward
-from converter.rules.loader import Rules, RulesError, load_rules
+from converter.rules.loader import Rules, load_rules
 
 __all__ = ["convert", "audit", "Conversion", "PassError", "normalize_precision", "PRECISION_ALIASES"]
 
-PRECISION_ALIASES = {
-    "fp16": "fp16",
-    "float16": "fp16",
-    "16-mixed": "fp16",
-    "16": "fp16",
-    "bf16": "bf16",
-    "bfloat16": "bf16",
-    "bf16-mixed": "bf16",
-}
+#: the half-precision spellings ``convert`` accepts (see :mod:`converter.ir.precision`)
+PRECISION_ALIASES = {name: value for name, value in ALIASES.items() if value in HALF_NAMES}
 
 
 def normalize_precision(precision: Union[str, torch.dtype]) -> str:
-    """``fp16``/``bf16`` and their aliases (``16-mixed``, ``bf16-mixed``, torch dtypes) -> fp16/bf16."""
-    if isinstance(precision, torch.dtype):
-        precision = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(precision, str(precision))
-    key = str(precision).lower()
-    if key not in PRECISION_ALIASES:
-        raise ValueError(f"unknown precision {precision!r}; use one of fp16, bf16, 16-mixed, bf16-mixed")
-    return PRECISION_ALIASES[key]
+    """``fp16``/``bf16`` and their aliases (``float16``, ``16-mixed``, ``bf16-mixed``, torch dtypes) -> fp16/bf16."""
+    return half_precision(precision)
 
 
-class PassError(RuntimeError):
+class PassError(MpconvertError, RuntimeError):
     """A stage failed; the message names it and the stages that ran before it."""
+
+    exit_code = EXIT_INTERNAL
 
 
 @dataclass
@@ -77,7 +69,7 @@ class Conversion:
     @property
     def decisions(self) -> Mapping[str, Decision]:
         """Node name -> decision, for every compute node."""
-        return {n.name: n.meta["mp"] for n in self.module.graph.nodes if "mp" in n.meta and n.meta.get("mp_info") and n.meta["mp_info"].kind != "passive"}
+        return {n.name: n.meta[META_DECISION] for n in self.module.graph.nodes if META_DECISION in n.meta and n.meta.get(META_INFO) and n.meta[META_INFO].kind != "passive"}
 
     def save(self, out_dir: Union[str, Path], *, force: bool = False, model_file: Optional[str] = None) -> Path:
         """Write the artifacts of DESIGN §7 (model.py, weights, train.py, reports) atomically."""
@@ -94,7 +86,7 @@ class Conversion:
 def _run_stage(name: str, done: list[str], fn, *args, **kwargs):
     try:
         result = fn(*args, **kwargs)
-    except (RulesError, BannedOpError, CaptureError, ValueError, TypeError):
+    except (MpconvertError, ValueError, TypeError):
         raise
     except Exception as exc:
         before = ", ".join(done) or "none"
@@ -114,13 +106,13 @@ def _pipeline(model, example_inputs, *, precision, rules, tracer, keep_io_types,
     done.append("capture")
     timings["capture_s"] = time.perf_counter() - t0
     gm = captured.gm
-    gm.meta["mp_graph"] = GraphMeta(tracer=captured.tracer, precision=target,
+    gm.meta[GM_GRAPH] = GraphMeta(tracer=captured.tracer, precision=target,
                                     capture_errors=tuple(f"{k}: {v}" for k, v in captured.errors.items()),
                                     rule_files=rule_set.files)
     t1 = time.perf_counter()
     _run_stage("decide", done, decide, gm, rule_set, precision=target)
     lowered = _run_stage("lower", done, lower, gm, device=device)
-    gm.meta["mp_graph"].extra.update(device=device, lowered=tuple(lowered))
+    gm.meta[GM_GRAPH].extra.update(device=device, lowered=tuple(lowered))
     _run_stage("place", done, place, gm, target=target, strategy=placement, keep_io_types=keep_io_types, opt_level=opt_level)
     if calibration is not None:
         from converter.numerics.calibrate import calibrate_and_redecide
@@ -176,7 +168,7 @@ def convert(
     gm = captured.gm
     report = build_report(gm, precision=target, tracer=captured.tracer, rules=rule_set.to_dict(),
                           extra={"capture_errors": captured.errors, "timings": timings, "opt_level": opt_level,
-                                 "device": device, "lowered": list(gm.meta["mp_graph"].extra.get("lowered", ()))})
+                                 "device": device, "lowered": list(gm.meta[GM_GRAPH].extra.get("lowered", ()))})
     return Conversion(
         module=gm,
         report=report,

@@ -158,9 +158,14 @@ def test_provenance_names_the_attention_rule():
         decision = node.meta["mp"]
         assert decision.precision == "bf16"
         assert decision.rule.pattern == "scaled_dot_product_attention", decision.rule
-        assert "lowered from scaled_dot_product_attention" in decision.reason
+        # the rule's own reason stays as decide wrote it; lower's part is a structured note
+        assert decision.reason.startswith("op rule 'scaled_dot_product_attention'"), decision.reason
+        assert [stage for stage, _ in decision.notes] == ["lower"], decision.notes
+        assert decision.notes[0][1].startswith("from scaled_dot_product_attention ("), decision.notes
+        assert "lowered: from scaled_dot_product_attention" in decision.full_reason
     entry = next(e for e in conv.report.to_dict()["nodes"] if e["op"] == "softmax")
-    assert entry["precision"] == "bf16" and "lowered" in entry["reason"]
+    assert entry["precision"] == "bf16" and [stage for stage, _ in entry["notes"]] == ["lower"], entry
+    assert "lowered" not in entry["reason"], entry["reason"]
     assert "| tuned for | cpu · lowered: scaled_dot_product_attention |" in conv.report.to_markdown()
     assert "tuned for cpu · lowered: scaled_dot_product_attention" in conv.report.to_html()
     # the attention FLOPs are still counted, now on the two matmuls
@@ -259,7 +264,7 @@ def test_batch_norm_on_bf16_activations_is_the_fp32_norm_rounded():
     assert lowered.report.to_dict()["lowered"] == ["bn"]
     bn = lowered.module.graph.find_nodes(op="call_module", target="bn")[0]
     assert bn.meta["mp"].precision == "bf16" and bn.meta["mp"].rule == portable.decisions["bn"].rule
-    assert "fp32 statistics" in bn.meta["mp"].reason
+    assert [stage for stage, _ in bn.meta["mp"].notes] == ["lower"] and "fp32 statistics" in bn.meta["mp"].notes[0][1]
     rec = DtypeRecorder()
     with rec:
         out = lowered.module(x)

@@ -34,6 +34,10 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from converter.ir.meta import META_DECISION
+from converter.ir.errors import MpconvertError
+from converter.ir.precision import PrecisionError, half_precision
+
 __all__ = ["main", "build_parsers", "UsageError", "EXIT_OK", "EXIT_CHECK_FAILED", "EXIT_BAD_INPUT", "EXIT_INTERNAL"]
 
 EXIT_OK = 0
@@ -42,7 +46,7 @@ EXIT_BAD_INPUT = 2
 EXIT_INTERNAL = 3
 EXIT_INTERRUPTED = 130
 
-PRECISION_HELP = "fp16 or bf16 (aliases: 16-mixed, bf16-mixed); default bf16"
+PRECISION_HELP = "fp16 or bf16 (aliases: float16, half, 16-mixed, bfloat16, bf16-mixed); default bf16"
 
 _EPILOG = """\
 commands:
@@ -69,12 +73,14 @@ traceback; nothing written), 3 internal error.
 """
 
 
-class UsageError(ValueError):
+class UsageError(MpconvertError, ValueError):
     """Bad command-line usage; the message is one line."""
 
 
-class _CheckFailed(Exception):
+class _CheckFailed(MpconvertError):
     """A requested check failed (exit 1); carries the message and any JSON payload."""
+
+    exit_code = EXIT_CHECK_FAILED
 
     def __init__(self, message: str, payload: Optional[dict] = None):
         super().__init__(message)
@@ -123,7 +129,7 @@ def _model_options(p: argparse.ArgumentParser) -> None:
 def build_parsers(only: Optional[str] = None) -> dict[str, argparse.ArgumentParser]:
     """The parsers of every command (or just ``only``), keyed by command name (``convert``,
     ``audit``, ``explain``, ``rules check``)."""
-    from converter import __version__
+    from converter._version import __version__
 
     if only == "rules check":
         rules = _Parser(prog="mpconvert rules check", description="Validate rule files: TOML syntax, tables, keys, precisions and op names.")
@@ -145,7 +151,7 @@ def build_parsers(only: Optional[str] = None) -> dict[str, argparse.ArgumentPars
     convert.add_argument("--tolerance", metavar="DB", default=None,
                          help="with calibration: minimum SQNR in dB against fp32 (implies --calibrate); exit 1 if not met")
     convert.add_argument("--onnx", action="store_true", help="also export model.onnx and verify its casts and outputs")
-    convert.add_argument("--onnx-precision", choices=("fp16", "bf16"), default=None,
+    convert.add_argument("--onnx-precision", type=_precision_arg, default=None, metavar="P",
                          help="precision of model.onnx (default: the conversion's; bf16 exports fp16, since ONNX Runtime's CPU provider lacks bf16)")
     convert.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the emitted model is checked (default cpu)")
     convert.add_argument("--force", action="store_true", help="replace an existing output directory")
@@ -247,13 +253,19 @@ class _UI:
 # shared steps
 
 
-def _precision(value: str) -> str:
-    from converter.api import normalize_precision
-
+def _precision_arg(value: str) -> str:
+    """argparse ``type=``: the canonical half precision, or the shared one-line message."""
     try:
-        return normalize_precision(value)
-    except ValueError:
-        raise UsageError(f"unknown precision {value!r}; use --precision fp16 or bf16 (aliases: 16-mixed, bf16-mixed)") from None
+        return half_precision(value)
+    except PrecisionError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _precision(value: str) -> str:
+    try:
+        return half_precision(value)
+    except PrecisionError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _load_rules(files: Optional[Sequence[str]]):
@@ -360,16 +372,15 @@ def _cmd_convert(ns, ui: _UI) -> int:
         if tolerance is not None:
             options["tolerance"] = tolerance
 
+    from converter.numerics.calibrate import ToleranceNotMet
+
     try:
         conv = _convert(ns, ui, mf, precision, rules, calibration=calibration, calibration_options=options)
-    except ValueError as exc:
-        if type(exc).__name__ == "ToleranceNotMet":
-            best = getattr(exc, "best_sqnr", getattr(exc, "best", None))
-            raise _CheckFailed(
-                f"{_one_line(exc)}; nothing written. Relax --tolerance, add rules that keep more ops in fp32, or use bf16",
-                {"best_sqnr": best},
-            ) from exc
-        raise
+    except ToleranceNotMet as exc:
+        raise _CheckFailed(
+            f"{_one_line(exc)}; nothing written. Relax --tolerance, add rules that keep more ops in fp32, or use bf16",
+            {"best_sqnr": exc.best_sqnr},
+        ) from exc
 
     notes: list[str] = []
     onnx_result: dict = {}
@@ -505,18 +516,19 @@ def _cmd_explain(ns, ui: _UI) -> int:
     conv = _convert(ns, ui, mf, precision, rules, measure=False)
     nodes = {n.name: n for n in conv.module.graph.nodes}
     node = nodes.get(ns.node)
-    if node is None or "mp" not in node.meta:
-        decided = [n for n, v in nodes.items() if "mp" in v.meta]
+    if node is None or META_DECISION not in node.meta:
+        decided = [n for n, v in nodes.items() if META_DECISION in v.meta]
         close = difflib.get_close_matches(ns.node, decided, n=3, cutoff=0.5)
         hint = f"did you mean {', '.join(repr(c) for c in close)}? " if close else ""
         what = "has no decision (it is an input, a weight, an inserted cast or a non-float node)" if node is not None else "is not a node of the converted graph"
         raise UsageError(f"{ns.node!r} {what}; {hint}list the node names with `mpconvert audit {ns.model}` (report.md)")
     text = _explain_text(conv, ns.node)
     if ui.json:
-        decision = node.meta["mp"]
+        decision = node.meta[META_DECISION]
         ui.emit_json({
             "ok": True, "command": "explain", "exit_code": EXIT_OK, "node": ns.node,
             "precision": decision.precision, "requested": decision.requested, "rule": str(decision.rule), "reason": decision.reason,
+            "notes": [[stage, note] for stage, note in decision.notes],
             "matches": [{"rule": str(m.rule), "precision": m.precision, "level": m.level, "level_name": m.level_name,
                          "scope": m.scope, "reason": m.reason} for m in decision.matches],
             "text": text,
@@ -710,17 +722,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _classify(exc: BaseException) -> tuple[int, str]:
-    from converter.passes.decide import BannedOpError
-    from converter.export.emit import EmitError, VerificationError
-    from converter.cli.modelfile import ModelFileError
-    from converter.rules.loader import RulesError
-
-    if isinstance(exc, VerificationError):
+    """Exit status and one-line message for an exception: every mpconvert error carries its own."""
+    if isinstance(exc, MpconvertError) and exc.exit_code == EXIT_CHECK_FAILED:
         return EXIT_CHECK_FAILED, f"{exc}; nothing was written"
-    if isinstance(exc, (UsageError, ModelFileError, RulesError, BannedOpError, EmitError)):
+    if isinstance(exc, MpconvertError) and exc.exit_code == EXIT_BAD_INPUT:
         return EXIT_BAD_INPUT, str(exc)
-    if type(exc).__name__ == "ToleranceNotMet":
-        return EXIT_CHECK_FAILED, f"{exc}; nothing was written"
     return EXIT_INTERNAL, f"internal error: {type(exc).__name__}: {exc}; rerun with --debug and report it"
 
 

@@ -30,6 +30,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from converter.ir.errors import MpconvertError
+
 __all__ = [
     "ModelFile",
     "ModelFileError",
@@ -52,7 +54,7 @@ MODEL_NAMES = ("build_model", "model")
 INPUT_NAMES = ("example_inputs",)
 
 
-class ModelFileError(ValueError):
+class ModelFileError(MpconvertError, ValueError):
     """The model file cannot be used; the message is one line naming the problem and the fix."""
 
 

@@ -67,6 +67,9 @@ from torch import nn
 from torch.fx.graph import CodeGen, _custom_builtins
 from torch.fx.node import map_aggregate
 
+from converter.ir.meta import GM_PARAM_DTYPES, META_CAST, META_DECISION, META_INFO
+from converter.ir.errors import EXIT_CHECK_FAILED, MpconvertError
+
 __all__ = [
     "emit",
     "emit_reports",
@@ -88,7 +91,7 @@ WEIGHTS_FILE = "weights.pt"
 DELAY_ENV = "MPCONVERT_TEST_EMIT_DELAY"
 
 
-class EmitError(ValueError):
+class EmitError(MpconvertError, ValueError):
     """The artifacts cannot be written; the message names the cause and a fix."""
 
 
@@ -98,6 +101,8 @@ class OutputExistsError(EmitError):
 
 class VerificationError(EmitError):
     """The emitted model.py does not reproduce ``conv.module``."""
+
+    exit_code = EXIT_CHECK_FAILED
 
 
 # ---------------------------------------------------------------------------------------------
@@ -294,12 +299,12 @@ def _annotate_lines(src: str, gm_nodes: dict[str, torch.fx.Node], roots: Iterabl
     for line in src.splitlines():
         m = line_re.match(line)
         node = gm_nodes.get(m.group(1)) if m else None
-        info = node.meta.get("mp_info") if node is not None else None
+        info = node.meta.get(META_INFO) if node is not None else None
         if node is None or info is None or node.op in ("placeholder", "output") or (node.op == "get_attr" and not info.module):
             out.append(line)
             continue
-        decision = node.meta.get("mp")
-        cast = node.meta.get("mp_cast")
+        decision = node.meta.get(META_DECISION)
+        cast = node.meta.get(META_CAST)
         module = getattr(info, "module", "") or ""
         if module != current:
             kind = info.module_type or _class_name(roots, module)
@@ -515,11 +520,11 @@ def generate_model_source(conv, *, model_file: Optional[str] = None) -> ModelSou
     training = {path: sub.training for path, sub in gm.named_modules() if not _is_guard_path(gm, path)}
     root_training = gm.training
     modes = {p: t for p, t in training.items() if p and t != root_training and not _owner_of(p, leaf_paths)}
-    param_dtypes = {k: v for k, v in (gm.meta.get("mp_param_dtypes") or {}).items()}
+    param_dtypes = {k: v for k, v in (gm.meta.get(GM_PARAM_DTYPES) or {}).items()}
 
     summary = conv.report.line if getattr(conv, "report", None) is not None else ""
     source_note = f"from {model_file}" if model_file else f"from {root_name}"
-    from converter import __version__
+    from converter._version import __version__
 
     lines = [
         f'"""{root_name} converted to mixed precision ({conv.precision}) by mpconvert {__version__}, {source_note}.',

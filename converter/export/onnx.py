@@ -61,6 +61,8 @@ from torch.utils import _pytree as pytree
 
 from converter.ir.meta import DTYPES, TensorSpec, name_of
 from converter.ir.ops import CAST_OPS
+from converter.ir.meta import GM_PARAM_DTYPES, META_CAST, META_DECISION, META_INFO, META_VALUE
+from converter.ir.errors import EXIT_CHECK_FAILED, MpconvertError
 
 __all__ = [
     "DEFAULT_OPSET",
@@ -97,8 +99,10 @@ _MANTISSA_BITS = {"fp16": 10, "bf16": 7}
 TOLERANCE_ULPS = 3
 
 
-class OnnxExportError(RuntimeError):
+class OnnxExportError(MpconvertError, RuntimeError):
     """Neither exporter could export the model; the message gives both reasons."""
+
+    exit_code = EXIT_CHECK_FAILED  # the requested --onnx check could not be done
 
 
 @dataclass
@@ -190,20 +194,20 @@ def _cast_nodes_in_order(gm: torch.fx.GraphModule) -> list[tuple[str, str, torch
     cache: dict = {}
     out: list[tuple[str, str, torch.dtype, torch.dtype]] = []
     for node in gm.graph.nodes:
-        rec = node.meta.get("mp_cast")
+        rec = node.meta.get(META_CAST)
         if rec is not None:
             kind = "weight" if rec.on_weight else ("inserted" if rec.inserted else "model")
             out.append((node.name, kind, DTYPES[rec.src_dtype], DTYPES[rec.dtype]))
             continue
-        info = node.meta.get("mp_info")
-        decision = node.meta.get("mp")
+        info = node.meta.get(META_INFO)
+        decision = node.meta.get(META_DECISION)
         if info is None or node.op not in ("call_method", "call_function", "call_module"):
             continue
         if info.kind == "compute" and decision is not None and decision.requested == "promote" and decision.precision in DTYPES:
             want = DTYPES[decision.precision]
             seen: set = set()
             for arg in node.all_input_nodes:
-                value = arg.meta.get("mp_value")
+                value = arg.meta.get(META_VALUE)
                 if arg in seen or not (isinstance(value, TensorSpec) and value.is_convertible):
                     continue
                 seen.add(arg)
@@ -215,8 +219,8 @@ def _cast_nodes_in_order(gm: torch.fx.GraphModule) -> list[tuple[str, str, torch
         if info.op not in CAST_OPS or node.op == "call_module":
             continue
         src = node.args[0] if node.args else None
-        have = src.meta.get("mp_value") if isinstance(src, torch.fx.Node) else None
-        got = node.meta.get("mp_value")
+        have = src.meta.get(META_VALUE) if isinstance(src, torch.fx.Node) else None
+        got = node.meta.get(META_VALUE)
         if not (isinstance(have, TensorSpec) and isinstance(got, TensorSpec)) or have.dtype == got.dtype:
             continue
         if src.op == "get_attr":
@@ -236,7 +240,7 @@ def expected_casts(gm: torch.fx.GraphModule) -> dict:
     for _, kind, _, _ in nodes:
         counts[kind] += 1
     counts["recorded"] = sum(
-        1 for n in gm.graph.nodes if "mp_cast" in n.meta and not n.meta["mp_cast"].on_weight
+        1 for n in gm.graph.nodes if META_CAST in n.meta and not n.meta[META_CAST].on_weight
     )
     counts["expected"] = counts["inserted"] + counts["model"] + counts["implicit"] + counts["model-nonfloat"]
     counts["order"] = [entry for entry in nodes if entry[1] != "weight"]
@@ -708,7 +712,7 @@ def export_onnx(
     """
     import onnx
 
-    from converter.api import normalize_precision
+    from converter.ir.precision import half_precision as normalize_precision
 
     if exporter not in ("auto", "dynamo", "torchscript"):
         raise ValueError(f"exporter must be 'auto', 'dynamo' or 'torchscript', got {exporter!r}")
@@ -727,7 +731,7 @@ def export_onnx(
     source = _variant(conv, target, notes)
     gm = source.module
     args, kwargs = source.example_inputs  # (args, kwargs), normalised by capture
-    param_dtypes = gm.meta.get("mp_param_dtypes", {})
+    param_dtypes = gm.meta.get(GM_PARAM_DTYPES, {})
 
     model, used = _export(_export_copy(gm, param_dtypes), args, kwargs, opset=opset, exporter=exporter, notes=notes)
     folded = _fold_initializer_casts(model)

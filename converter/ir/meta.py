@@ -1,12 +1,16 @@
-"""Records that the stages leave on ``node.meta``; the only way stages talk to each other.
+"""Records that the stages leave on ``node.meta`` and ``gm.meta``; the only way stages talk to each other.
 
-Keys (all values are frozen dataclasses):
+Every key a stage reads or writes is declared once, here, as a named constant (``META_*`` on
+nodes, ``GM_*`` on the GraphModule) and described in :data:`CONTRACT` with its type, the stage
+that writes it and the stages that read it; ``tests/test_ir_contract.py`` fails on any other key.
+The main ones:
 
-* ``node.meta["mp_info"]`` — :class:`NodeInfo`, written by *capture*: canonical op name, module
+* ``node.meta[META_INFO]`` — :class:`NodeInfo`, written by *capture*: canonical op name, module
   path and class, source location, the node's kind and the tensors it produces.
-* ``node.meta["mp"]`` — :class:`Decision`, written by *decide* and refined by *place* (and by
-  *calibrate*): the precision the node runs in, the rule that decided it and why.
-* ``node.meta["mp_cast"]`` — :class:`CastRecord`, on every cast node that *rewrite* inserted.
+* ``node.meta[META_DECISION]`` — :class:`Decision`, written by *decide*; *lower* and *place*
+  amend it and say why in :attr:`Decision.notes`; *calibrate* (and the accuracy search through
+  it) replaces it with a new rule and reason, keeping the old rule in ``matches``.
+* ``node.meta[META_CAST]`` — :class:`CastRecord`, on every cast node that *rewrite* inserted.
 
 The report, the emitted artifacts and the ONNX check read these records and nothing else.
 """
@@ -14,11 +18,35 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Literal, Optional, get_args
 
 import torch
 
 __all__ = [
+    "Precision",
+    "HalfPrecision",
+    "DecisionPrecision",
+    "RequestedPrecision",
+    "NodeKind",
+    "RuleTable",
+    "NoteStage",
+    "NODE_KINDS",
+    "NOTE_LABELS",
+    "note_text",
+    "META_INFO",
+    "META_DECISION",
+    "META_CAST",
+    "META_VALUE",
+    "META_STATS",
+    "META_LOWERED",
+    "META_SOURCE",
+    "META_TRAINER",
+    "GM_GRAPH",
+    "GM_PARAM_DTYPES",
+    "GM_CALIBRATION",
+    "TORCH_META_KEYS",
+    "MetaKey",
+    "CONTRACT",
     "DTYPES",
     "DTYPE_NAMES",
     "HALF_NAMES",
@@ -34,6 +62,89 @@ __all__ = [
     "name_of",
     "itemsize",
 ]
+
+#: a concrete precision name, the dtypes this tool converts between
+Precision = Literal["fp32", "fp16", "bf16"]
+#: the half precisions a conversion targets
+HalfPrecision = Literal["fp16", "bf16"]
+#: ``Decision.precision``: a concrete name once *place* ran (``fp64`` only for a model's own fp64
+#: op); before, ``follow``/``promote`` (placement decides) or ``alias`` (its producer's precision)
+DecisionPrecision = Literal["fp32", "fp16", "bf16", "fp64", "follow", "promote", "alias"]
+#: ``Decision.requested``: what the winning rule said (``half`` = the target dtype), or
+#: ``fixed``/``alias`` for nodes no rule decides
+RequestedPrecision = Literal["fp32", "fp16", "bf16", "fp64", "half", "follow", "promote", "banned", "fixed", "alias"]
+#: ``NodeInfo.kind`` (see :class:`NodeInfo`)
+NodeKind = Literal["compute", "fixed", "alias", "passive", "cast"]
+NODE_KINDS: tuple[str, ...] = get_args(NodeKind)
+#: ``RuleRef.table``: a rule table, or where a non-rule decision came from
+RuleTable = Literal["node", "module", "module_type", "op", "default", "builtin", "placement", "calibration"]
+#: the stage that added a note to a decision (``Decision.notes``)
+NoteStage = Literal["lower", "place"]
+#: how a note is labelled when shown (``explain``, the report's reason column)
+NOTE_LABELS: dict[str, str] = {"lower": "lowered", "place": "placement"}
+
+# ---------------------------------------------------------------------------------------------
+# the meta contract: every key, its type, who writes it and who reads it
+
+META_INFO = "mp_info"
+META_DECISION = "mp"
+META_CAST = "mp_cast"
+META_VALUE = "mp_value"
+META_STATS = "mp_stats"
+META_LOWERED = "mp_lowered"
+META_SOURCE = "mp_source"
+META_TRAINER = "mp_trainer"
+GM_GRAPH = "mp_graph"
+GM_PARAM_DTYPES = "mp_param_dtypes"
+GM_CALIBRATION = "mp_calibration"
+#: keys torch itself writes, which the stages only read
+TORCH_META_KEYS = ("val", "stack_trace", "nn_module_stack")
+
+
+@dataclass(frozen=True)
+class MetaKey:
+    """One entry of the meta contract: where the key lives, what it holds, who writes and reads it.
+
+    ``writers`` and ``readers`` name stages (``capture``, ``decide``, ``lower``, ``place``,
+    ``rewrite``, ``verify``, ``calibrate``, ``search``, ``measure``, ``report``, ``export``, ``train``,
+    ``api``, ``cli``, ``ir``); ``tests/test_ir_contract.py`` checks them against the code.
+    """
+
+    key: str
+    on: Literal["node", "graph"]  # node.meta or gm.meta
+    type: str
+    writers: tuple[str, ...]
+    readers: tuple[str, ...]
+    doc: str
+
+
+CONTRACT: tuple[MetaKey, ...] = (
+    MetaKey(META_INFO, "node", "NodeInfo", ("capture", "lower", "rewrite"),
+            ("decide", "place", "calibrate", "search", "measure", "report", "export", "train", "api", "verify"),
+            "what capture learned: op, module, kind, outputs (lower and rewrite describe the nodes they make)"),
+    MetaKey(META_DECISION, "node", "Decision", ("decide", "lower", "place", "calibrate"),
+            ("rewrite", "search", "measure", "report", "export", "api", "cli", "verify"),
+            "the node's precision and its provenance; later stages amend it with Decision.noted"),
+    MetaKey(META_CAST, "node", "CastRecord", ("rewrite",), ("measure", "report", "export", "train"),
+            "on every cast node: what it converts and which rule made it necessary"),
+    MetaKey(META_VALUE, "node", "TensorSpec | tuple | torch.dtype | str", ("capture", "lower", "rewrite"),
+            ("ir", "place", "calibrate", "report", "export"),
+            "shape propagation: a TensorSpec per tensor (tuples for containers), a dtype, or a type name"),
+    MetaKey(META_STATS, "node", "converter.numerics.calibrate.NodeStats", ("calibrate",), (),
+            "forward (and gradient) statistics over the calibration inputs"),
+    MetaKey(META_LOWERED, "node", "str", ("lower",), (),
+            "marks a node lower made or re-typed, with why (for users and tests; the decision has the note)"),
+    MetaKey(META_SOURCE, "node", "str", ("capture",), (),
+            "file:line of the model code that made the node (FX tracer; read back by capture)"),
+    MetaKey(META_TRAINER, "node", "str", ("train",), (),
+            "marks a node the trainer inserted (e.g. embedding_grad_shrink)"),
+    MetaKey(GM_GRAPH, "graph", "GraphMeta", ("api",), ("report",),
+            "graph-level facts: tracer, precision, capture errors, rule files, lower's list in extra"),
+    MetaKey(GM_PARAM_DTYPES, "graph", "dict[str, torch.dtype]", ("rewrite",), ("report", "export", "train"),
+            "fqn -> the dtype each parameter may be stored in (O2); the emitted model.py sets it too"),
+    MetaKey(GM_CALIBRATION, "graph", "dict", ("calibrate",), ("report",),
+            "calibration results for report.json (risky nodes, loss scale, underflow)"),
+)
 
 #: precision name -> torch dtype, for the floating dtypes this tool converts between
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -88,7 +199,8 @@ class NodeInfo:
     * ``"fixed"`` — produces floating tensors whose dtype the model's own code fixes (an explicit
       cast, an op with a ``dtype=`` argument, a factory op with no floating input): respected as is;
     * ``"alias"`` — ``getitem`` out of a tuple-producing node; it has its producer's precision;
-    * ``"passive"`` — produces no convertible tensor (shapes, ints, bools, fp64, asserts): untouched.
+    * ``"passive"`` — produces no convertible tensor (shapes, ints, bools, fp64, asserts): untouched;
+    * ``"cast"`` — a cast node that *rewrite* inserted (it carries a :class:`CastRecord`).
     """
 
     op: str
@@ -96,7 +208,7 @@ class NodeInfo:
     module_type: str = ""
     module_stack: tuple[tuple[str, str], ...] = ()  # (path, class name), outermost first
     source: str = ""
-    kind: str = "passive"
+    kind: NodeKind = "passive"
     outputs: tuple[TensorSpec, ...] = ()
     fixed_dtype: Optional[torch.dtype] = None  # for kind == "fixed"
     inplace: bool = False
@@ -116,7 +228,7 @@ class RuleRef:
     """Where a decision came from: a rule file, its table and the pattern that matched."""
 
     file: str
-    table: str  # "node" | "module" | "module_type" | "op" | "default" | "builtin" | "placement" | "calibration"
+    table: RuleTable
     pattern: str = ""
 
     def __str__(self) -> str:
@@ -133,7 +245,7 @@ class Match:
     """One rule that matched a node, kept for ``explain``; ``level`` is its precedence rank."""
 
     rule: RuleRef
-    precision: str
+    precision: RequestedPrecision
     level: int
     level_name: str
     scope: str = ""  # the module path the rule matched through, for module rules
@@ -147,17 +259,36 @@ class Decision:
     ``precision`` is a concrete dtype name (``fp32``/``fp16``/``bf16``) once placement ran; before,
     it may still be ``follow`` or ``promote``. ``requested`` is what the winning rule said
     (e.g. ``half``). ``matches`` lists every rule that matched, winner first.
+
+    ``reason`` is what the deciding rule (or stage) said; every later stage that amends the decision
+    (*lower*, *place*) appends a ``(stage, text)`` pair to ``notes`` with :meth:`noted` instead of
+    editing ``reason``, so ``explain`` and the report read the trail as data.
     """
 
-    precision: str
-    requested: str
+    precision: DecisionPrecision
+    requested: RequestedPrecision
     rule: RuleRef
     reason: str
     matches: tuple[Match, ...] = ()
     unmatched: bool = False
+    notes: tuple[tuple[NoteStage, str], ...] = ()
 
     def replace(self, **changes) -> "Decision":
         return dataclasses.replace(self, **changes)
+
+    def noted(self, stage: NoteStage, text: str, **changes) -> "Decision":
+        """A copy with ``changes`` applied and ``(stage, text)`` appended to :attr:`notes`."""
+        return dataclasses.replace(self, notes=self.notes + ((stage, text),), **changes)
+
+    @property
+    def full_reason(self) -> str:
+        """``reason`` followed by every labelled note, ``; ``-separated: the one-line form for tables."""
+        return "; ".join((self.reason, *(note_text(stage, text) for stage, text in self.notes)))
+
+
+def note_text(stage: str, text: str) -> str:
+    """One note as shown: ``placement: min-cut chose bf16``."""
+    return f"{NOTE_LABELS.get(stage, stage)}: {text}"
 
 
 @dataclass(frozen=True)
@@ -165,8 +296,8 @@ class CastRecord:
     """An inserted cast: which producer it converts, to what, and which rule made it necessary."""
 
     src: str
-    dtype: str
-    src_dtype: str
+    dtype: Precision
+    src_dtype: Precision
     numel: int
     consumers: tuple[str, ...]
     rule: RuleRef
@@ -185,7 +316,7 @@ class GraphMeta:
     """Graph-level facts written by capture and rewrite (``gm.meta["mp_graph"]``)."""
 
     tracer: str
-    precision: str
+    precision: HalfPrecision
     capture_errors: tuple[str, ...] = ()
     rule_files: tuple[str, ...] = ()
     extra: dict = field(default_factory=dict)

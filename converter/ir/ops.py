@@ -15,6 +15,8 @@ from typing import Any, Optional
 import torch
 import torch.fx
 
+from converter.ir.meta import META_VALUE
+
 __all__ = [
     "canonical_op",
     "known_op_names",
@@ -292,7 +294,7 @@ def explicit_dtype(node: torch.fx.Node, op_name: str) -> Optional[Any]:
     for value in list(node.args[1:]) + list(node.kwargs.values()):
         if isinstance(value, torch.dtype):
             return value if value.is_floating_point else None
-        if isinstance(value, torch.fx.Node) and op_name == "to" and isinstance(value.meta.get("mp_value"), torch.dtype):
+        if isinstance(value, torch.fx.Node) and op_name == "to" and isinstance(value.meta.get(META_VALUE), torch.dtype):
             return value
     return None
 

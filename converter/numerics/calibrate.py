@@ -58,6 +58,9 @@ from converter.passes.capture import normalize_inputs
 from converter.ir.meta import HALF_NAMES, Decision, Match, RuleRef, TensorSpec
 from converter.passes.place.stage import castable_inputs, place
 from converter.rules.loader import Rules
+from converter.ir.meta import GM_CALIBRATION, META_DECISION, META_INFO, META_STATS, META_VALUE
+from converter.ir.errors import EXIT_CHECK_FAILED, MpconvertError
+from converter.rules.precedence import OVERRIDE_LEVEL, rank
 
 __all__ = [
     "FP16_MAX",
@@ -108,12 +111,14 @@ LOG2_MIN = _E_LO - 127
 _INT32_MAX = 2**31 - 1
 
 
-class ToleranceNotMet(ValueError):
+class ToleranceNotMet(MpconvertError, ValueError):
     """The accuracy search could not meet the tolerance; carries the best result reached.
 
     A ``ValueError`` so that it reaches the caller of :func:`converter.convert` unwrapped
     (the pipeline wraps other exceptions in ``PassError``). The CLI maps it to exit status 1.
     """
+
+    exit_code = EXIT_CHECK_FAILED
 
     def __init__(self, best_sqnr: float, best_set: Sequence[str], *, tolerance: Any = None, evaluations: int = 0, why: str = ""):
         self.best_sqnr = float(best_sqnr)
@@ -439,7 +444,7 @@ def _float_leaves(value: Any) -> list[torch.Tensor]:
 
 
 def _has_float_output(node: torch.fx.Node) -> bool:
-    spec = node.meta.get("mp_value")
+    spec = node.meta.get(META_VALUE)
     specs = [spec] if isinstance(spec, TensorSpec) else [s for s in pytree.tree_leaves(spec) if isinstance(s, TensorSpec)] if isinstance(spec, tuple) else []
     return any(s.is_convertible and s.dtype.is_floating_point for s in specs)
 
@@ -448,7 +453,7 @@ def _mutated_later(gm: torch.fx.GraphModule) -> set:
     """Nodes whose tensor an in-place op modifies afterwards (recorded as a clone)."""
     out = set()
     for node in gm.graph.nodes:
-        info = node.meta.get("mp_info")
+        info = node.meta.get(META_INFO)
         if info is not None and info.inplace and node.args and isinstance(node.args[0], torch.fx.Node):
             out.add(node.args[0])
     return out
@@ -550,7 +555,7 @@ _LAYOUT_OPS = frozenset({"view", "reshape", "transpose", "permute", "t", "contig
 
 
 def _single_spec(node: torch.fx.Node) -> Optional[TensorSpec]:
-    spec = node.meta.get("mp_value")
+    spec = node.meta.get(META_VALUE)
     return spec if isinstance(spec, TensorSpec) else None
 
 
@@ -568,7 +573,7 @@ def _plan_taps(gm: torch.fx.GraphModule, candidates: Sequence[torch.fx.Node]) ->
     chosen = set(candidates)
     derived: dict = {}
     for node in candidates:
-        info = node.meta.get("mp_info")
+        info = node.meta.get(META_INFO)
         if info is None or node in mutated:
             continue
         if info.op in _LAYOUT_OPS and node.args and isinstance(node.args[0], torch.fx.Node):
@@ -577,13 +582,13 @@ def _plan_taps(gm: torch.fx.GraphModule, candidates: Sequence[torch.fx.Node]) ->
             if (src in chosen and src not in mutated and len(src.users) == 1 and spec is not None and sspec is not None
                     and spec.numel == sspec.numel and spec.dtype == sspec.dtype):
                 derived[node] = ("copy", src)
-        elif isinstance(node.meta.get("mp_value"), tuple):
-            n_out = len(node.meta["mp_value"])
+        elif isinstance(node.meta.get(META_VALUE), tuple):
+            n_out = len(node.meta[META_VALUE])
             users = list(node.users)
             picks = {}
             ok = n_out > 0
             for u in users:
-                uinfo = u.meta.get("mp_info")
+                uinfo = u.meta.get(META_INFO)
                 if (u.op == "call_function" and uinfo is not None and uinfo.op == "getitem" and len(u.args) > 1
                         and isinstance(u.args[1], int) and u in chosen and u not in mutated):
                     picks.setdefault(u.args[1] % n_out, u)
@@ -630,9 +635,9 @@ def collect_statistics(
     """
     t0 = time.perf_counter()
     for n in gm.graph.nodes:
-        n.meta.pop("mp_stats", None)
+        n.meta.pop(META_STATS, None)
     candidates = [n for n in gm.graph.nodes if n.op not in ("get_attr", "output") and _has_float_output(n)
-                  and (n.op == "placeholder" or not (n.meta.get("mp_info") is not None and n.meta["mp_info"].kind == "passive"))]
+                  and (n.op == "placeholder" or not (n.meta.get(META_INFO) is not None and n.meta[META_INFO].kind == "passive"))]
     nodes, derived = _plan_taps(gm, candidates)
     params = [n for n in gm.graph.nodes if n.op == "get_attr" and _has_float_output(n)]
     index = {n: i for i, n in enumerate(nodes)}
@@ -728,7 +733,7 @@ def collect_statistics(
             continue
         f, g, hist = results[n]
         record = NodeStats(forward=f, grad=g, grad_log2_hist=hist, batches=batches)
-        n.meta["mp_stats"] = record
+        n.meta[META_STATS] = record
         stats[n.name] = record
     if not backward:
         loss_text = "none (backward=False)"
@@ -790,16 +795,16 @@ def _fresh_decisions(gm: torch.fx.GraphModule, rules: Rules, target: str) -> dic
     """What *decide* says for every node, without placement (used to reset ``follow`` nodes)."""
     from converter.passes.decide import decide
 
-    saved = {n: n.meta.get("mp") for n in gm.graph.nodes}
+    saved = {n: n.meta.get(META_DECISION) for n in gm.graph.nodes}
     try:
         decide(gm, rules, precision=target)
-        return {n.name: n.meta["mp"] for n in gm.graph.nodes if "mp" in n.meta}
+        return {n.name: n.meta[META_DECISION] for n in gm.graph.nodes if META_DECISION in n.meta}
     finally:
         for n, d in saved.items():
             if d is None:
-                n.meta.pop("mp", None)
+                n.meta.pop(META_DECISION, None)
             else:
-                n.meta["mp"] = d
+                n.meta[META_DECISION] = d
 
 
 def replace_decisions(
@@ -818,11 +823,11 @@ def replace_decisions(
     """
     for node in gm.graph.nodes:
         if node.name in overrides:
-            node.meta["mp"] = overrides[node.name]
+            node.meta[META_DECISION] = overrides[node.name]
             continue
         before = fresh.get(node.name)
-        if before is not None and before.precision in ("follow", "promote", "alias") and "mp" in node.meta:
-            node.meta["mp"] = before
+        if before is not None and before.precision in ("follow", "promote", "alias") and META_DECISION in node.meta:
+            node.meta[META_DECISION] = before
     place(gm, target=target, strategy=placement, keep_io_types=keep_io_types)
 
 
@@ -832,12 +837,12 @@ def _overflow_evidence(node: torch.fx.Node, margin: float) -> Optional[tuple[str
     Values already infinite in fp32 (an attention mask's -inf) are not an overflow: fp16 has inf too.
     """
     limit = FP16_MAX / margin
-    stats: Optional[NodeStats] = node.meta.get("mp_stats")
+    stats: Optional[NodeStats] = node.meta.get(META_STATS)
     worst = None
     if stats is not None and stats.forward.absmax_finite > limit:
         worst = ("output", stats.forward.absmax_finite, node.name)
     for producer in castable_inputs(node):
-        ps: Optional[NodeStats] = producer.meta.get("mp_stats")
+        ps: Optional[NodeStats] = producer.meta.get(META_STATS)
         if ps is not None and ps.forward.absmax_finite > limit and (worst is None or ps.forward.absmax_finite > worst[1]):
             worst = ("input", ps.forward.absmax_finite, producer.name)
     return worst
@@ -874,8 +879,8 @@ def redecide_overflow(
     for _ in range(len(gm.graph.nodes) + 1):
         newly = []
         for node in gm.graph.nodes:
-            info = node.meta.get("mp_info")
-            decision: Optional[Decision] = node.meta.get("mp")
+            info = node.meta.get(META_INFO)
+            decision: Optional[Decision] = node.meta.get(META_DECISION)
             if info is None or decision is None or info.kind != "compute" or decision.precision != "fp16":
                 continue
             if node.name in overrides:
@@ -890,15 +895,15 @@ def redecide_overflow(
             value = "absmax" if what == "output" else f"input {src!r} absmax"
             reason = (
                 f"calibration: {value} {_fmt(absmax)} × margin {margin:g} > fp16 max 65504 → {fallback} "
-                f"(was fp16 by {decision.rule}: {decision.reason})"
+                f"(was fp16 by {decision.rule}: {decision.full_reason})"
             )
-            match = Match(rule=ref, precision=fallback, level=-1, level_name="calibration", reason=reason)
+            match = Match(rule=ref, precision=fallback, level=rank(OVERRIDE_LEVEL), level_name=OVERRIDE_LEVEL, reason=reason)
             overrides[node.name] = decision.replace(
                 precision=fallback, requested=fallback, rule=ref, reason=reason, matches=(match,) + tuple(decision.matches),
-                unmatched=False,
+                unmatched=False, notes=(),
             )
             newly.append(node)
-            stats: NodeStats = node.meta["mp_stats"]
+            stats: NodeStats = node.meta[META_STATS]
             rows.append({
                 "name": node.name,
                 "op": info.op,
@@ -948,13 +953,13 @@ def _gradient_report(gm: torch.fx.GraphModule, margin: float, target: str) -> di
     max_grad = 0.0
     names = []
     for node in gm.graph.nodes:
-        stats: Optional[NodeStats] = node.meta.get("mp_stats")
+        stats: Optional[NodeStats] = node.meta.get(META_STATS)
         if stats is None or stats.grad is None:
             continue
-        decision = node.meta.get("mp")
+        decision = node.meta.get(META_DECISION)
         half = decision is not None and decision.precision == "fp16"
         if node.op == "get_attr":
-            half = any(u.meta.get("mp") is not None and u.meta["mp"].precision == "fp16" for u in node.users)
+            half = any(u.meta.get(META_DECISION) is not None and u.meta[META_DECISION].precision == "fp16" for u in node.users)
         if not half:
             continue
         names.append(node.name)
@@ -1055,9 +1060,9 @@ def calibrate_and_redecide(
     risky = redecide_overflow(gm, rules=rules, target=target, placement=placement, keep_io_types=keep_io_types,
                               margin=margin, fallback=fallback, fresh=fresh)
     nonfinite = [
-        {"name": n.name, "inf": n.meta["mp_stats"].forward.n_inf, "nan": n.meta["mp_stats"].forward.n_nan}
+        {"name": n.name, "inf": n.meta[META_STATS].forward.n_inf, "nan": n.meta[META_STATS].forward.n_nan}
         for n in gm.graph.nodes
-        if "mp_stats" in n.meta and (n.meta["mp_stats"].forward.n_inf or n.meta["mp_stats"].forward.n_nan)
+        if META_STATS in n.meta and (n.meta[META_STATS].forward.n_inf or n.meta[META_STATS].forward.n_nan)
     ]
     scale_info, underflow = _gradient_report(gm, margin, target)
     result: dict = {
@@ -1076,7 +1081,7 @@ def calibrate_and_redecide(
         "nodes": {name: s.to_dict() for name, s in cal.stats.items()},
         "timings": {"statistics_s": cal.seconds, "redecide_s": time.perf_counter() - t1},
     }
-    gm.meta["mp_calibration"] = result
+    gm.meta[GM_CALIBRATION] = result
     if tolerance is not None:
         from converter.numerics.search import accuracy_search
 

@@ -44,6 +44,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from converter.ir.meta import DTYPES
+from converter.ir.meta import META_CAST, META_DECISION, META_INFO
 
 __all__ = [
     "measure",
@@ -314,8 +315,8 @@ def _dtypes_differ(ref: Any, mixed: Any) -> bool:
 
 
 def _reported(node: torch.fx.Node) -> bool:
-    info = node.meta.get("mp_info")
-    return info is not None and "mp" in node.meta and info.kind not in ("cast", "passive")
+    info = node.meta.get(META_INFO)
+    return info is not None and META_DECISION in node.meta and info.kind not in ("cast", "passive")
 
 
 def node_errors(gm: torch.fx.GraphModule, args: tuple, kwargs: Optional[dict] = None, *, worst: int = 10) -> dict:
@@ -346,7 +347,7 @@ def node_errors(gm: torch.fx.GraphModule, args: tuple, kwargs: Optional[dict] = 
             elif node.op == "output":
                 break
             else:
-                rec = node.meta.get("mp_cast")
+                rec = node.meta.get(META_CAST)
                 in_ref = map_arg((node.args, node.kwargs), lambda n: ref[n])
                 in_mixed = map_arg((node.args, node.kwargs), lambda n: mixed[n])
                 local = None
@@ -374,7 +375,7 @@ def node_errors(gm: torch.fx.GraphModule, args: tuple, kwargs: Optional[dict] = 
     by_name = {n.name: n for n in nodes}
     worst_rows = []
     for name in ranked[:worst]:
-        info, decision = by_name[name].meta["mp_info"], by_name[name].meta["mp"]
+        info, decision = by_name[name].meta[META_INFO], by_name[name].meta[META_DECISION]
         worst_rows.append({"name": name, "op": info.op, "module": info.module, "precision": decision.precision, **per_node[name]})
     return {"per_node": per_node, "worst": worst_rows}
 

@@ -49,6 +49,9 @@ from torch.utils import _pytree as pytree
 from converter.numerics.calibrate import ToleranceNotMet, _BufferGuard, _num, copy_graph, progress_bar, replace_decisions
 from converter.ir.meta import DTYPES, HALF_NAMES, Decision, Match, RuleRef
 from converter.ir.ops import castable_arg_positions, map_castable_args
+from converter.ir.meta import META_DECISION, META_INFO
+from converter.ir.errors import EXIT_INTERNAL, MpconvertError
+from converter.rules.precedence import OVERRIDE_LEVEL, rank
 
 __all__ = [
     "Tolerance",
@@ -199,8 +202,8 @@ def _half_nodes(gm: torch.fx.GraphModule) -> dict[str, str]:
     """Node name -> precision for every compute node that currently runs in half."""
     out = {}
     for node in gm.graph.nodes:
-        info = node.meta.get("mp_info")
-        decision = node.meta.get("mp")
+        info = node.meta.get(META_INFO)
+        decision = node.meta.get(META_DECISION)
         if info is not None and decision is not None and info.kind == "compute" and decision.precision in HALF_NAMES:
             out[node.name] = decision.precision
     return out
@@ -210,7 +213,7 @@ def _emulated_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     """The nodes whose precision an assignment may set: compute nodes with floating outputs."""
     out = []
     for node in gm.graph.nodes:
-        info = node.meta.get("mp_info")
+        info = node.meta.get(META_INFO)
         if info is None or info.kind != "compute" or node.op not in ("call_function", "call_method", "call_module"):
             continue
         out.append(node)
@@ -267,7 +270,7 @@ class HalfEmulator:
             if not replaced:
                 continue
             swap = lambda a, _r=replaced: _r.get(a, a) if isinstance(a, torch.fx.Node) else a  # noqa: E731
-            map_castable_args(new, old.meta["mp_info"].op, swap)
+            map_castable_args(new, old.meta[META_INFO].op, swap)
         # 2) ... and every output through the producer's rounding, seen by all its users
         for i, old in enumerate(nodes):
             new = mapping[old]
@@ -363,7 +366,7 @@ def rank_sensitivity(gm: torch.fx.GraphModule, batches: Sequence[tuple[tuple, di
 
     def make_probe(i: int, old: torch.fx.Node) -> Callable:
         dtype = DTYPES[base[old.name]]
-        info = old.meta["mp_info"]
+        info = old.meta[META_INFO]
         positions = castable_arg_positions(info.op, len(old.args))
         random_op = bool(_RANDOM_OPS.search(info.op))
         op, target = old.op, old.target
@@ -468,8 +471,10 @@ class _Budget:
         return out
 
 
-class _OutOfBudget(Exception):
-    pass
+class _OutOfBudget(MpconvertError):
+    """The search ran out of evaluations (caught inside the search)."""
+
+    exit_code = EXIT_INTERNAL
 
 
 def search_ranked(evaluate_keep: Callable[[Sequence[str]], Outcome], ranked: Sequence[str], *,
@@ -567,9 +572,9 @@ def _pin(original: Mapping[str, Decision], keep: Sequence[str], ranks: Mapping[s
             f"alone in {old.precision} it overflows" if s is not None and s.score == math.inf else "")
         reason = (f"accuracy search: kept in fp32 to meet {tol} (sensitivity rank {ranks.get(name, 0) + 1}"
                   f"{'; ' + est if est else ''}; SQNR before the search {base_sqnr:.1f} dB) (was {old.precision} by {old.rule})")
-        match = Match(rule=SEARCH_REF, precision="fp32", level=-1, level_name="calibration", reason=reason)
+        match = Match(rule=SEARCH_REF, precision="fp32", level=rank(OVERRIDE_LEVEL), level_name=OVERRIDE_LEVEL, reason=reason)
         overrides[name] = old.replace(precision="fp32", requested="fp32", rule=SEARCH_REF, reason=reason,
-                                           matches=(match,) + tuple(old.matches), unmatched=False)
+                                           matches=(match,) + tuple(old.matches), unmatched=False, notes=())
     return overrides
 
 
@@ -606,7 +611,7 @@ def accuracy_search(
     if not batches:
         raise ValueError("accuracy search: no batches to evaluate on")
     base = _half_nodes(gm)
-    original = {n.name: n.meta["mp"] for n in gm.graph.nodes if "mp" in n.meta}
+    original = {n.name: n.meta[META_DECISION] for n in gm.graph.nodes if META_DECISION in n.meta}
     em = HalfEmulator(gm, batches, tolerance=tol, base=base, seed=seed)
     budget = _Budget(em, max_evaluations)
     report: dict = {"tolerance": str(tol), "batches": len(batches), "candidates": len(base)}
@@ -642,7 +647,7 @@ def accuracy_search(
                 fresh = _fresh_decisions(gm, rules, target)
             for _ in range(len(base) + 1):
                 overrides = _pin(original, keep, ranks, sens, tol, first.sqnr_db)
-                current = {n.name: n.meta["mp"] for n in gm.graph.nodes if "mp" in n.meta}
+                current = {n.name: n.meta[META_DECISION] for n in gm.graph.nodes if META_DECISION in n.meta}
                 # earlier calibration decisions (overflow fallback) stay; this search's pins are replaced
                 kept_before = {k: d for k, d in current.items() if d.rule.table == "calibration" and d.rule != SEARCH_REF}
                 replace_decisions(gm, {**{k: v for k, v in kept_before.items() if k not in overrides}, **overrides},

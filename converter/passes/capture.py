@@ -26,6 +26,8 @@ import torch.fx
 from converter.ir.graphmodule import new_graph_module
 from converter.ir.meta import NodeInfo, TensorSpec
 from converter.ir.ops import CAST_OPS, NORM_OPS, canonical_op, explicit_dtype, is_inplace
+from converter.ir.meta import META_INFO, META_SOURCE, META_VALUE
+from converter.ir.errors import MpconvertError
 
 __all__ = ["Captured", "CaptureError", "capture", "normalize_inputs", "annotate", "placeholder_values", "TRACED_THROUGH"]
 
@@ -47,7 +49,7 @@ TRACED_THROUGH = (
 )
 
 
-class CaptureError(RuntimeError):
+class CaptureError(MpconvertError, RuntimeError):
     """Neither tracer could capture the model; ``reasons`` maps tracer name to a one-line reason."""
 
     def __init__(self, reasons: dict[str, str]):
@@ -130,7 +132,7 @@ class _Tracer(torch.fx.Tracer):
         while frame is not None and frame.f_code.co_filename.startswith(_SKIP_FRAMES):
             frame = frame.f_back
         if frame is not None and hasattr(proxy, "node"):
-            proxy.node.meta["mp_source"] = f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}"
+            proxy.node.meta[META_SOURCE] = f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}"
         return proxy
 
 
@@ -147,7 +149,7 @@ def _trace_export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx
     gm = ep.module()
     for node in gm.graph.nodes:
         if "val" in node.meta:
-            node.meta["mp_value"] = _spec_of(node.meta["val"])
+            node.meta[META_VALUE] = _spec_of(node.meta["val"])
     return gm
 
 
@@ -171,7 +173,7 @@ def _spec_of(value: Any) -> Any:
 class _Propagator(torch.fx.Interpreter):
     def run_node(self, n: torch.fx.Node) -> Any:
         result = super().run_node(n)
-        n.meta["mp_value"] = _spec_of(result)
+        n.meta[META_VALUE] = _spec_of(result)
         return result
 
 
@@ -251,9 +253,9 @@ def capture(model: torch.nn.Module, example_inputs: Any, *, tracer: str = "auto"
 def _opaque_leaves(gm: torch.fx.GraphModule) -> list[str]:
     """Class names of leaf modules FX could not trace into and that hold parameters."""
     return [
-        node.meta["mp_info"].module_type
+        node.meta[META_INFO].module_type
         for node in gm.graph.nodes
-        if node.op == "call_module" and node.meta.get("mp_info") is not None and "opaque leaf module" in node.meta["mp_info"].why
+        if node.op == "call_module" and node.meta.get(META_INFO) is not None and "opaque leaf module" in node.meta[META_INFO].why
     ]
 
 
@@ -279,8 +281,8 @@ def _module_stack(node: torch.fx.Node, root_type: str) -> tuple[tuple[str, str],
 
 
 def _source(node: torch.fx.Node) -> str:
-    if node.meta.get("mp_source"):
-        return node.meta["mp_source"]
+    if node.meta.get(META_SOURCE):
+        return node.meta[META_SOURCE]
     trace = node.meta.get("stack_trace") or ""
     frames = re.findall(r'File "([^"]+)", line (\d+)', trace)
     if not frames:
@@ -306,7 +308,7 @@ def input_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
 
 
 def _float_specs(node: torch.fx.Node) -> list[TensorSpec]:
-    return [s for s in _flat_specs(node.meta.get("mp_value")) if s.dtype.is_floating_point]
+    return [s for s in _flat_specs(node.meta.get(META_VALUE)) if s.dtype.is_floating_point]
 
 
 _SINGLE_OP_MODULES = {
@@ -320,7 +322,7 @@ def _rename_module_ops(gm: torch.fx.GraphModule) -> None:
     """Name the one op of a Linear/Conv/norm/Embedding module after the module (``block.proj`` -> ``block_proj``)."""
     owners: dict[str, list[torch.fx.Node]] = {}
     for node in gm.graph.nodes:
-        info = node.meta.get("mp_info")
+        info = node.meta.get(META_INFO)
         if info is None or node.op not in ("call_function", "call_module") or not info.module:
             continue
         if _SINGLE_OP_MODULES.get(info.module_type) == info.op:
@@ -343,13 +345,13 @@ def _annotate_nodes(gm: torch.fx.GraphModule, root_type: str) -> None:
     for node in gm.graph.nodes:
         stack = _module_stack(node, root_type)
         module, module_type = stack[-1]
-        outputs = tuple(_flat_specs(node.meta.get("mp_value")))
+        outputs = tuple(_flat_specs(node.meta.get(META_VALUE)))
         if node.op in ("placeholder", "get_attr", "output"):
-            node.meta["mp_info"] = NodeInfo(op=node.op, module=module, module_type=module_type, module_stack=stack, outputs=outputs)
+            node.meta[META_INFO] = NodeInfo(op=node.op, module=module, module_type=module_type, module_stack=stack, outputs=outputs)
             continue
         op = canonical_op(node, gm)
         kind, fixed, why = _classify(gm, node, op, outputs)
-        node.meta["mp_info"] = NodeInfo(
+        node.meta[META_INFO] = NodeInfo(
             op=op,
             module=module,
             module_type=module_type,
@@ -373,7 +375,7 @@ def _classify(gm, node, op, outputs) -> tuple[str, Optional[torch.dtype], str]:
         return "passive", None, "produces no floating-point tensor"
     if is_inplace(node, op):
         return "alias", None, "in-place op: runs in the dtype of the tensor it mutates"
-    if op == "getitem" and in_nodes and isinstance(in_nodes[0].meta.get("mp_value"), tuple):
+    if op == "getitem" and in_nodes and isinstance(in_nodes[0].meta.get(META_VALUE), tuple):
         return "alias", None, "element of a tuple output: has its producer's precision"
     fixed = explicit_dtype(node, op)
     if fixed is not None:

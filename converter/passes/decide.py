@@ -17,6 +17,7 @@ fixes (typically the fp32 ``softmax``), instead of casting the constant to ±inf
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.fx
@@ -24,6 +25,9 @@ import torch.fx
 from converter.ir.graphmodule import pauses_gc
 from converter.ir.meta import BUILTIN, Decision, RuleRef, name_of
 from converter.rules.loader import Rules
+from converter.rules.precedence import DEFAULT_LEVEL, PRECEDENCE, SCOPED_LEVELS
+from converter.ir.meta import META_DECISION, META_INFO
+from converter.ir.errors import MpconvertError
 
 __all__ = ["CONSTANT_RANGE_RULE", "VALUE_SCALAR_OPS", "BannedOpError", "decide", "decision_reason", "overflowing_constant"]
 
@@ -37,12 +41,12 @@ CONSTANT_RANGE_RULE = RuleRef(BUILTIN, "builtin", "constant-range")
 _HALF_MAX = {"fp16": torch.finfo(torch.float16).max, "bf16": torch.finfo(torch.bfloat16).max}
 
 
-class BannedOpError(ValueError):
+class BannedOpError(MpconvertError, ValueError):
     """The model uses an op that a rule bans; the message says what to use instead."""
 
 
 def decision_reason(level: str, pattern: str, file: str, reason: str, scope: str = "") -> str:
-    where = f" (via module {scope!r})" if scope and level in ("module", "module_type") else ""
+    where = f" (via module {scope!r})" if scope and level in SCOPED_LEVELS else ""
     base = f"{level} rule {pattern!r} in {file}{where}"
     return f"{base}: {reason}" if reason else base
 
@@ -71,7 +75,7 @@ def _keep_for_constant(node: torch.fx.Node, decision: Decision, target: str, tai
     it would run in cannot represent; records in ``tainted`` the nodes whose output may hold one."""
     movable = decision.requested in ("follow", "promote")
     runs_in = decision.precision if decision.precision in _HALF_MAX else (target if movable else None)
-    value = overflowing_constant(node, node.meta["mp_info"].op, runs_in or target)
+    value = overflowing_constant(node, node.meta[META_INFO].op, runs_in or target)
     if value is not None:
         tainted[node] = f"{node.name!r} holds the constant {value:.6g}"
         if runs_in is None:  # fp32 or a dtype the model fixes: unchanged, but its output carries the constant
@@ -101,17 +105,17 @@ def decide(gm: torch.fx.GraphModule, rules: Rules, *, precision: str) -> None:
     tainted: dict[torch.fx.Node, str] = {}
     for node in gm.graph.nodes:
         _decide_node(node, rules, precision)
-        if "mp" in node.meta:
-            node.meta["mp"] = _keep_for_constant(node, node.meta["mp"], precision, tainted)
+        if META_DECISION in node.meta:
+            node.meta[META_DECISION] = _keep_for_constant(node, node.meta[META_DECISION], precision, tainted)
 
 
 def _decide_node(node: torch.fx.Node, rules: Rules, precision: str) -> None:
-    info = node.meta.get("mp_info")
+    info = node.meta.get(META_INFO)
     if info is None or node.op in ("placeholder", "get_attr", "output") or info.kind == "passive":
         return
     matches = tuple(rules.matches_for(node=node.name, op=info.op, module_stack=info.module_stack))
     if info.kind == "fixed":
-        node.meta["mp"] = Decision(
+        node.meta[META_DECISION] = Decision(
             precision=name_of(info.fixed_dtype),
             requested="fixed",
             rule=RuleRef(BUILTIN, "builtin", "fixed-dtype"),
@@ -120,7 +124,7 @@ def _decide_node(node: torch.fx.Node, rules: Rules, precision: str) -> None:
         )
         return
     if info.kind == "alias":
-        node.meta["mp"] = Decision(
+        node.meta[META_DECISION] = Decision(
             precision="alias",
             requested="alias",
             rule=RuleRef(BUILTIN, "builtin", "alias"),
@@ -129,7 +133,7 @@ def _decide_node(node: torch.fx.Node, rules: Rules, precision: str) -> None:
         )
         return
     if not matches:
-        node.meta["mp"] = Decision(
+        node.meta[META_DECISION] = Decision(
             precision="fp32",
             requested="fp32",
             rule=RuleRef(BUILTIN, "default"),
@@ -139,18 +143,18 @@ def _decide_node(node: torch.fx.Node, rules: Rules, precision: str) -> None:
         return
     win = matches[0]
     ban = next((m for m in matches if m.precision == "banned"), None)
-    if ban is not None and (win.level_name != "node" or win.precision == "banned"):
+    if ban is not None and (win.level_name != PRECEDENCE[0] or win.precision == "banned"):  # a node rule may lift a ban
         message = rules.rule_for(ban).message
         raise BannedOpError(f"node {node.name!r} (op {info.op}) is banned by {ban.rule}: {message}")
     resolved = precision if win.precision == "half" else win.precision
     reason = decision_reason(win.level_name, win.rule.pattern, win.rule.file, win.reason, win.scope)
-    if win.level_name == "default":
+    if win.level_name == DEFAULT_LEVEL:
         reason = f"no rule matches op {info.op!r}: {win.rule.file} default is {win.precision}"
-    node.meta["mp"] = Decision(
+    node.meta[META_DECISION] = Decision(
         precision=resolved,
         requested=win.precision,
         rule=win.rule,
         reason=reason,
         matches=matches,
-        unmatched=win.level_name == "default",
+        unmatched=win.level_name == DEFAULT_LEVEL,
     )

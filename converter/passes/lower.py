@@ -48,6 +48,7 @@ from converter.passes.capture import _classify, _flat_specs, _spec_of
 from converter.ir.graphmodule import pauses_gc
 from converter.ir.meta import Decision, NodeInfo, TensorSpec
 from converter.ir.ops import canonical_op
+from converter.ir.meta import META_DECISION, META_INFO, META_LOWERED, META_VALUE
 
 __all__ = ["lower", "DEVICES"]
 
@@ -69,8 +70,8 @@ def lower(gm: torch.fx.GraphModule, *, device: Optional[str]) -> list[str]:
         return []
     lowered = []
     for node in list(gm.graph.nodes):
-        info: Optional[NodeInfo] = node.meta.get("mp_info")
-        decision: Optional[Decision] = node.meta.get("mp")
+        info: Optional[NodeInfo] = node.meta.get(META_INFO)
+        decision: Optional[Decision] = node.meta.get(META_DECISION)
         if info is None or decision is None:
             continue
         if info.op in _HALF_IO_NORMS:
@@ -96,15 +97,15 @@ def _half_io_norm(node: torch.fx.Node, decision: Decision) -> bool:
     src = node.args[0]
     if not isinstance(src, torch.fx.Node):
         return False
-    made_by: Optional[Decision] = src.meta.get("mp")
-    src_info: Optional[NodeInfo] = src.meta.get("mp_info")
+    made_by: Optional[Decision] = src.meta.get(META_DECISION)
+    src_info: Optional[NodeInfo] = src.meta.get(META_INFO)
     if made_by is None or src_info is None or src_info.kind != "compute" or made_by.precision not in _LOWERED_PRECISIONS:
         return False
-    why = (f"CPU: runs on the {made_by.precision} activations {src.name} produces, with fp32 statistics, weight "
+    why = (f"on CPU it runs on the {made_by.precision} activations {src.name} produces, with fp32 statistics, weight "
            f"and bias (the mixed-type kernel computes in fp32: bit-identical to an fp32 norm of the exactly "
            f"upcast input, rounded to {made_by.precision}); autograd saves the {made_by.precision} input")
-    node.meta["mp"] = decision.replace(precision=made_by.precision, reason=f"{decision.reason}; {why}")
-    node.meta["mp_lowered"] = why
+    node.meta[META_DECISION] = decision.noted("lower", why, precision=made_by.precision)
+    node.meta[META_LOWERED] = why
     return True
 
 
@@ -118,9 +119,9 @@ def _sdpa_call(node: torch.fx.Node) -> Optional[dict[str, Any]]:
         return None
     call.update(node.kwargs)
     q, k, v, mask = call["query"], call["key"], call["value"], call["attn_mask"]
-    if not all(isinstance(t, torch.fx.Node) and isinstance(t.meta.get("mp_value"), TensorSpec) for t in (q, k, v)):
+    if not all(isinstance(t, torch.fx.Node) and isinstance(t.meta.get(META_VALUE), TensorSpec) for t in (q, k, v)):
         return None
-    if len(q.meta["mp_value"].shape) < 2 or len(k.meta["mp_value"].shape) < 2:
+    if len(q.meta[META_VALUE].shape) < 2 or len(k.meta[META_VALUE].shape) < 2:
         return None
     if not (isinstance(call["dropout_p"], (int, float)) and call["dropout_p"] == 0):
         return None
@@ -129,7 +130,7 @@ def _sdpa_call(node: torch.fx.Node) -> Optional[dict[str, Any]]:
     if call["scale"] is not None and not isinstance(call["scale"], (int, float)):
         return None
     if mask is not None:
-        if call["is_causal"] or not (isinstance(mask, torch.fx.Node) and isinstance(mask.meta.get("mp_value"), TensorSpec)):
+        if call["is_causal"] or not (isinstance(mask, torch.fx.Node) and isinstance(mask.meta.get(META_VALUE), TensorSpec)):
             return None
     return call
 
@@ -138,9 +139,9 @@ def _lower_attention(gm: torch.fx.GraphModule, node: torch.fx.Node, info: NodeIn
                      call: dict[str, Any]) -> None:
     graph = gm.graph
     q, k, v, mask = call["query"], call["key"], call["value"], call["attn_mask"]
-    head_dim = q.meta["mp_value"].shape[-1]
+    head_dim = q.meta[META_VALUE].shape[-1]
     scale = float(call["scale"]) if call["scale"] is not None else 1.0 / math.sqrt(head_dim)
-    why = (f"lowered from {node.name} (scaled_dot_product_attention, {decision.precision}) for CPU: the fused "
+    why = (f"from {node.name} (scaled_dot_product_attention, {decision.precision}) for CPU: the fused "
            f"bf16 flash-attention kernel is 2-4x slower here (converter/lower.py); the softmax reads "
            f"{decision.precision} and accumulates in fp32 inside its kernel, as it did inside the fused op")
     new: list[torch.fx.Node] = []
@@ -154,7 +155,7 @@ def _lower_attention(gm: torch.fx.GraphModule, node: torch.fx.Node, info: NodeIn
     scores = emit("call_function", torch.matmul, emit("call_function", torch.mul, q, scale),
                   emit("call_function", torch.transpose, k, -2, -1))
     if mask is not None:
-        if mask.meta["mp_value"].dtype == torch.bool:
+        if mask.meta[META_VALUE].dtype == torch.bool:
             scores = emit("call_method", "masked_fill", scores, emit("call_function", torch.logical_not, mask), -math.inf)
         else:
             scores = emit("call_function", torch.add, scores, mask)
@@ -172,7 +173,7 @@ def _annotate(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], like: NodeIn
     """Shapes (on the meta device), NodeInfo and a Decision for each new node, in graph order."""
     def meta_value(arg: Any) -> Any:
         if isinstance(arg, torch.fx.Node):
-            spec = arg.meta.get("mp_value")
+            spec = arg.meta.get(META_VALUE)
             if isinstance(spec, TensorSpec):
                 return torch.empty(spec.shape, dtype=spec.dtype, device="meta")
         return arg
@@ -184,13 +185,13 @@ def _annotate(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], like: NodeIn
             value = getattr(args[0], node.target)(*args[1:], **kwargs)
         else:
             value = node.target(*args, **kwargs)
-        node.meta["mp_value"] = _spec_of(value)
-        outputs = tuple(_flat_specs(node.meta["mp_value"]))
+        node.meta[META_VALUE] = _spec_of(value)
+        outputs = tuple(_flat_specs(node.meta[META_VALUE]))
         op = canonical_op(node, gm)
         kind, fixed, kind_why = _classify(gm, node, op, outputs)
-        node.meta["mp_info"] = NodeInfo(op=op, module=like.module, module_type=like.module_type,
+        node.meta[META_INFO] = NodeInfo(op=op, module=like.module, module_type=like.module_type,
                                         module_stack=like.module_stack, source=like.source, kind=kind,
                                         outputs=outputs, fixed_dtype=fixed, why=kind_why)
         if kind == "compute":
-            node.meta["mp"] = decision.replace(reason=f"{decision.reason}; {why}")
-        node.meta["mp_lowered"] = why
+            node.meta[META_DECISION] = decision.noted("lower", why)
+        node.meta[META_LOWERED] = why

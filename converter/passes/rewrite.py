@@ -28,6 +28,7 @@ from torch.fx.node import map_arg
 from converter.ir.graphmodule import pauses_gc
 from converter.ir.meta import BUILTIN, DTYPES, CastRecord, NodeInfo, RuleRef, TensorSpec, name_of
 from converter.ir.ops import CAST_OPS, NATIVE_PROMOTE_OPS, explicit_dtype, map_castable_args
+from converter.ir.meta import GM_PARAM_DTYPES, META_CAST, META_DECISION, META_INFO, META_VALUE
 
 __all__ = ["rewrite", "inserted_casts", "runtime_dtype"]
 
@@ -36,10 +37,10 @@ def runtime_dtype(node: torch.fx.Node, cache: dict) -> Optional[torch.dtype]:
     """The dtype a producer's tensor has after the rewrite (None for non-tensors)."""
     if node in cache:
         return cache[node]
-    value = node.meta.get("mp_value")
+    value = node.meta.get(META_VALUE)
     dtype = value.dtype if isinstance(value, TensorSpec) else None
-    decision = node.meta.get("mp")
-    info = node.meta.get("mp_info")
+    decision = node.meta.get(META_DECISION)
+    info = node.meta.get(META_INFO)
     if decision is not None and dtype is not None and dtype.is_floating_point and decision.precision in DTYPES:
         if info is not None and info.kind == "alias" and info.inplace and isinstance(node.args[0], torch.fx.Node):
             dtype = runtime_dtype(node.args[0], cache)
@@ -51,7 +52,7 @@ def runtime_dtype(node: torch.fx.Node, cache: dict) -> Optional[torch.dtype]:
 
 def _casts_inputs(node: torch.fx.Node) -> bool:
     """Whether the rewrite converts this node's inputs to its precision."""
-    info: NodeInfo = node.meta["mp_info"]
+    info: NodeInfo = node.meta[META_INFO]
     if info.kind == "compute":
         return True
     if info.kind == "fixed":
@@ -74,11 +75,11 @@ def rewrite(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, check: Opti
         key = (src, dtype)
         if key in casts:
             cast = casts[key]
-            rec: CastRecord = cast.meta["mp_cast"]
-            cast.meta["mp_cast"] = dataclasses.replace(rec, consumers=rec.consumers + (consumer.name,))
+            rec: CastRecord = cast.meta[META_CAST]
+            cast.meta[META_CAST] = dataclasses.replace(rec, consumers=rec.consumers + (consumer.name,))
             return cast
         src_dtype = runtime_dtype(src, cache)
-        spec: TensorSpec = src.meta["mp_value"]
+        spec: TensorSpec = src.meta[META_VALUE]
         with graph.inserting_before(consumer):
             # created without args, which are then assigned: torch 2.13's create_node scans args with
             # pytree for raw SymInts (a warning we cannot trigger: the args are a Node and a dtype),
@@ -86,9 +87,9 @@ def rewrite(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, check: Opti
             cast = graph.create_node("call_method", "to", name=f"{src.name}_to_{name_of(dtype)}")
         cast.args = (src, dtype)
         out = TensorSpec(spec.shape, dtype)
-        cast.meta["mp_value"] = out
-        cast.meta["mp_info"] = NodeInfo(op="to", module=consumer.meta.get("mp_info", NodeInfo("")).module, kind="cast", outputs=(out,))
-        cast.meta["mp_cast"] = CastRecord(
+        cast.meta[META_VALUE] = out
+        cast.meta[META_INFO] = NodeInfo(op="to", module=consumer.meta.get(META_INFO, NodeInfo("")).module, kind="cast", outputs=(out,))
+        cast.meta[META_CAST] = CastRecord(
             src=src.name,
             dtype=name_of(dtype),
             src_dtype=name_of(src_dtype),
@@ -103,7 +104,7 @@ def rewrite(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, check: Opti
         return cast
 
     for node in list(graph.nodes):
-        info: Optional[NodeInfo] = node.meta.get("mp_info")
+        info: Optional[NodeInfo] = node.meta.get(META_INFO)
         if info is None or info.kind == "cast":
             continue
         if node.target is _ASSERT_METADATA:
@@ -114,7 +115,7 @@ def rewrite(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, check: Opti
                 def back(arg):
                     if not isinstance(arg, torch.fx.Node):
                         return arg
-                    value = arg.meta.get("mp_value")
+                    value = arg.meta.get(META_VALUE)
                     if not (isinstance(value, TensorSpec) and value.is_convertible):
                         return arg
                     now = runtime_dtype(arg, cache)
@@ -124,7 +125,7 @@ def rewrite(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, check: Opti
                                     f"graph output {arg.name!r} keeps its original {name_of(value.dtype)} (keep_io_types)")
                 node.args = map_arg(node.args, back)
             continue
-        decision = node.meta.get("mp")
+        decision = node.meta.get(META_DECISION)
         if decision is None or node.op in ("placeholder", "get_attr"):
             continue
         if info.kind == "fixed" and info.op in CAST_OPS:
@@ -135,12 +136,12 @@ def rewrite(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, check: Opti
         want = DTYPES[decision.precision]
         if decision.requested == "promote" and _promotes_natively(node, info, want, cache):
             continue
-        reason = f"{node.name} ({info.op}) runs in {decision.precision}: {decision.reason}"
+        reason = f"{node.name} ({info.op}) runs in {decision.precision}: {decision.full_reason}"
 
         def convert(arg, _want=want, _node=node, _reason=reason, _rule=decision.rule):
             if not isinstance(arg, torch.fx.Node):
                 return arg
-            value = arg.meta.get("mp_value")
+            value = arg.meta.get(META_VALUE)
             if not (isinstance(value, TensorSpec) and value.is_convertible):
                 return arg
             have = runtime_dtype(arg, cache)
@@ -178,7 +179,7 @@ def _promotes_natively(node: torch.fx.Node, info: NodeInfo, want: torch.dtype, c
         return False
     found = False
     for arg in node.all_input_nodes:
-        value = arg.meta.get("mp_value")
+        value = arg.meta.get(META_VALUE)
         if not (isinstance(value, TensorSpec) and value.is_convertible):
             continue
         have = runtime_dtype(arg, cache)
@@ -197,7 +198,7 @@ def _fold_dynamic_dtype(node: torch.fx.Node, info: NodeInfo) -> None:
         return
 
     def fold(arg):
-        if isinstance(arg, torch.fx.Node) and isinstance(arg.meta.get("mp_value"), torch.dtype):
+        if isinstance(arg, torch.fx.Node) and isinstance(arg.meta.get(META_VALUE), torch.dtype):
             return info.fixed_dtype
         return arg
 
@@ -210,11 +211,11 @@ def _record_user_cast(node: torch.fx.Node, info: NodeInfo, cache: dict) -> None:
     if info.kind != "fixed" or info.op not in CAST_OPS or not node.args or not isinstance(node.args[0], torch.fx.Node):
         return
     src = node.args[0]
-    value = src.meta.get("mp_value")
+    value = src.meta.get(META_VALUE)
     have = runtime_dtype(src, cache)
     if not (isinstance(value, TensorSpec) and value.is_convertible) or have is None or have == info.fixed_dtype:
         return
-    node.meta["mp_cast"] = CastRecord(
+    node.meta[META_CAST] = CastRecord(
         src=src.name,
         dtype=name_of(info.fixed_dtype),
         src_dtype=name_of(have),
@@ -234,10 +235,10 @@ def _record_param_dtypes(gm: torch.fx.GraphModule) -> None:
         if node.op != "get_attr":
             continue
         for user in node.users:
-            info = user.meta.get("mp_info")
+            info = user.meta.get(META_INFO)
             if info is not None and info.kind == "passive":
                 continue
-            rec = user.meta.get("mp_cast")
+            rec = user.meta.get(META_CAST)
             dtype = DTYPES[rec.dtype] if rec is not None and rec.inserted else None
             wanted.setdefault(str(node.target), set()).add(dtype)
     dtypes: dict[str, torch.dtype] = {}
@@ -246,9 +247,9 @@ def _record_param_dtypes(gm: torch.fx.GraphModule) -> None:
             uses = wanted.get(name, {None})
             only = next(iter(uses))
             dtypes[name] = only if len(uses) == 1 and only is not None else param.dtype
-    gm.meta["mp_param_dtypes"] = dtypes
+    gm.meta[GM_PARAM_DTYPES] = dtypes
 
 
 def inserted_casts(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     """Every node carrying a CastRecord (inserted casts and the model's own converting casts)."""
-    return [n for n in gm.graph.nodes if "mp_cast" in n.meta]
+    return [n for n in gm.graph.nodes if META_CAST in n.meta]

@@ -15,6 +15,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.fx
 
+from converter.ir.meta import META_DECISION, META_INFO
 from converter.passes.capture import placeholder_values
 
 __all__ = ["check_forward", "ForwardCheckError"]
@@ -64,8 +65,8 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _describe(node: torch.fx.Node) -> str:
-    info = node.meta.get("mp_info")
-    decision = node.meta.get("mp")
+    info = node.meta.get(META_INFO)
+    decision = node.meta.get(META_DECISION)
     parts = [f"op {info.op}" if info is not None else f"target {node.target}"]
     if decision is not None:
         parts.append(f"{decision.precision} by {decision.rule}")

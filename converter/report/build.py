@@ -34,12 +34,12 @@ import torch.fx
 
 from converter.report.flops import node_flops
 from converter.ir.meta import HALF_NAMES, CastRecord, Decision, NodeInfo, itemsize
+from converter.ir.meta import GM_CALIBRATION, GM_PARAM_DTYPES, META_CAST, META_DECISION, META_INFO
+from converter.rules.precedence import PRECEDENCE
 
 __all__ = ["Report", "build_report", "summary_line", "SCHEMA", "PRECEDENCE"]
 
 SCHEMA = 1
-#: rule levels, highest precedence first (see :mod:`converter.rules`)
-PRECEDENCE = ("node", "module", "module_type", "op", "default")
 _PRECISIONS = ("fp16", "bf16", "fp32")
 
 
@@ -191,6 +191,7 @@ def _node_row(index: int, node: torch.fx.Node, info: NodeInfo, decision: Decisio
         "rule": str(decision.rule),
         "rule_level": decision.rule.table,
         "reason": decision.reason,
+        "notes": [[stage, text] for stage, text in decision.notes],  # (stage, text) pairs, oldest first
         "requested": decision.requested,
         "source": _source(node, info),
         "kind": info.kind,
@@ -290,7 +291,7 @@ def _module_tree(rows: list[tuple[dict, tuple[tuple[str, str], ...]]], casts: li
 
 
 def _memory(gm: torch.fx.GraphModule, casts: list[dict]) -> dict:
-    dtypes = gm.meta.get("mp_param_dtypes")
+    dtypes = gm.meta.get(GM_PARAM_DTYPES)
     o1 = o2 = 0
     half = 0
     for name, param in gm.named_parameters():
@@ -327,14 +328,14 @@ def build_report(gm: torch.fx.GraphModule, *, precision: str, tracer: str, rules
     cast_module: dict[str, str] = {}
     model = ""
     for index, node in enumerate(gm.graph.nodes):
-        info = node.meta.get("mp_info")
+        info = node.meta.get(META_INFO)
         if not model and info is not None and info.module_stack:
             model = info.module_stack[0][1]
-        rec = node.meta.get("mp_cast")
+        rec = node.meta.get(META_CAST)
         if rec is not None:
             casts.append(_cast_row(index, node, rec))
             cast_module[node.name] = info.module if info is not None else ""
-        decision = node.meta.get("mp")
+        decision = node.meta.get(META_DECISION)
         if info is None or decision is None or info.kind in ("cast", "passive"):
             continue
         row = _node_row(index, node, info, decision)
@@ -375,7 +376,7 @@ def build_report(gm: torch.fx.GraphModule, *, precision: str, tracer: str, rules
         ops=_op_table(nodes),
         modules=_module_tree(stacks, casts, cast_module),
         memory=_memory(gm, casts),
-        calibration=dict(gm.meta.get("mp_calibration") or {}),
+        calibration=dict(gm.meta.get(GM_CALIBRATION) or {}),
     )
 
 

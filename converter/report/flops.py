@@ -34,6 +34,7 @@ import torch
 import torch.fx
 
 from converter.ir.meta import TensorSpec
+from converter.ir.meta import META_VALUE
 
 __all__ = ["node_flops", "FLOP_OPS", "NORM_FLOPS"]
 
@@ -63,7 +64,7 @@ def _first_spec(value: Any) -> Optional[TensorSpec]:
 
 def _spec(arg: Any) -> Optional[TensorSpec]:
     if isinstance(arg, torch.fx.Node):
-        return _first_spec(arg.meta.get("mp_value"))
+        return _first_spec(arg.meta.get(META_VALUE))
     if isinstance(arg, torch.Tensor):
         return TensorSpec(tuple(arg.shape), arg.dtype)
     return None
@@ -94,7 +95,7 @@ def node_flops(node: torch.fx.Node, op: str) -> int:
     """Forward FLOPs of ``node`` whose canonical op name is ``op`` (see the module docstring)."""
     if op not in FLOP_OPS:
         return 0
-    out = _first_spec(node.meta.get("mp_value"))
+    out = _first_spec(node.meta.get(META_VALUE))
     a = _spec(_arg(node, 0, "input", "query", "self"))
     if op == "linear":
         w = _module_weight(node) if node.op == "call_module" else _spec(_arg(node, 1, "weight"))

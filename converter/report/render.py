@@ -26,8 +26,10 @@ import re
 from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
-from converter.ir.meta import HALF_NAMES
-from converter.report.build import PRECEDENCE, Report, build_report
+from converter.ir.meta import HALF_NAMES, note_text
+from converter.report.build import Report, build_report
+from converter.rules.precedence import OVERRIDE_LEVEL, SCOPED_LEVELS, describe, rank
+from converter.ir.meta import GM_GRAPH
 
 __all__ = ["to_markdown", "to_html", "print_report", "write_reports", "explain", "md_escape", "COLORS"]
 
@@ -263,7 +265,7 @@ def to_markdown(report: Report) -> str:
                  r["precision"] + (" (unmatched)" if r["unmatched"] else ""), md_escape(r["rule"]), r["flops"], r["out_bytes"]]
         if measured:
             cells += [_db(r.get("sqnr_db")), _db(r.get("local_sqnr_db"))] if "sqnr_db" in r else ["—", "—"]
-        return cells + [md_escape(r["source"]), md_escape(r["reason"])]
+        return cells + [md_escape(r["source"]), md_escape(_reason(r))]
 
     out.append(_md_table(header, (node_row(r) for r in report.nodes)))
     out.append("")
@@ -707,7 +709,8 @@ def _nodes_html(report: Report) -> str:
                 v = r.get(key)
                 cells.append(f'<td class=n data-v="{999 if v is None else v}">{_e(_db(v)) if key in r else "—"}</td>')
         cells.append(f'<td class="mono nw">{_e(r["source"])}</td>')
-        cells.append(f'<td data-v="{_e(r["reason"])}"><div class="reason" title="{_e(r["reason"])}">{_e(r["reason"])}</div></td>')
+        reason = _e(_reason(r))
+        cells.append(f'<td data-v="{reason}"><div class="reason" title="{reason}">{reason}</div></td>')
         rows.append(f'<tr id="n{r["index"]}" data-p="{_e(_cls(r["precision"]))}" data-u="{int(bool(r["unmatched"]))}">{"".join(cells)}</tr>')
     filters = ('<div class="filters"><input type="search" id="q" placeholder="Filter by name, op, module, rule…" aria-label="filter">'
                '<select id="prec" aria-label="precision"><option value="">all precisions</option><option value="bf16">bf16</option>'
@@ -842,7 +845,7 @@ def to_html(report: Report) -> str:
     files = ", ".join(report.rules.get("files", [])) or "defaults"
     sections = [
         ("summary", "Summary", _cards(report) + f'<p class="note">Rule files: <span class="mono">{_e(files)}</span>. '
-         f'Precedence: {_e(" > ".join(PRECEDENCE))}.</p>'),
+         f'Precedence: {_e(describe())}.</p>'),
         ("picture", "Precision picture",
          "<p class=note>Every compute node in graph order, one row per module; hover a cell for its rule, click to jump to its row.</p>"
          + _legend() + f'<div class="strip">{_strip_svg(report)}</div>'),
@@ -969,7 +972,9 @@ def write_reports(report: Report, out_dir: Union[str, Path]) -> list[Path]:
 # ---------------------------------------------------------------------------------------------
 # explain
 
-_LEVEL_RANK = {"calibration": -1, **{name: i for i, name in enumerate(PRECEDENCE)}}
+def _reason(row: dict) -> str:
+    """A node's reason with its stage notes (``placement: ...``), for the one-line table cells."""
+    return "; ".join([row["reason"], *(note_text(stage, text) for stage, text in row.get("notes", ()))])
 
 
 def _as_report(target: Any) -> Report:
@@ -982,18 +987,18 @@ def _as_report(target: Any) -> Report:
     import torch.fx
 
     if isinstance(target, torch.fx.GraphModule):
-        graph_meta = target.meta.get("mp_graph")
+        graph_meta = target.meta.get(GM_GRAPH)
         return build_report(target, precision=getattr(graph_meta, "precision", ""), tracer=getattr(graph_meta, "tracer", ""))
     raise TypeError(f"explain() takes a Conversion, a GraphModule or a Report, got {type(target).__name__}")
 
 
 def _why(win: dict, other: dict) -> str:
-    wr, orank = _LEVEL_RANK.get(win["level"], 9), _LEVEL_RANK.get(other["level"], 9)
-    if win["level"] == "calibration":
+    wr, orank = rank(win["level"]), rank(other["level"])
+    if win["level"] == OVERRIDE_LEVEL:
         return "calibration overrides every rule: the value measured on real inputs would overflow fp16"
     if wr < orank:
         return f"{win['level']} outranks {other['level']}"
-    if wr == orank and win["scope"] != other["scope"] and win["level"] in ("module", "module_type"):
+    if wr == orank and win["scope"] != other["scope"] and win["level"] in SCOPED_LEVELS:
         return f"same level; the inner module {win['scope']!r} beats the outer {other['scope']!r}"
     if ".ops." in str(win.get("pattern", "")) and ".ops." not in str(other.get("pattern", "")):
         return "same module; an ops entry outranks the module rule's own precision"
@@ -1027,8 +1032,8 @@ def explain(conv_or_gm: Any, node_name: str) -> str:
     lines.append(f"  precision: {r['precision']} (rule asked for {r['requested']})" + ("  [UNMATCHED: kept fp32]" if r["unmatched"] else ""))
     lines.append(f"  decided by: {r['rule']}")
     lines.append("")
-    lines.append(f"  precedence, highest first: {' > '.join(PRECEDENCE)}"
-                 + (" (calibration overrides them all)" if any(m["level"] == "calibration" for m in r.get("matches", [])) else ""))
+    lines.append(f"  precedence, highest first: {describe()}"
+                 + (" (calibration overrides them all)" if any(m["level"] == OVERRIDE_LEVEL for m in r.get("matches", [])) else ""))
     lines.append("  (within a level the innermost module wins, then the rule read last: a later file overrides an earlier one)")
     lines.append("")
     matches = r.get("matches", [])
@@ -1052,13 +1057,12 @@ def explain(conv_or_gm: Any, node_name: str) -> str:
             lines.append(f"       {verdict}")
             if mt["reason"]:
                 lines.append(f"       reason: {mt['reason']}")
-    notes = [part.strip() for part in re.split(r";\s+(?=placement|calibrat|overflow|re-decided)", r["reason"]) if part.strip()]
+    notes = r.get("notes", [])
     lines.append("")
-    lines.append(f"  why: {notes[0] if notes else r['reason']}")
-    for part in notes[1:]:
-        label = "placement" if part.startswith("placement") else "calibration"
-        lines.append(f"  {label}: {part.split(': ', 1)[1] if part.startswith(label + ':') else part}")
-    if r["requested"] in ("follow", "promote") and not any(p.startswith("placement") for p in notes):
+    lines.append(f"  why: {r['reason']}")
+    for stage, text in notes:
+        lines.append(f"  {note_text(stage, text)}")
+    if r["requested"] in ("follow", "promote") and not any(stage == "place" for stage, _ in notes):
         lines.append(f"  placement: {r['requested']} resolved to {r['precision']}")
     into = [c for c in report.casts if r["name"] in c["consumers"]]
     out_of = [c for c in report.casts if c["src"] == r["name"]]

@@ -56,6 +56,9 @@ from typing import Iterable, Mapping, Optional, Sequence, Union
 
 from converter.ir.meta import BUILTIN, Match, RuleRef
 from converter.ir.ops import known_op_names
+from converter.ir.errors import MpconvertError
+from converter.rules.precedence import MATCH_TABLES
+from converter.rules.precedence import rank as level_rank
 
 __all__ = [
     "Rule",
@@ -70,8 +73,8 @@ __all__ = [
 ]
 
 PRECISIONS = ("half", "fp16", "bf16", "fp32", "follow", "promote", "banned")
-#: match tables, highest precedence first
-LEVELS = ("node", "module", "module_type", "op")
+#: match tables, highest precedence first (see :mod:`converter.rules.precedence`)
+LEVELS = MATCH_TABLES
 _TOP_KEYS = ("meta", "settings", "default") + LEVELS
 _RULE_KEYS = ("precision", "reason", "message")
 _MODULE_RULE_KEYS = _RULE_KEYS + ("ops",)
@@ -82,7 +85,7 @@ _SETTINGS = {
 _GLOB_CHARS = re.compile(r"[*?\[]")
 
 
-class RulesError(ValueError):
+class RulesError(MpconvertError, ValueError):
     """A rule file is malformed; the message names the file, the key path and a fix."""
 
 
@@ -293,7 +296,8 @@ class Rules:
         before the module's own precision; among equals the rule read last (later file wins).
         """
         found: list[tuple[tuple, Match]] = []
-        for rank, level in enumerate(LEVELS):
+        for level in LEVELS:
+            rank = level_rank(level)
             if level in ("node", "op"):
                 for rule in self._rules_matching(level, node if level == "node" else op):
                     found.append(((rank, 0, 1, -rule.order), Match(rule.ref, rule.precision, rank, level, "", rule.reason)))
@@ -307,7 +311,8 @@ class Rules:
                     found.append((key, Match(rule.ref, rule.precision, rank, level, entry[0], rule.reason)))
         default = self.default_rule()
         if default is not None:
-            found.append(((len(LEVELS), 0, 1, -default.order), Match(default.ref, default.precision, len(LEVELS), "default", "", default.reason)))
+            last = level_rank("default")
+            found.append(((last, 0, 1, -default.order), Match(default.ref, default.precision, last, "default", "", default.reason)))
         found.sort(key=lambda item: item[0])
         return [m for _, m in found]
 

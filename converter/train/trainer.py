@@ -36,17 +36,11 @@ import torch.fx
 from torch import nn
 
 from converter.train.scaler import LossScaler
+from converter.ir.meta import GM_PARAM_DTYPES, META_CAST, META_INFO, META_TRAINER
+from converter.ir.precision import half_dtype
 
 __all__ = ["MixedPrecisionTrainer", "TrainStats"]
 
-_PRECISIONS: dict[Any, torch.dtype] = {
-    "fp16": torch.float16,
-    "16-mixed": torch.float16,
-    "bf16": torch.bfloat16,
-    "bf16-mixed": torch.bfloat16,
-    torch.float16: torch.float16,
-    torch.bfloat16: torch.bfloat16,
-}
 _FP32_MODULE_MARKERS = ("Norm", "Embedding")
 _BF16_NO_SCALER = (
     "bf16 has the same 8-bit exponent range as fp32, so gradients do not underflow and loss scaling "
@@ -95,7 +89,7 @@ def _is_embedding_node(node: torch.fx.Node) -> bool:
         return False
     if node.target in (nn.functional.embedding, torch.ops.aten.embedding.default):
         return True
-    info = node.meta.get("mp_info")  # the converter's canonical op name
+    info = node.meta.get(META_INFO)  # the converter's canonical op name
     return getattr(info, "op", None) == "embedding"
 
 
@@ -119,7 +113,7 @@ def _shrink_graph_embeddings(gm: torch.fx.GraphModule, alpha: float) -> int:
         with graph.inserting_after(rest):
             shrunk = graph.call_function(operator.add, (kept, rest))
         for new in (kept, frozen, rest, shrunk):
-            new.meta["mp_trainer"] = "embedding_grad_shrink"
+            new.meta[META_TRAINER] = "embedding_grad_shrink"
         node.replace_all_uses_with(shrunk, delete_user_cb=lambda user, mine=(kept, frozen): user not in mine)
         count += 1
     if count:
@@ -144,7 +138,7 @@ def _drop_identity_weight_casts(inner: nn.Module) -> int:
     graph = inner.graph
     dropped = 0
     for node in list(graph.nodes):
-        record = node.meta.get("mp_cast")
+        record = node.meta.get(META_CAST)
         if record is None or not record.on_weight or not record.inserted:
             continue
         if node.op != "call_method" or node.target != "to" or len(node.args) != 2 or node.kwargs:
@@ -175,8 +169,8 @@ def _storage_plan(inner: nn.Module, half: torch.dtype) -> dict[str, torch.dtype]
         name: p for name, p in inner.named_parameters() if p.is_floating_point() and p.dtype != torch.float64
     }
     meta = getattr(inner, "meta", None)
-    if isinstance(meta, dict) and "mp_param_dtypes" in meta:
-        recorded = meta["mp_param_dtypes"]
+    if isinstance(meta, dict) and GM_PARAM_DTYPES in meta:
+        recorded = meta[GM_PARAM_DTYPES]
         if not isinstance(recorded, dict):
             raise TypeError(f"module.meta['mp_param_dtypes'] must be a dict fqn -> torch.dtype, got {type(recorded)}")
         unknown = sorted(set(recorded) - set(dict(inner.named_parameters())))
@@ -229,7 +223,8 @@ class MixedPrecisionTrainer:
             ``DistributedDataParallel``.
         optimizer: built on ``module``'s parameters. Under O2 its param groups are rewritten to
             point at the fp32 masters (any state it already has moves with them).
-        precision: ``"fp16"``/``"16-mixed"`` or ``"bf16"``/``"bf16-mixed"``. fp16 is the default
+        precision: ``"fp16"``/``"float16"``/``"16-mixed"`` or ``"bf16"``/``"bfloat16"``/``"bf16-mixed"`` (any
+            spelling :mod:`converter.ir.precision` accepts). fp16 is the default
             because it is the mode that needs this wrapper (scaling); bf16 only needs O2.
         master_weights: False = O1 (fp32 params, cast in the graph); True = O2 (half params, fp32
             masters). False by default: O1 keeps the model exactly as converted and works with any
@@ -279,8 +274,7 @@ class MixedPrecisionTrainer:
             raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if not isinstance(precision, (str, torch.dtype)) or precision not in _PRECISIONS:
-            raise ValueError(f"precision must be one of 'fp16', 'bf16', '16-mixed', 'bf16-mixed', got {precision!r}")
+        half = half_dtype(precision)  # PrecisionError (a ValueError) names the accepted spellings
         if not isinstance(master_weights, bool):
             raise TypeError(f"master_weights must be a bool, got {type(master_weights).__name__}")
         if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
@@ -297,7 +291,7 @@ class MixedPrecisionTrainer:
         self._inner = _unwrap(module)
         self._ddp = module if isinstance(module, nn.parallel.DistributedDataParallel) else None
         self._optimizer = optimizer
-        self._half = _PRECISIONS[precision]
+        self._half = half
         self._precision = "fp16" if self._half == torch.float16 else "bf16"
         self._master_weights = master_weights
         self._max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)

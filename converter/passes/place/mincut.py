@@ -19,6 +19,7 @@ import torch.fx
 from converter.ir.meta import HALF_NAMES, TensorSpec
 from converter.passes.place.stage import alias_root, cast_cost, castable_inputs
 from converter.passes.place.solver import PlacementProblem, Tensor, solve_mincut
+from converter.ir.meta import META_DECISION, META_INFO, META_VALUE
 
 __all__ = ["place_mincut", "build_problem"]
 
@@ -44,8 +45,8 @@ def build_problem(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, opt_l
     tensors: list[Tensor] = []
     params = {name for name, _ in gm.named_parameters()} if opt_level == "O2" else set()
     for node in gm.graph.nodes:
-        info = node.meta.get("mp_info")
-        value = node.meta.get("mp_value")
+        info = node.meta.get(META_INFO)
+        value = node.meta.get(META_VALUE)
         if node.op in ("placeholder", "get_attr"):
             if _convertible(value):
                 if node.op == "get_attr" and str(node.target) in params:
@@ -53,7 +54,7 @@ def build_problem(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, opt_l
                 else:
                     fixed[node.name] = _dtype_lab(value.dtype)
             continue
-        decision = node.meta.get("mp")
+        decision = node.meta.get(META_DECISION)
         if decision is None or info is None:
             continue
         if decision.precision == "follow":
@@ -74,10 +75,10 @@ def build_problem(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, opt_l
         return got
 
     for node in gm.graph.nodes:
-        value = node.meta.get("mp_value")
+        value = node.meta.get(META_VALUE)
         if not _convertible(value):
             continue
-        info = node.meta.get("mp_info")
+        info = node.meta.get(META_INFO)
         if info is not None and info.kind == "alias" and info.inplace:
             continue  # an in-place op's output is its input tensor: counted with the producer
         root = alias_root(node)
@@ -87,7 +88,7 @@ def build_problem(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, opt_l
         pending = list(node.users)
         while pending:
             user = pending.pop()
-            uinfo = user.meta.get("mp_info")
+            uinfo = user.meta.get(META_INFO)
             if user.op == "output":
                 if keep_io_types:
                     consumers.append(_OUT + _dtype_lab(value.dtype))
@@ -108,7 +109,7 @@ def place_mincut(gm: torch.fx.GraphModule, *, target: str, keep_io_types: bool =
         return
     result = solve_mincut(problem, alternatives=True)
     for node in gm.graph.nodes:
-        decision = node.meta.get("mp")
+        decision = node.meta.get(META_DECISION)
         if decision is None or decision.precision not in ("follow", "promote"):
             continue
         label = result.labels[node.name]
@@ -116,6 +117,4 @@ def place_mincut(gm: torch.fx.GraphModule, *, target: str, keep_io_types: bool =
         extra = result.alternative_cost.get(node.name)
         alt = f"; the alternative costs +{extra} bytes" if extra is not None else ""
         tie = " (a tie, broken towards half)" if extra == 0 and label == "half" else ""
-        node.meta["mp"] = decision.replace(
-            precision=precision, reason=f"{decision.reason}; placement: min-cut chose {precision}{alt}{tie}"
-        )
+        node.meta[META_DECISION] = decision.noted("place", f"min-cut chose {precision}{alt}{tie}", precision=precision)

@@ -22,6 +22,7 @@ from converter.passes.capture import input_nodes
 from converter.ir.graphmodule import pauses_gc
 from converter.ir.meta import DTYPES, HALF_NAMES, Decision, TensorSpec, name_of
 from converter.ir.ops import castable_arg_positions
+from converter.ir.meta import META_DECISION, META_INFO, META_VALUE
 
 __all__ = ["place", "STRATEGIES", "cast_cost", "alias_root", "castable_inputs"]
 
@@ -39,7 +40,7 @@ def alias_root(node: torch.fx.Node) -> torch.fx.Node:
     """The node whose precision an alias node shares."""
     seen = 0
     while True:
-        info = node.meta.get("mp_info")
+        info = node.meta.get(META_INFO)
         if info is None or info.kind != "alias" or not node.args or not isinstance(node.args[0], torch.fx.Node):
             return node
         node = node.args[0]
@@ -50,7 +51,7 @@ def alias_root(node: torch.fx.Node) -> torch.fx.Node:
 
 def castable_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
     """The producers of the floating tensors this node's precision applies to."""
-    info = node.meta["mp_info"]
+    info = node.meta[META_INFO]
     positions = castable_arg_positions(info.op, len(node.args))
     candidates: list[torch.fx.Node] = []
     if positions is None:
@@ -63,7 +64,7 @@ def castable_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
                     candidates.append(arg)
     out = []
     for n in candidates:
-        value = n.meta.get("mp_value")
+        value = n.meta.get(META_VALUE)
         if isinstance(value, TensorSpec) and value.is_convertible:
             out.append(n)
     return out
@@ -73,11 +74,11 @@ def _label(node: torch.fx.Node, current: dict[torch.fx.Node, str]) -> Optional[s
     """Runtime dtype name of a producer after placement, as far as known."""
     if node in current:
         return current[node]
-    info = node.meta.get("mp_info")
+    info = node.meta.get(META_INFO)
     if node.op in ("placeholder", "get_attr"):
-        value = node.meta.get("mp_value")
+        value = node.meta.get(META_VALUE)
         return name_of(value.dtype) if hasattr(value, "dtype") else None
-    decision = node.meta.get("mp")
+    decision = node.meta.get(META_DECISION)
     if decision is not None and decision.precision not in _UNRESOLVED:
         return decision.precision
     if info is not None and info.kind == "alias":
@@ -89,7 +90,7 @@ def _label(node: torch.fx.Node, current: dict[torch.fx.Node, str]) -> Optional[s
 def _simple(gm: torch.fx.GraphModule) -> None:
     current: dict[torch.fx.Node, str] = {}
     for node in gm.graph.nodes:
-        decision = node.meta.get("mp")
+        decision = node.meta.get(META_DECISION)
         if decision is None:
             continue
         if decision.precision not in _UNRESOLVED:
@@ -97,17 +98,17 @@ def _simple(gm: torch.fx.GraphModule) -> None:
             continue
         if decision.precision == "alias":
             label = _label(alias_root(node), current) or "fp32"
-            node.meta["mp"] = decision.replace(precision=label, reason=f"{decision.reason} ({label})")
+            node.meta[META_DECISION] = decision.noted("place", f"has its producer's precision, {label}", precision=label)
             current[node] = label
             continue
         labels = [lab for lab in (_label(n, current) for n in castable_inputs(node)) if lab in DTYPES]
         if decision.precision == "follow":
             label = labels[0] if labels else "fp32"
-            why = "placement (simple): follows its first floating input"
+            why = "follows its first floating input (simple strategy)"
         else:
             label = "fp32" if (not labels or "fp32" in labels) else labels[0]
-            why = "placement (simple): promotes to the widest floating input"
-        node.meta["mp"] = decision.replace(precision=label, reason=f"{decision.reason}; {why}")
+            why = "promotes to the widest floating input (simple strategy)"
+        node.meta[META_DECISION] = decision.noted("place", why, precision=label)
         current[node] = label
 
 
@@ -137,7 +138,7 @@ def place(gm: torch.fx.GraphModule, *, target: str, strategy: str = "mincut", ke
 
 def _resolve_aliases(gm: torch.fx.GraphModule) -> None:
     for node in gm.graph.nodes:
-        decision: Optional[Decision] = node.meta.get("mp")
+        decision: Optional[Decision] = node.meta.get(META_DECISION)
         if decision is not None and decision.precision == "alias":
             label = _label(alias_root(node), {}) or "fp32"
-            node.meta["mp"] = decision.replace(precision=label, reason=f"{decision.reason} ({label})")
+            node.meta[META_DECISION] = decision.noted("place", f"has its producer's precision, {label}", precision=label)
