@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import converter
-from converter.api import PassError
+from converter.passes.verify import ForwardCheckError
 from converter.passes.decide import CONSTANT_RANGE_RULE
 from helpers import DtypeRecorder, sqnr
 
@@ -164,12 +164,13 @@ def test_convert_raises_naming_the_node_when_the_example_forward_fails(tmp_path)
     """))
     torch.manual_seed(0)
     x = torch.randn(2, 4, 4)
-    with pytest.raises(PassError) as info:
+    with pytest.raises(ForwardCheckError) as info:
         converter.convert(Inverse().eval(), (x,), precision="bf16", rules=rules)
     text = str(info.value)
-    assert "stage 'check'" in text and "at node 'linalg_inv' (op linalg_inv, bf16 by " in text, text
+    assert "fails on the example inputs at node 'linalg_inv' (op linalg_inv, bf16 by " in text, text
     assert 'add `linalg_inv = "fp32"` under [node]' in text, text
-    assert info.value.__cause__ is not None and info.value.__cause__.node == "linalg_inv"
+    assert "\n" not in text and info.value.node == "linalg_inv" and info.value.exit_code == 3
+    assert isinstance(info.value.__cause__, RuntimeError)
     # without the rule it converts and runs
     conv = converter.convert(Inverse().eval(), (x,), precision="bf16")
     assert torch.isfinite(conv.module(x)).all()

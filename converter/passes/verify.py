@@ -15,14 +15,18 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.fx
 
+from converter.ir.errors import EXIT_INTERNAL, MpconvertError
 from converter.ir.meta import META_DECISION, META_INFO
 from converter.passes.capture import placeholder_values
 
 __all__ = ["check_forward", "ForwardCheckError"]
 
 
-class ForwardCheckError(RuntimeError):
-    """The converted module fails on the example inputs; ``node`` names the failing node (or is None)."""
+class ForwardCheckError(MpconvertError, RuntimeError):
+    """The converted module fails on the example inputs; ``node`` names the failing node (or is None).
+    Exit status 3: the conversion produced it (a rule can work around it, as the message says)."""
+
+    exit_code = EXIT_INTERNAL
 
     def __init__(self, message: str, *, node: Optional[str] = None):
         super().__init__(message)
