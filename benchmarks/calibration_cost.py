@@ -5,7 +5,7 @@ Target (issue 5): calibrating costs less than 3x the fp32 training steps on the 
 Variants, run interleaved (A B C A B C ...) after a warm-up; the median of each is reported:
 
 * ``fp32``: 20 x (``model(tokens)`` -> ``loss_fn`` -> ``backward``) on the eager model;
-* ``statistics``: :func:`converter.numerics.calibrate.collect_statistics` over the same 20 batches
+* ``statistics``: :func:`converter.numerics.stats.collect_statistics` over the same 20 batches
   (instrumented forward, one backward, per-node forward and gradient statistics);
 * ``calibrate``: the whole stage, :func:`converter.numerics.calibrate.calibrate_and_redecide` (statistics,
   overflow re-decision, report data) on an fp16 conversion's decided graph.
@@ -36,12 +36,15 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from converter.numerics.calibrate import calibrate_and_redecide, collect_statistics  # noqa: E402
+from converter.numerics.calibrate import calibrate_and_redecide  # noqa: E402
+from converter.numerics.options import CalibrationOptions  # noqa: E402
+from converter.numerics.redecide import PlaceSettings  # noqa: E402
+from converter.numerics.search import HalfEmulator, bisect_graph_order, rank_sensitivity, search_ranked  # noqa: E402
+from converter.numerics.stats import collect_statistics  # noqa: E402
 from converter.passes.capture import capture  # noqa: E402
 from converter.passes.decide import decide  # noqa: E402
 from converter.passes.place.stage import place  # noqa: E402
 from converter.rules.loader import load_rules  # noqa: E402
-from converter.numerics.search import HalfEmulator, bisect_graph_order, rank_sensitivity, search_ranked  # noqa: E402
 
 
 def _load_sample():
@@ -112,8 +115,8 @@ def main(argv=None) -> dict:
         collect_statistics(gm, batches, loss_fn=tt.loss_fn, progress=False)
 
     def stage():
-        calibrate_and_redecide(gm, batches, rules=rules, target="fp16", placement="mincut", keep_io_types=True,
-                               loss_fn=tt.loss_fn, progress=False)
+        calibrate_and_redecide(gm, batches, rules=rules, settings=PlaceSettings(target="fp16"),
+                               options=CalibrationOptions(loss_fn=tt.loss_fn, progress=False))
 
     variants = {"fp32": fp32, "statistics": stats, "calibrate": stage}
     for fn in variants.values():  # warm-up

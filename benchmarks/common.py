@@ -10,7 +10,8 @@ Everything here measures one thing and is independent of the models and variants
 * :class:`SavedTensorMeter` — ``torch.autograd.graph.saved_tensors_hooks`` that sums the bytes of
   the distinct storages autograd saves for backward (parameters and the step's inputs excluded:
   they exist whether or not backward needs them; a half *copy* of a weight is counted).
-* :func:`sqnr_db` — ``20·log10(‖ref‖ / ‖ref − out‖)``, in float64.
+* :func:`sqnr_db` — ``20·log10(‖ref‖ / ‖ref − out‖)``, in float64: mpconvert's own
+  (:func:`converter.numerics.common.sqnr_db`), re-exported here.
 * :func:`interleaved` — runs the variants A B C … A B C … after warm-up and returns per-variant
   samples; :func:`summarize` gives the median and quartiles.
 * :func:`peak_step_memory` — peak bytes allocated during one call, above what was live before it:
@@ -24,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import gc
-import math
 import os
 import platform
 import statistics
@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from converter.numerics.common import sqnr_db
 
 __all__ = [
     "CastCounter",
@@ -243,21 +245,6 @@ class SavedTensorMeter:
 
 
 # --------------------------------------------------------------------------- accuracy
-def sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
-    """Signal-to-quantisation-noise ratio of ``out`` against ``ref`` in dB (inf when identical)."""
-    ref64 = ref.detach().to("cpu", torch.float64).reshape(-1)
-    out64 = out.detach().to("cpu", torch.float64).reshape(-1)
-    if ref64.shape != out64.shape:
-        raise ValueError(f"sqnr_db: shapes differ: {tuple(ref.shape)} vs {tuple(out.shape)}")
-    noise = torch.linalg.vector_norm(ref64 - out64).item()
-    signal = torch.linalg.vector_norm(ref64).item()
-    if noise == 0.0:
-        return math.inf
-    if signal == 0.0:
-        return -math.inf
-    return 20.0 * math.log10(signal / noise)
-
-
 def first_tensor(output: Any) -> torch.Tensor:
     """The first floating tensor in a model output (tensor, tuple/list, dict or HF ModelOutput)."""
     if isinstance(output, torch.Tensor):

@@ -58,8 +58,8 @@ from torch import nn  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     CastCounter,
     Clock,
-    OpTimer,
     MiB,
+    OpTimer,
     SavedTensorMeter,
     first_tensor,
     interleaved,
@@ -69,6 +69,7 @@ from benchmarks.common import (  # noqa: E402
     summarize,
     unique_storage_bytes,
 )
+from converter.numerics.common import from_json, to_json  # noqa: E402
 
 __all__ = ["MODELS", "VARIANTS", "main", "run_model", "to_markdown", "check_targets"]
 
@@ -630,17 +631,6 @@ def to_markdown(results: dict[str, Any]) -> str:
 
 
 # =========================================================================== main
-def _finite(obj: Any) -> Any:
-    """Strict JSON: non-finite floats (fp32's SQNR against itself is +inf) become None."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
-
-
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer rounds and, by default, only the small models")
@@ -671,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = _parse(argv)
     if a.from_json is not None:
-        results = json.loads(a.from_json.read_text())
+        results = from_json(json.loads(a.from_json.read_text()))
         results["targets"] = check_targets(results)
         md = a.from_json.with_suffix(".md")
         md.write_text(to_markdown(results))
@@ -724,7 +714,7 @@ def main(argv: list[str] | None = None) -> int:
     results["wall_s"] = time.perf_counter() - t_all
     results["targets"] = check_targets(results)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(_finite(results), indent=1, allow_nan=False, default=str) + "\n")
+    out.write_text(json.dumps(to_json(results), indent=1, allow_nan=False) + "\n")
     md = out.with_suffix(".md")
     md.write_text(to_markdown(results))
     print(f"wrote {out} and {md} in {results['wall_s']:.0f}s")

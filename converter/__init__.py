@@ -12,6 +12,7 @@ from __future__ import annotations
 from converter.api import Conversion, PassError, audit, convert, normalize_precision
 from converter.ir.errors import MpconvertError
 from converter.ir.precision import PrecisionError
+from converter.numerics.options import CalibrationOptions
 from converter.passes.capture import CaptureError
 from converter.passes.decide import BannedOpError
 from converter.report.build import Report
@@ -23,6 +24,7 @@ __all__ = [
     "convert",
     "audit",
     "Conversion",
+    "CalibrationOptions",
     "Report",
     "Rules",
     "RulesError",
@@ -47,7 +49,7 @@ def __getattr__(name: str):
 
         return LossScaler
     if name == "ToleranceNotMet":
-        from converter.numerics.calibrate import ToleranceNotMet
+        from converter.numerics.search import ToleranceNotMet
 
         return ToleranceNotMet
     if name == "MixedPrecisionTrainer":

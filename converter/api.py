@@ -14,6 +14,7 @@ fails, the error names it and the stages that ran before it.
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,12 @@ from converter.report.build import Report, build_report
 from converter.passes.rewrite import rewrite
 from converter.passes.verify import check_forward
 from converter.rules.loader import Rules, load_rules
+from converter.ir.meta import Decision, GraphMeta
+from converter.numerics.options import CalibrationOptions
+from converter.numerics.redecide import PlaceSettings
+from converter.passes.capture import Captured, CaptureError, capture
+from converter.passes.decide import BannedOpError, decide
+from converter.rules.loader import Rules, RulesError, load_rules
 
 __all__ = ["convert", "audit", "Conversion", "PassError", "normalize_precision", "PRECISION_ALIASES"]
 
@@ -64,7 +71,9 @@ class Conversion:
     original: torch.nn.Module
     example_inputs: tuple
     timings: dict = field(default_factory=dict)
-    options: dict = field(default_factory=dict)  # keep_io_types, placement, opt_level: to redo it in another dtype
+    options: dict = field(default_factory=dict)  # keep_io_types, placement, opt_level, device: to redo it in another dtype
+    calibration: Optional[list] = None  # the calibration batches, kept so that a variant is calibrated the same way
+    calibration_options: Optional[CalibrationOptions] = None
 
     @property
     def decisions(self) -> Mapping[str, Decision]:
@@ -77,10 +86,30 @@ class Conversion:
 
         return emit(self, Path(out_dir), force=force, model_file=model_file)
 
-    def export_onnx(self, path: Union[str, Path], **kwargs) -> Any:
-        from converter.export.onnx import export_onnx
+    def variant(self, precision: Union[str, torch.dtype]) -> "Conversion":
+        """The same conversion in another half dtype: same model, inputs, rules, tracer and options,
+        calibrated again on the same batches when this one was (so the overflow fallback and the
+        accuracy search hold for the variant's dtype). ``self`` when the precision is its own."""
+        target = normalize_precision(precision)
+        if target == self.precision:
+            return self
+        return convert(self.original, self.example_inputs, precision=target, rules=self.rules, tracer=self.tracer,
+                       calibration=self.calibration, calibration_options=self.calibration_options, **self.options)
 
-        return export_onnx(self, Path(path), **kwargs)
+    def export_onnx(self, path: Union[str, Path], *, precision: Union[None, str, torch.dtype] = None, **kwargs) -> Any:
+        """Export to ONNX and verify it (:func:`converter.export.onnx.export_onnx`).
+
+        ``precision``: None exports this conversion's dtype, except that a bf16 conversion exports
+        its fp16 :meth:`variant` (onnxruntime's CPU provider has no bf16 kernels), with a notice.
+        """
+        from converter.export.onnx import choose_precision, export_onnx, variant_notes
+
+        target, notes = choose_precision(self.precision, None if precision is None else normalize_precision(precision))
+        source = self.variant(target)
+        if source is not self:
+            notes += variant_notes(self.decisions, source.decisions, self.precision, target,
+                                   calibrated=self.calibration is not None)
+        return export_onnx(self, Path(path), source=source, notes=notes, **kwargs)
 
 
 def _run_stage(name: str, done: list[str], fn, *args, **kwargs):
@@ -95,9 +124,10 @@ def _run_stage(name: str, done: list[str], fn, *args, **kwargs):
     return result
 
 
-def _pipeline(model, example_inputs, *, precision, rules, tracer, keep_io_types, placement, calibration=None,
-              calibration_options=None, opt_level="O1", device=None):
-    target = normalize_precision(precision)
+def _pipeline(model, example_inputs, *, settings: PlaceSettings, rules, tracer, calibration=None,
+              calibration_options: Optional[CalibrationOptions] = None, device=None, codegen=True):
+    """capture → decide → lower → place → (calibrate) → rewrite → (codegen), placing with ``settings``."""
+    target = settings.target
     rule_set = load_rules(rules)
     done: list[str] = []
     timings: dict[str, float] = {}
@@ -113,22 +143,30 @@ def _pipeline(model, example_inputs, *, precision, rules, tracer, keep_io_types,
     _run_stage("decide", done, decide, gm, rule_set, precision=target)
     lowered = _run_stage("lower", done, lower, gm, device=device)
     gm.meta[GM_GRAPH].extra.update(device=device, lowered=tuple(lowered))
-    _run_stage("place", done, place, gm, target=target, strategy=placement, keep_io_types=keep_io_types, opt_level=opt_level)
+    _run_stage("place", done, settings.run, gm)
     if calibration is not None:
         from converter.numerics.calibrate import calibrate_and_redecide
 
-        _run_stage("calibrate", done, calibrate_and_redecide, gm, calibration, rules=rule_set, target=target,
-                   placement=placement, keep_io_types=keep_io_types, **(calibration_options or {}))
-    _run_stage("rewrite", done, rewrite, gm, keep_io_types=keep_io_types)
+        _run_stage("calibrate", done, calibrate_and_redecide, gm, calibration, rules=rule_set, settings=settings,
+                   options=calibration_options or CalibrationOptions())
+    _run_stage("rewrite", done, rewrite, gm, keep_io_types=settings.keep_io_types)
     t2 = time.perf_counter()
     timings["pass_s"] = t2 - t1
-    captured.gm = gm = _run_stage("codegen", done, materialize, gm)
-    timings["codegen_s"] = time.perf_counter() - t2
-    t3 = time.perf_counter()
-    # never hand back a module whose example forward fails: the error names the node
-    _run_stage("check", done, check_forward, gm, captured.args, captured.kwargs)
-    timings["check_s"] = time.perf_counter() - t3
+    if codegen:
+        captured.gm = gm = _run_stage("codegen", done, materialize, gm)
+        timings["codegen_s"] = time.perf_counter() - t2
+        t3 = time.perf_counter()
+        # never hand back a module whose example forward fails: the error names the node
+        _run_stage("check", done, check_forward, gm, captured.args, captured.kwargs)
+        timings["check_s"] = time.perf_counter() - t3
     return captured, rule_set, target, timings
+
+
+def _report(captured: Captured, rule_set: Rules, target: str, timings: dict, *, opt_level: str, device) -> Report:
+    gm = captured.gm
+    return build_report(gm, precision=target, tracer=captured.tracer, rules=rule_set.to_dict(),
+                        extra={"capture_errors": captured.errors, "timings": timings, "opt_level": opt_level,
+                               "device": device, "lowered": list(gm.meta[GM_GRAPH].extra.get("lowered", ()))})
 
 
 def convert(
@@ -141,7 +179,7 @@ def convert(
     calibration: Optional[Iterable] = None,
     keep_io_types: bool = True,
     placement: str = "mincut",
-    calibration_options: Optional[dict] = None,
+    calibration_options: Union[None, CalibrationOptions, Mapping[str, Any]] = None,
     opt_level: str = "O1",
     device: Optional[str] = None,
 ) -> Conversion:
@@ -151,7 +189,10 @@ def convert(
     so it needs no loss scaling). ``rules``: rule files layered over the defaults. ``tracer``:
     ``auto`` tries FX then torch.export. ``keep_io_types``: outputs keep their original dtype.
     ``placement``: ``mincut`` (fewest cast bytes) or ``simple``. ``calibration``: an iterable of
-    inputs used to find and fix nodes that would overflow fp16. ``opt_level``: how the parameters
+    inputs used to find and fix nodes that would overflow fp16 (kept on the result, so that
+    :meth:`Conversion.variant` calibrates the same way). ``calibration_options``: a
+    :class:`~converter.numerics.options.CalibrationOptions` (or a mapping of its fields), e.g. a
+    ``tolerance`` for the accuracy search. ``opt_level``: how the parameters
     will be stored when training — ``O1`` fp32 (default: ``conv.module`` trains as is, weight casts
     are part of the cost), ``O2`` in half where every consumer is half, with fp32 master weights
     in :class:`MixedPrecisionTrainer` (``master_weights=True``); placement then treats weight casts
@@ -160,18 +201,19 @@ def convert(
     (:mod:`converter.lower`; ``"cpu"``: bf16 attention as matmul·softmax·matmul, 2-4x faster than
     PyTorch's CPU bf16 flash kernel). None (default): a portable graph, nothing device-specific.
     """
+    options = CalibrationOptions.coerce(calibration_options) if calibration is not None else None
+    batches = None
+    if calibration is not None:  # kept for variants; an endless iterator is read up to max_batches only
+        batches = list(calibration if options.max_batches is None else itertools.islice(calibration, options.max_batches))
+    settings = PlaceSettings(target=normalize_precision(precision), strategy=placement, keep_io_types=keep_io_types,
+                             opt_level=opt_level)
     captured, rule_set, target, timings = _pipeline(
-        model, example_inputs, precision=precision, rules=rules, tracer=tracer, keep_io_types=keep_io_types,
-        placement=placement, calibration=calibration, calibration_options=calibration_options, opt_level=opt_level,
-        device=device,
+        model, example_inputs, settings=settings, rules=rules, tracer=tracer, calibration=batches,
+        calibration_options=options, device=device,
     )
-    gm = captured.gm
-    report = build_report(gm, precision=target, tracer=captured.tracer, rules=rule_set.to_dict(),
-                          extra={"capture_errors": captured.errors, "timings": timings, "opt_level": opt_level,
-                                 "device": device, "lowered": list(gm.meta[GM_GRAPH].extra.get("lowered", ()))})
     return Conversion(
-        module=gm,
-        report=report,
+        module=captured.gm,
+        report=_report(captured, rule_set, target, timings, opt_level=opt_level, device=device),
         precision=target,
         tracer=captured.tracer,
         rules=rule_set,
@@ -179,6 +221,8 @@ def convert(
         example_inputs=(captured.args, captured.kwargs),
         timings=timings,
         options={"keep_io_types": keep_io_types, "placement": placement, "opt_level": opt_level, "device": device},
+        calibration=batches,
+        calibration_options=options,
     )
 
 
@@ -192,6 +236,13 @@ def audit(
     placement: str = "mincut",
     device: Optional[str] = None,
 ) -> Report:
-    """Decide and place only: the report of what :func:`convert` would do; the model is untouched."""
-    return convert(model, example_inputs, precision=precision, rules=rules, tracer=tracer, placement=placement,
-                   device=device).report
+    """The report of what :func:`convert` would do; the model is untouched.
+
+    Runs capture, decide, lower, place and rewrite on the traced copy (the rewrite is what puts
+    the casts the report counts on the graph), but no calibration and no code generation, and
+    returns only the report.
+    """
+    settings = PlaceSettings(target=normalize_precision(precision), strategy=placement)
+    captured, rule_set, target, timings = _pipeline(model, example_inputs, settings=settings, rules=rules, tracer=tracer,
+                                                    device=device, codegen=False)
+    return _report(captured, rule_set, target, timings, opt_level="O1", device=device)

@@ -11,25 +11,24 @@ from hypothesis import strategies as st
 from torch import nn
 
 import converter
-from converter.numerics.calibrate import (
-    FP16_MAX,
-    NodeStats,
-    TensorStats,
-    ToleranceNotMet,
-    calibrate_and_redecide,
-    collect_statistics,
-    recommend_loss_scale,
-    tensor_stats,
-)
+from converter.numerics.calibrate import ToleranceNotMet, calibrate_and_redecide, recommend_loss_scale
+from converter.numerics.common import sqnr_db
+from converter.numerics.options import CalibrationOptions
+from converter.numerics.redecide import PlaceSettings
+from converter.numerics.stats import FP16_MAX, NodeStats, TensorStats, collect_statistics, tensor_stats
 from converter.passes.capture import capture
 from converter.passes.decide import decide
 from converter.passes.place.stage import place
 from converter.rules.loader import Rules, load_rules
-from converter.numerics.search import sqnr_db
-
 
 # ---------------------------------------------------------------------------------------------
 # helpers
+
+
+def _calibrate(gm, batches, *, rules, target, **options):
+    """The calibrate stage with the placement settings convert uses by default and ``options``."""
+    return calibrate_and_redecide(gm, batches, rules=rules, settings=PlaceSettings(target=target),
+                                  options=CalibrationOptions(**options))
 
 
 def direct_stats(tensors) -> TensorStats:
@@ -211,13 +210,13 @@ def test_margin_comes_from_the_rules_setting():
     rules = load_rules()
     gm, _ = decided(model, (example,), rules=rules)
     mul_like = [n.name for n in gm.graph.nodes if n.meta.get("mp") is not None and n.meta["mp_info"].op == "mul"]
-    calibrate_and_redecide(gm, [(example,)], rules=rules, target="fp16", progress=False)
+    _calibrate(gm, [(example,)], rules=rules, target="fp16", progress=False)
     # 40000 × 2 > 65504: the node producing it (placed fp16) falls back
     assert {n.name for n in gm.graph.nodes if n.meta.get("mp") and n.meta["mp"].rule.table == "calibration"} >= set(mul_like)
     # with overflow_margin = 1.5 (40000 × 1.5 = 60000 < 65504) nothing moves
     loose = rules + Rules.from_dict({"settings": {"overflow_margin": 1.5}}, file="loose.toml")
     gm2, _ = decided(model, (example,), rules=loose)
-    result = calibrate_and_redecide(gm2, [(example,)], rules=loose, target="fp16", progress=False)
+    result = _calibrate(gm2, [(example,)], rules=loose, target="fp16", progress=False)
     assert result["margin"] == 1.5 and result["risky_nodes"] == []
 
 
@@ -233,7 +232,7 @@ def test_an_overflowing_input_is_evidence_too():
     example = torch.zeros(2, 3)
     rules = load_rules()
     gm, _ = decided(InputOverflow(), (example,), rules=rules)
-    result = calibrate_and_redecide(gm, [(example,)], rules=rules, target="fp16", progress=False)
+    result = _calibrate(gm, [(example,)], rules=rules, target="fp16", progress=False)
     linear = next(n for n in gm.graph.nodes if n.meta.get("mp_info") is not None and n.meta["mp_info"].op == "linear")
     rows = {r["name"]: r for r in result["risky_nodes"]}
     assert linear.meta["mp"].precision == "bf16"
@@ -406,7 +405,8 @@ def test_calibration_leaves_no_trace():
     batches = [(torch.randn(5, 4),) for _ in range(2)]
     before = {k: v.clone() for k, v in gm.state_dict().items()}
     rng = torch.random.get_rng_state()
-    calibrate_and_redecide(gm, batches, rules=rules, target="bf16", progress=False)
+    calibrate_and_redecide(gm, batches, rules=rules, settings=PlaceSettings(target="bf16"),
+                           options=CalibrationOptions(progress=False))
     assert all(torch.equal(before[k], v) for k, v in gm.state_dict().items())
     assert torch.equal(rng, torch.random.get_rng_state())
     assert all(p.grad is None for p in gm.parameters())
@@ -423,7 +423,7 @@ def test_loss_fn_is_used_and_a_failing_one_is_reported():
         used.append(batch)
         return (output ** 2).mean()
 
-    result = calibrate_and_redecide(gm, [(example,)], rules=rules, target="bf16", loss_fn=loss_fn, progress=False)
+    result = _calibrate(gm, [(example,)], rules=rules, target="bf16", loss_fn=loss_fn, progress=False)
     assert result["loss"] == "loss_fn(output, batch)" and len(used) == 1 and used[0][0] is example
 
     def broken(output, batch):
@@ -431,7 +431,7 @@ def test_loss_fn_is_used_and_a_failing_one_is_reported():
         return output.sum()
 
     with pytest.warns(UserWarning, match="loss_fn"):
-        result = calibrate_and_redecide(gm, [(example,)], rules=rules, target="bf16", loss_fn=broken, progress=False)
+        result = _calibrate(gm, [(example,)], rules=rules, target="bf16", loss_fn=broken, progress=False)
     assert result["loss"].startswith("sum of the floating outputs (loss_fn(output, batch) failed")
     assert result["backward"] is True
 
@@ -447,7 +447,7 @@ def test_kwargs_inputs_and_backward_off():
 
     example = ((torch.randn(2, 3),), {"scale": 2.0})
     gm, rules = decided(KW(), example, precision="bf16")
-    result = calibrate_and_redecide(gm, [example, example], rules=rules, target="bf16", backward=False, progress=False)
+    result = _calibrate(gm, [example, example], rules=rules, target="bf16", backward=False, progress=False)
     assert result["batches"] == 2 and result["backward"] is False
     assert result["nodes"]["lin"]["grad"] is None and result["nodes"]["lin"]["forward"]["count"] == 12
 
@@ -467,7 +467,7 @@ def test_underflow_risk_and_loss_scale_from_the_gradients():
     model = nn.Linear(8, 8)
     example = torch.randn(4, 8)
     gm, rules = decided(model, (example,))
-    result = calibrate_and_redecide(gm, [(example,)], rules=rules, target="fp16", progress=False,
+    result = _calibrate(gm, [(example,)], rules=rules, target="fp16", progress=False,
                                     loss_fn=lambda out, batch: out.sum() * 1e-9)
     # every gradient an fp16 node produces (the output's, the weight's, the bias's) is below 2**-24
     x = example
@@ -486,10 +486,13 @@ def test_bad_options_are_rejected(planted):
     model, example, calibration = planted
     gm, rules = decided(model, (example,))
     with pytest.raises(ValueError, match="overflow_fallback"):
-        calibrate_and_redecide(gm, calibration, rules=rules, target="fp16", fallback="fp16", progress=False)
+        calibrate_and_redecide(gm, calibration, rules=rules, settings=PlaceSettings(target="fp16"),
+                           options=CalibrationOptions(fallback="fp16", progress=False))
     with pytest.raises(ValueError, match="margin"):
-        calibrate_and_redecide(gm, calibration, rules=rules, target="fp16", margin=0, progress=False)
+        calibrate_and_redecide(gm, calibration, rules=rules, settings=PlaceSettings(target="fp16"),
+                           options=CalibrationOptions(margin=0, progress=False))
     with pytest.raises(ValueError, match="no batches"):
-        calibrate_and_redecide(gm, [], rules=rules, target="fp16", progress=False)
+        calibrate_and_redecide(gm, [], rules=rules, settings=PlaceSettings(target="fp16"),
+                           options=CalibrationOptions(progress=False))
     assert issubclass(ToleranceNotMet, ValueError)
     assert FP16_MAX == 65504.0

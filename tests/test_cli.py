@@ -354,7 +354,7 @@ def test_tolerance_not_met_exits_1_and_writes_nothing(work, capfd, monkeypatch):
     from converter.numerics.calibrate import ToleranceNotMet
 
     def not_met(*_args, **kwargs):
-        assert kwargs["calibration_options"]["tolerance"] == 45.0 and kwargs["calibration"]
+        assert kwargs["calibration_options"].tolerance.sqnr_db == 45.0 and kwargs["calibration"]
         raise ToleranceNotMet(31.5, ["fc1"], tolerance=45.0, evaluations=3)
 
     monkeypatch.setattr(api, "convert", not_met)

@@ -22,8 +22,14 @@ import torch
 from torch import nn
 
 import converter
-from converter.export import emit as emit_mod
-from converter.export.emit import EmitError, OutputExistsError, emit, generate_model_source
+from converter.export import artifacts as artifacts_mod
+from converter.export.emit import (
+    EmitError,
+    OutputExistsError,
+    emit,
+    generate_model_source,
+    import_file,
+)
 from tests.helpers import ROOT, SAMPLES, load_sample
 
 STDLIB_OK = {"os", "math", "operator", "builtins", "torch"}
@@ -126,7 +132,7 @@ def test_standalone_load_is_bit_exact_without_converter(outputs, tmp_path):
 
 
 def test_model_py_is_readable_torch_only_code(outputs):
-    for name, (conv, out) in outputs.items():
+    for name, (_conv, out) in outputs.items():
         code = (out / "model.py").read_text()
         tree = ast.parse(code)
         imported = set()
@@ -155,7 +161,7 @@ def test_model_py_is_readable_torch_only_code(outputs):
 
 def test_loaded_model_structure_and_weights(outputs):
     conv, out = outputs["hf_gpt2"]
-    module = emit_mod._import_file(out / "model.py")
+    module = import_file(out / "model.py")
     model = module.load()
     names = dict(model.named_parameters())
     assert set(names) == set(dict(conv.module.named_parameters()))
@@ -164,7 +170,7 @@ def test_loaded_model_structure_and_weights(outputs):
     state = torch.load(out / "weights.pt", weights_only=True)
     assert all(isinstance(v, torch.Tensor) for v in state.values())
     conv_cnn, out_cnn = outputs["cnn"]
-    cnn = emit_mod._import_file(out_cnn / "model.py").load()
+    cnn = import_file(out_cnn / "model.py").load()
     assert isinstance(cnn.b1.bn, nn.BatchNorm2d) and cnn.training == conv_cnn.module.training
     for key, value in conv_cnn.module.state_dict().items():
         assert torch.equal(cnn.state_dict()[key], value), key
@@ -288,7 +294,7 @@ def test_failure_during_emit_leaves_nothing(outputs, tmp_path, monkeypatch, exc)
     def boom(*_a, **_k):
         raise exc
 
-    monkeypatch.setattr(emit_mod, "_write_reports", boom)
+    monkeypatch.setattr(artifacts_mod, "_write_reports", boom)
     with pytest.raises(type(exc)):
         emit(conv, tmp_path / "nested" / "o")
     assert list(tmp_path.iterdir()) == []  # not even the parent it would have created
@@ -299,19 +305,32 @@ def test_failure_with_force_keeps_the_old_directory(outputs, tmp_path, monkeypat
     out = tmp_path / "o"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    monkeypatch.setattr(emit_mod, "_write_reports", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    monkeypatch.setattr(artifacts_mod, "_write_reports", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
         emit(conv, out, force=True)
     assert (out / "keep.txt").read_text() == "mine"
     assert _leftovers(tmp_path, "o") == ["o"]
 
 
+_SLOW_EMIT = """
+import sys, time
+import converter.export.artifacts as artifacts
+_write = artifacts._write_text
+def _slow(path, text):
+    _write(path, text)
+    time.sleep(2)
+artifacts._write_text = _slow  # the test's own process only: emit pauses after each text file
+from converter.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 def test_sigint_during_emit_leaves_no_directory(tmp_path):
-    env = _train_env()
-    env["MPCONVERT_TEST_EMIT_DELAY"] = "2"
+    script = tmp_path / "slow_emit.py"
+    script.write_text(_SLOW_EMIT)
     out = tmp_path / "interrupted"
-    proc = subprocess.Popen([sys.executable, "-m", "converter", str(SAMPLES / "mlp.py"), "--out", str(out)],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, str(script), str(SAMPLES / "mlp.py"), "--out", str(out)],
+                            cwd=tmp_path, env=_train_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     try:
         while time.monotonic() < deadline:
@@ -358,7 +377,7 @@ def test_nested_inputs_dict_outputs_and_constants(tracer, tmp_path):
     example = (([torch.randn(2, 4), torch.randn(2, 4)],), {"y": torch.randn(2, 4), "flag": True})
     conv = converter.convert(model, example, tracer=tracer)
     out = emit(conv, tmp_path / "o")
-    loaded = emit_mod._import_file(out / "model.py").load()
+    loaded = import_file(out / "model.py").load()
     args, kwargs = conv.example_inputs
     got = loaded(*args, **kwargs)
     ref = conv.module(*args, **kwargs)
@@ -410,7 +429,7 @@ def test_torch_leaf_modules_are_recreated_exactly(tmp_path):
     path = tmp_path / "model.py"
     path.write_text(source.code)
     torch.save(source.tensors, tmp_path / "weights.pt")
-    loaded = emit_mod._import_file(path).load()
+    loaded = import_file(path).load()
     assert loaded.training
     for name, sub in model.named_children():
         assert repr(loaded.get_submodule(name)) == repr(sub)

@@ -8,20 +8,21 @@ import torch
 from torch import nn
 
 import converter
-from converter.numerics.calibrate import ToleranceNotMet
-from converter.passes.capture import capture
-from converter.passes.decide import decide
-from converter.passes.place.stage import place
-from converter.rules.loader import load_rules
+from converter.numerics.common import sqnr_db
+from converter.numerics.options import CalibrationOptions
 from converter.numerics.search import (
     HalfEmulator,
     Outcome,
     Tolerance,
+    ToleranceNotMet,
     bisect_graph_order,
     rank_sensitivity,
     search_ranked,
-    sqnr_db,
 )
+from converter.passes.capture import capture
+from converter.passes.decide import decide
+from converter.passes.place.stage import place
+from converter.rules.loader import load_rules
 
 PLANTED = (3, 7, 11)
 
@@ -75,7 +76,7 @@ def _decided(model, example, precision="fp16"):
 def test_search_finds_the_planted_nodes_with_fewer_evaluations_than_bisection(planted):
     model, batches = planted
     conv = converter.convert(model, batches[0], precision="fp16", calibration=batches,
-                             calibration_options={"tolerance": 30, "progress": False})
+                             calibration_options=CalibrationOptions(tolerance=30, progress=False))
     assert conv.report.summary["compute_nodes"] >= 50
     search = conv.module.meta["mp_calibration"]["search"]
     kept = set(search["kept_fp32"])

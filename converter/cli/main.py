@@ -5,7 +5,7 @@
     mpconvert MODEL.py [--precision bf16|fp16] [--rules F ...] [--out DIR] [--tracer auto|fx|export]
                        [--calibrate] [--tolerance DB] [--onnx] [--onnx-precision fp16|bf16]
                        [--device cpu|cuda] [--force] [-q] [--json] [--debug] [--entry NAME]
-    mpconvert audit MODEL.py [...]         decide only; writes report.json/.md/.html
+    mpconvert audit MODEL.py [...]         the report only (no model.py); writes report.json/.md/.html
     mpconvert explain MODEL.py NODE [...]  every rule that matched NODE, and why the winner won
     mpconvert rules check FILE...          validate rule files
 
@@ -51,7 +51,7 @@ PRECISION_HELP = "fp16 or bf16 (aliases: float16, half, 16-mixed, bfloat16, bf16
 _EPILOG = """\
 commands:
   mpconvert MODEL.py [options]        convert; writes MODEL_mp/ (model.py, weights.pt, train.py, reports)
-  mpconvert audit MODEL.py [options]  decide only; writes MODEL_audit/ (report.json, .md, .html)
+  mpconvert audit MODEL.py [options]  the report only; writes MODEL_audit/ (report.json, .md, .html)
   mpconvert explain MODEL.py NODE     every rule that matched NODE, its precedence, and the winner
   mpconvert rules check FILE...       validate rule files (exit 2 on the first problem of each file)
 
@@ -158,7 +158,8 @@ def build_parsers(only: Optional[str] = None) -> dict[str, argparse.ArgumentPars
     convert.add_argument("--version", action="version", version=f"mpconvert {__version__}")
     _common(convert)
 
-    audit = _Parser(prog="mpconvert audit", description="Decide and place only: report what each node would run in and why. "
+    audit = _Parser(prog="mpconvert audit", description="Report what each node would run in and why, and the casts a conversion would insert, "
+                    "without writing the model. "
                     "Writes report.json, report.md and report.html.")
     audit.add_argument("model", metavar="MODEL.py")
     _model_options(audit)
@@ -366,11 +367,9 @@ def _cmd_convert(ns, ui: _UI) -> int:
             raise UsageError(f"{mf.name}: calibration_inputs() raised {type(exc).__name__}: {_one_line(exc)}; fix it or drop --calibrate") from exc
         if not calibration:
             raise UsageError(f"{mf.name}: calibration_inputs() gave no inputs; return at least one or drop --calibrate")
-        options = {"progress": not (ui.quiet or ui.json)}
-        if mf.loss_fn is not None:
-            options["loss_fn"] = mf.loss_fn
-        if tolerance is not None:
-            options["tolerance"] = tolerance
+        from converter.numerics.options import CalibrationOptions
+
+        options = CalibrationOptions(progress=not (ui.quiet or ui.json), loss_fn=mf.loss_fn, tolerance=tolerance)
 
     from converter.numerics.calibrate import ToleranceNotMet
 

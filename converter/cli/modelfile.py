@@ -147,7 +147,7 @@ def import_model_file(path: str | Path) -> ModuleType:
         raise ModelFileSyntaxError(f"{line}: syntax error: {_one_line(exc.msg)}; fix the Python syntax on that line") from None
     except ValueError as exc:  # e.g. null bytes
         raise ModelFileSyntaxError(f"{path}: not a Python source file ({_one_line(str(exc))}); pass a .py model file") from None
-    digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:10]
+    digest = hashlib.sha1(str(path.resolve()).encode("utf-8", "surrogateescape")).hexdigest()[:10]
     stem = "".join(c if c.isalnum() else "_" for c in path.stem)
     name = f"_mpconvert_model_{stem}_{digest}"
     spec = importlib.util.spec_from_file_location(name, str(path))

@@ -26,26 +26,36 @@ Opset
     ``Cast`` from 13; onnxruntime ≥ 1.16 runs it.
 
 Verification (``verify=True``)
-    * ``onnx.checker.check_model(full_check=True)``;
-    * an onnxruntime CPU session runs the example inputs and its outputs are compared with
-      ``conv.module`` (eval mode): the max abs error must stay below a tolerance scaled to the
-      half dtype's precision and the output magnitude (:func:`tolerance_for`);
+    The verdict (``ok``) is numeric: an onnxruntime CPU session runs the example inputs and its
+    outputs are compared with ``conv.module`` (eval mode): the max abs error must stay below a
+    tolerance scaled to the half dtype's precision and the output magnitude (:func:`tolerance_for`).
+    A file that ``onnx.checker.check_model(full_check=True)`` rejects, or that onnxruntime cannot
+    run, fails too (:data:`VERDICT_CHECKS`). The structural checks below are *information*: they
+    are recorded in ``checks`` and explained in ``notes`` and the summary, but never fail an export
+    whose numbers match:
+
     * the Cast count equals the expected count: the casts on activations in the FX graph (the
       inserted ones and the model's own casts that now change dtype) plus the model's own casts of
       integer/bool tensors (they are in the fp32 export too); weight casts are folded into half
-      initializers and so are not Casts;
+      initializers and so are not Casts. When the counts differ, the note says why, as far as the
+      FX graph tells: e.g. the exporter's optimizer folded Casts of values computed from constants
+      only (rotary-embedding tables at the example's fixed length), or the exporter added Casts;
     * no Cast reads the output of another Cast (no round trip);
+    * graph inputs and outputs stay fp32, node names are unique, weights are half initializers;
     * the file size is compared with an export of the fp32 original.
 
 bf16
     onnxruntime's CPU provider has no bf16 compute kernels (MatMul/Gemm/Add in bf16 fail with
     NOT_IMPLEMENTED, onnxruntime#26311). For a bf16 conversion the default is therefore the fp16
-    variant of the same decisions (the conversion re-run with ``precision="fp16"``, same rules and
-    tracer), verified on CPU, with a notice. ``precision="bf16"`` exports bf16 for GPU providers:
-    the static checks run, CPU verification is skipped and the notes say why (``verified=False``).
+    variant of the same decisions, verified on CPU, with a notice: :func:`choose_precision` picks
+    the dtype and :meth:`converter.api.Conversion.variant` re-converts (same rules, tracer, options
+    and calibration batches); the exporter receives the variant as ``source`` and never converts
+    anything itself. ``precision="bf16"`` exports bf16 for GPU providers: the static checks run,
+    CPU verification is skipped and the notes say why (``verified=False``).
 """
 from __future__ import annotations
 
+import collections
 import copy
 import math
 import os
@@ -53,16 +63,16 @@ import tempfile
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 import torch.fx
-from torch.utils import _pytree as pytree
 
-from converter.ir.meta import DTYPES, TensorSpec, name_of
+from converter.ir.meta import DTYPES, GM_PARAM_DTYPES, TensorSpec, name_of
 from converter.ir.ops import CAST_OPS
 from converter.ir.meta import GM_PARAM_DTYPES, META_CAST, META_DECISION, META_INFO, META_VALUE
 from converter.ir.errors import EXIT_CHECK_FAILED, MpconvertError
+from converter.numerics.common import output_tensors, to_json
 
 __all__ = [
     "DEFAULT_OPSET",
@@ -75,6 +85,9 @@ __all__ = [
     "tolerance_for",
     "TOLERANCE_ULPS",
     "BF16_CPU_REASON",
+    "VERDICT_CHECKS",
+    "choose_precision",
+    "variant_notes",
 ]
 
 #: the opset written by default (see the module docstring for why)
@@ -89,6 +102,7 @@ BF16_CPU_REASON = (
 # ONNX TensorProto element types
 _FLOAT, _FLOAT16, _BFLOAT16, _DOUBLE = 1, 10, 16, 11
 _ONNX_DTYPE_NAMES = {_FLOAT: "fp32", _FLOAT16: "fp16", _BFLOAT16: "bf16", _DOUBLE: "fp64"}
+_ONNX_TYPE_NAMES = {**_ONNX_DTYPE_NAMES, 2: "uint8", 3: "int8", 5: "int16", 6: "int32", 7: "int64", 9: "bool"}
 _TORCH_TO_ONNX = {
     torch.float32: _FLOAT, torch.uint8: 2, torch.int8: 3, torch.int16: 5, torch.int32: 6, torch.int64: 7,
     torch.bool: 9, torch.float16: _FLOAT16, torch.float64: _DOUBLE, torch.bfloat16: _BFLOAT16,
@@ -97,6 +111,9 @@ _TORCH_TO_ONNX = {
 _MANTISSA_BITS = {"fp16": 10, "bf16": 7}
 #: the ORT-vs-torch tolerance, in ulps of the half dtype at the output's largest magnitude
 TOLERANCE_ULPS = 3
+#: the checks that decide ``OnnxResult.ok``: a valid file whose onnxruntime outputs match
+#: ``conv.module``; every other check is information (see the module docstring)
+VERDICT_CHECKS = ("checker", "ort_match")
 
 
 class OnnxExportError(MpconvertError, RuntimeError):
@@ -109,9 +126,12 @@ class OnnxExportError(MpconvertError, RuntimeError):
 class OnnxResult:
     """What :func:`export_onnx` wrote and what its verification found.
 
-    ``ok`` is True when every check that ran passed. ``verified`` is True when onnxruntime ran the
-    model and its outputs matched ``conv.module``; it is False for a bf16 export (CPU has no bf16
-    kernels) or when ``verify=False``.
+    ``ok`` is True when every check of :data:`VERDICT_CHECKS` that ran passed: the file is valid
+    and, when onnxruntime ran it, its outputs match ``conv.module``. The structural checks (Cast
+    count, Cast dtypes, round trips, fp32 I/O, half initializers) are in ``checks`` too, and a
+    difference there is listed in ``differences`` with its cause, as information. ``verified`` is
+    True when onnxruntime ran the model and its outputs matched ``conv.module``; it is False for a
+    bf16 export (CPU has no bf16 kernels) or when ``verify=False``.
     """
 
     path: Path
@@ -133,12 +153,17 @@ class OnnxResult:
     cast_breakdown: dict = field(default_factory=dict)
     checks: dict = field(default_factory=dict)
     fp32_cast_count: Optional[int] = None
+    differences: list[str] = field(default_factory=list)
 
     @property
     def summary(self) -> str:
         status = "OK" if self.ok else "FAILED"
         parts = [f"ONNX {status}: {self.path.name}", f"{self.precision}", f"opset {self.opset}", f"{self.exporter} exporter"]
-        parts.append(f"{self.cast_count} Casts (expected {self.expected_casts})")
+        if self.cast_count == self.expected_casts:
+            parts.append(f"{self.cast_count} Casts (expected {self.expected_casts})")
+        else:
+            parts.append(f"{self.cast_count} Casts (expected {self.expected_casts}; information, not a failure: "
+                         + " ".join(d for d in self.differences if d.startswith("Cast count")) + ")")
         parts.append(f"{len(self.cast_pairs)} Cast pairs")
         if self.max_abs_error is not None:
             parts.append(f"max abs error {self.max_abs_error:.3g} (tol {self.tolerance:.3g})")
@@ -160,7 +185,7 @@ class OnnxResult:
         out["path"] = str(self.path)
         out["cast_pairs"] = [list(p) for p in self.cast_pairs]
         out["summary"] = self.summary
-        return out
+        return to_json(out)
 
 
 def _mib(n: Optional[int]) -> str:
@@ -173,8 +198,27 @@ def _mib(n: Optional[int]) -> str:
 # expected casts (read from the FX graph's meta only)
 
 
-def _cast_nodes_in_order(gm: torch.fx.GraphModule) -> list[tuple[str, str, torch.dtype, torch.dtype]]:
-    """What in the FX graph becomes an ONNX Cast, in graph order: (name, kind, source dtype, target dtype).
+class _FxCast(NamedTuple):
+    """One cast of the FX graph that the ONNX export should contain as a Cast."""
+
+    name: str
+    kind: str  # inserted | model | implicit | model-nonfloat | weight
+    src: torch.dtype
+    dst: torch.dtype
+    constant: bool  # the value cast depends on no graph input: an exporter may constant-fold it
+
+
+def _input_dependent(gm: torch.fx.GraphModule) -> set:
+    """The nodes whose value depends on a graph input (the others are computed from constants and weights)."""
+    dependent: set = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" or any(a in dependent for a in node.all_input_nodes):
+            dependent.add(node)
+    return dependent
+
+
+def _cast_nodes_in_order(gm: torch.fx.GraphModule) -> list[_FxCast]:
+    """What in the FX graph becomes an ONNX Cast, in graph order (see :class:`_FxCast`).
 
     kind is
 
@@ -192,12 +236,14 @@ def _cast_nodes_in_order(gm: torch.fx.GraphModule) -> list[tuple[str, str, torch
     from converter.passes.rewrite import runtime_dtype
 
     cache: dict = {}
-    out: list[tuple[str, str, torch.dtype, torch.dtype]] = []
+    dependent = _input_dependent(gm)
+    out: list[_FxCast] = []
     for node in gm.graph.nodes:
         rec = node.meta.get(META_CAST)
         if rec is not None:
             kind = "weight" if rec.on_weight else ("inserted" if rec.inserted else "model")
-            out.append((node.name, kind, DTYPES[rec.src_dtype], DTYPES[rec.dtype]))
+            source = node.args[0] if node.args else None
+            out.append(_FxCast(node.name, kind, DTYPES[rec.src_dtype], DTYPES[rec.dtype], source not in dependent))
             continue
         info = node.meta.get(META_INFO)
         decision = node.meta.get(META_DECISION)
@@ -214,7 +260,8 @@ def _cast_nodes_in_order(gm: torch.fx.GraphModule) -> list[tuple[str, str, torch
                 have = runtime_dtype(arg, cache)
                 if have is not None and have.is_floating_point and have != want:
                     kind = "weight" if arg.op == "get_attr" else "implicit"
-                    out.append((f"{arg.name}_to_{name_of(want)}_in_{node.name}", kind, have, want))
+                    out.append(_FxCast(f"{arg.name}_to_{name_of(want)}_in_{node.name}", kind, have, want,
+                                       arg not in dependent))
             continue
         if info.op not in CAST_OPS or node.op == "call_module":
             continue
@@ -229,7 +276,7 @@ def _cast_nodes_in_order(gm: torch.fx.GraphModule) -> list[tuple[str, str, torch
             kind = "model"
         else:
             kind = "model-nonfloat"
-        out.append((node.name, kind, have.dtype, got.dtype))
+        out.append(_FxCast(node.name, kind, have.dtype, got.dtype, src not in dependent))
     return out
 
 
@@ -237,13 +284,13 @@ def expected_casts(gm: torch.fx.GraphModule) -> dict:
     """The number of ONNX Casts the export of ``gm`` must contain, and its breakdown by kind."""
     nodes = _cast_nodes_in_order(gm)
     counts = {"inserted": 0, "model": 0, "implicit": 0, "model-nonfloat": 0, "weight": 0}
-    for _, kind, _, _ in nodes:
-        counts[kind] += 1
+    for entry in nodes:
+        counts[entry.kind] += 1
     counts["recorded"] = sum(
         1 for n in gm.graph.nodes if META_CAST in n.meta and not n.meta[META_CAST].on_weight
     )
     counts["expected"] = counts["inserted"] + counts["model"] + counts["implicit"] + counts["model-nonfloat"]
-    counts["order"] = [entry for entry in nodes if entry[1] != "weight"]
+    counts["order"] = [entry for entry in nodes if entry.kind != "weight"]
     return counts
 
 
@@ -371,18 +418,16 @@ def _match_casts(model, fx_order: list) -> dict:
     * ``in_order``: they also pair up one to one in graph order, and are then named after the FX
       casts (``mp/<cast>``, ``mp_promote/<src>_to_<dtype>_in_<node>``, ``model/<node>``).
     """
-    import collections
-
     types = _value_types(model)
     casts = [n for n in model.graph.node if n.op_type == "Cast"]
     got = [(types.get(c.input[0]) if c.input else None, _cast_to(c)) for c in casts]
-    want = [(_onnx_type(src), _onnx_type(dst)) for _, _, src, dst in fx_order]
+    want = [(_onnx_type(entry.src), _onnx_type(entry.dst)) for entry in fx_order]
     dtypes_match = collections.Counter(got) == collections.Counter(want)
     in_order = len(got) == len(want) and all(g == w for g, w in zip(got, want))
     if in_order:
         prefix = {"inserted": "mp/", "implicit": "mp_promote/", "model": "model/", "model-nonfloat": "model/"}
-        for c, (fx_name, kind, _, _) in zip(casts, fx_order):
-            c.name = prefix[kind] + fx_name
+        for c, entry in zip(casts, fx_order):
+            c.name = prefix[entry.kind] + entry.name
     return {"dtypes_match": dtypes_match, "in_order": in_order, "onnx": got, "fx": want}
 
 
@@ -599,12 +644,8 @@ def tolerance_for(precision: str, reference_scale: float) -> float:
     return TOLERANCE_ULPS * 2.0 ** (math.floor(math.log2(scale)) - bits)
 
 
-def _flat_tensors(value: Any) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
-
-
 def _feeds(session, args: tuple, kwargs: dict) -> dict:
-    positional = [a for a in _flat_tensors(args)]
+    positional = [a for a in output_tensors(args)]
     feeds = {}
     for inp in session.get_inputs():
         if inp.name in kwargs and isinstance(kwargs[inp.name], torch.Tensor):
@@ -635,7 +676,7 @@ def _reference(conv_module: torch.fx.GraphModule, args, kwargs) -> list[torch.Te
     ref = _deepcopy(conv_module)
     _eval(ref)
     with torch.no_grad():
-        return _flat_tensors(ref(*args, **kwargs))
+        return output_tensors(ref(*args, **kwargs))
 
 
 def _compare(outputs: list, reference: list[torch.Tensor]) -> tuple[float, float]:
@@ -665,75 +706,121 @@ def _compare(outputs: list, reference: list[torch.Tensor]) -> tuple[float, float
 # the public entry point
 
 
-def _variant(conv, precision: str, notes: list[str]):
-    """The conversion to export: ``conv`` itself, or the same decisions re-run for ``precision``."""
-    if precision == conv.precision:
-        return conv
-    from converter.api import convert
+def choose_precision(conversion_precision: str, requested: Optional[str]) -> tuple[str, list[str]]:
+    """The dtype to export, and a note when it is not the conversion's own.
 
-    other = convert(conv.original, conv.example_inputs, precision=precision, rules=conv.rules, tracer=conv.tracer,
-                    **getattr(conv, "options", {}))
-    mapping = {conv.precision: precision}
-    before = {k: mapping.get(d.precision, d.precision) for k, d in conv.decisions.items()}
-    after = {k: d.precision for k, d in other.decisions.items()}
-    differ = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+    ``requested``: ``"fp16"``, ``"bf16"`` or None (already normalised: aliases are read by
+    :func:`converter.api.normalize_precision`). None exports the conversion's dtype, except that a
+    bf16 conversion exports its fp16 variant (onnxruntime's CPU provider has no bf16 kernels).
+    """
+    if requested is not None:
+        if requested not in _MANTISSA_BITS:
+            raise ValueError(f"unknown precision {requested!r}; use fp16 or bf16")
+        return requested, []
+    if conversion_precision != "bf16":
+        return conversion_precision, []
+    return "fp16", [
+        f"the conversion is bf16 but {BF16_CPU_REASON}: exported the fp16 variant of the same decisions and "
+        "verified it on CPU; pass precision='bf16' (--onnx-precision bf16) to export bf16 for GPU providers"
+    ]
+
+
+def variant_notes(before: Mapping[str, Any], after: Mapping[str, Any], precision: str, target: str, *,
+                  calibrated: bool) -> list[str]:
+    """Notes comparing the decisions (node name -> Decision) of a conversion and of its ``target`` variant."""
+    mapping = {precision: target}
+    was = {k: mapping.get(d.precision, d.precision) for k, d in before.items()}
+    now = {k: d.precision for k, d in after.items()}
+    differ = sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
+    again = "; calibration ran again on the same batches for it" if calibrated else ""
     if differ:
-        notes.append(
-            f"the {precision} re-conversion decided {len(differ)} node(s) differently from the {conv.precision} one "
-            f"(e.g. {', '.join(differ[:5])}); calibration results are not carried over"
-        )
-    else:
-        notes.append(f"the {precision} variant has the same decisions as the {conv.precision} conversion "
-                     f"({len(after)} nodes, {precision} in place of {conv.precision})")
-    return other
+        return [f"the {target} re-conversion decided {len(differ)} node(s) differently from the {precision} one "
+                f"(e.g. {', '.join(differ[:5])}){again}"]
+    return [f"the {target} variant has the same decisions as the {precision} conversion "
+            f"({len(now)} nodes, {target} in place of {precision}){again}"]
 
 
 def export_onnx(
     conv,
     path,
     *,
-    precision: Optional[str] = None,
+    source=None,
+    notes: Sequence[str] = (),
     opset: int = DEFAULT_OPSET,
     verify: bool = True,
     exporter: str = "auto",
     compare_size: bool = True,
     keep_debug_metadata: bool = False,
 ) -> OnnxResult:
-    """Export ``conv`` (a :class:`~converter.api.Conversion`) to ONNX at ``path`` and verify it.
+    """Export ``source`` (default: ``conv``, a :class:`~converter.api.Conversion`) to ONNX at ``path`` and verify it.
 
-    ``precision``: ``None`` exports the conversion's own precision, except that a bf16 conversion
-    exports its fp16 variant (onnxruntime's CPU provider has no bf16 kernels), with a notice;
-    ``"fp16"``/``"bf16"`` (or an alias) forces one. ``opset``: :data:`DEFAULT_OPSET`.
-    ``verify``: run onnxruntime and compare with ``conv.module`` (the static checks always run).
-    ``exporter``: ``auto`` (dynamo, then TorchScript), ``dynamo`` or ``torchscript``.
-    ``compare_size``: also export the fp32 original and report the size ratio.
+    ``source``: the conversion to export, in the dtype to export: ``conv`` itself, or the variant
+    :meth:`converter.api.Conversion.export_onnx` made for another dtype (``notes`` say why). The
+    exporter reads the module, example inputs and original model from them and converts nothing.
+    ``opset``: :data:`DEFAULT_OPSET`. ``verify``: run onnxruntime and compare with the module (the
+    static checks always run). ``exporter``: ``auto`` (dynamo, then TorchScript), ``dynamo`` or
+    ``torchscript``. ``compare_size``: also export the fp32 original and report the size ratio.
     ``keep_debug_metadata``: keep the exporter's per-node debug metadata (dropped by default, from
     both exports, so that the size comparison measures the weights).
     """
-    import onnx
-
-    from converter.ir.precision import half_precision as normalize_precision
-
     if exporter not in ("auto", "dynamo", "torchscript"):
         raise ValueError(f"exporter must be 'auto', 'dynamo' or 'torchscript', got {exporter!r}")
+    source = conv if source is None else source
+    target = source.precision
+    if target not in _MANTISSA_BITS:
+        raise ValueError(f"unknown precision {target!r}; use fp16 or bf16")
     path = Path(path)
-    notes: list[str] = []
-    if precision is None:
-        target = conv.precision
-        if target == "bf16":
-            target = "fp16"
-            notes.append(
-                f"the conversion is bf16 but {BF16_CPU_REASON}: exported the fp16 variant of the same decisions and "
-                "verified it on CPU; pass precision='bf16' (--onnx-precision bf16) to export bf16 for GPU providers"
-            )
-    else:
-        target = normalize_precision(precision)
-    source = _variant(conv, target, notes)
+    notes = list(notes)
     gm = source.module
     args, kwargs = source.example_inputs  # (args, kwargs), normalised by capture
-    param_dtypes = gm.meta.get(GM_PARAM_DTYPES, {})
+    model, used = _export(_export_copy(gm, gm.meta.get(GM_PARAM_DTYPES, {})), args, kwargs, opset=opset,
+                          exporter=exporter, notes=notes)
+    written = _postprocess(model, gm, target=target, conversion_precision=conv.precision,
+                           keep_debug_metadata=keep_debug_metadata)
+    size = _save(model, path)
+    checks, differences = _static_checks(model, path, written, notes)
+    run = _verify(path, gm, args, kwargs, target, notes) if verify else _Verified()
+    if not verify:
+        notes.append("verification with onnxruntime not requested (verify=False)")
+    checks.update(run.checks)
+    fp32_size = fp32_casts = ratio = None
+    if compare_size:
+        fp32_size, fp32_casts = _fp32_size(source, args, kwargs, opset=opset, exporter=used, notes=notes,
+                                           keep_debug_metadata=keep_debug_metadata)
+        ratio = _size_notes(size, fp32_size, fp32_casts, written.expected, notes)
+    expected = written.expected
+    breakdown = {k: v for k, v in expected.items() if k != "order"}
+    breakdown.update({"folded_weight_casts": written.folded, "half_initializers": written.n_half,
+                      "fp32_initializers": written.n_fp32, "identity_casts_removed": written.identity,
+                      "named_after_fx": written.matched["in_order"]})
+    return OnnxResult(
+        path=path, precision=target, opset=opset, exporter=used, cast_count=written.cast_count,
+        expected_casts=expected["expected"], cast_pairs=written.pairs, max_abs_error=run.max_err, fp32_size=fp32_size,
+        size=size, size_ratio=ratio, ok=all(checks[k] for k in VERDICT_CHECKS if k in checks), notes=notes,
+        verified=run.verified, conversion_precision=conv.precision, tolerance=run.tol, cast_breakdown=breakdown,
+        checks=checks, fp32_cast_count=fp32_casts, differences=differences,
+    )
 
-    model, used = _export(_export_copy(gm, param_dtypes), args, kwargs, opset=opset, exporter=exporter, notes=notes)
+
+@dataclass
+class _Written:
+    """What post-processing did to the exported model, and the Casts the FX graph implies."""
+
+    expected: dict
+    matched: dict
+    folded: int
+    identity: int
+    renamed: int
+    cast_count: int = 0
+    pairs: list = field(default_factory=list)
+    n_half: int = 0
+    n_fp32: int = 0
+    target: str = ""
+
+
+def _postprocess(model, gm: torch.fx.GraphModule, *, target: str, conversion_precision: str,
+                 keep_debug_metadata: bool) -> _Written:
+    """Fold weight casts, drop identity casts, name the Casts after the FX casts, set the metadata."""
     folded = _fold_initializer_casts(model)
     identity = _drop_identity_casts(model)
     expected = expected_casts(gm)
@@ -743,124 +830,144 @@ def export_onnx(
         _strip_debug_metadata(model)
     _set_model_metadata(model, {
         "mpconvert.precision": target,
-        "mpconvert.conversion_precision": conv.precision,
+        "mpconvert.conversion_precision": conversion_precision,
         "mpconvert.expected_casts": str(expected["expected"]),
     })
-    size = _save(model, path)
+    n_half, n_fp32, _ = _half_initializers(model)
+    return _Written(expected=expected, matched=matched, folded=folded, identity=identity, renamed=renamed,
+                    cast_count=len(onnx_casts(model)), pairs=cast_pairs(model), n_half=n_half, n_fp32=n_fp32,
+                    target=target)
+
+
+def _static_checks(model, path: Path, written: _Written, notes: list[str]) -> tuple[dict[str, bool], list[str]]:
+    """The checker (a verdict check) and the structural checks (information), with their notes."""
+    import onnx
 
     checks: dict[str, bool] = {}
-    # 1. checker
+    differences: list[str] = []
     try:
         onnx.checker.check_model(str(path), full_check=True)  # the written file, external data included
         checks["checker"] = True
     except Exception as exc:  # reported as a failed check
         checks["checker"] = False
         notes.append(f"onnx.checker failed: {exc}")
-    # 2. graph inputs and outputs stay fp32
     inputs, outputs = _io_dtypes(model)
     half_io = [f"{n} ({d})" for n, d in inputs + outputs if d in ("fp16", "bf16")]
     checks["io_fp32"] = not half_io
     if half_io:
-        notes.append(f"graph inputs/outputs in half precision: {', '.join(half_io)}")
-    # 3. unique names
+        differences.append(f"graph inputs/outputs in half precision: {', '.join(half_io)}")
     names = [n.name for g in _all_graphs(model.graph) for n in g.node]
     checks["unique_names"] = len(names) == len(set(names)) and all(names)
-    # 4. casts
     casts = onnx_casts(model)
     castlike = [c.name for c in casts if c.op_type == "CastLike"]
     if castlike:
         notes.append(f"{len(castlike)} CastLike node(s) counted as casts: {', '.join(castlike[:5])}")
+    expected, matched = written.expected, written.matched
     checks["cast_count"] = len(casts) == expected["expected"]
-    pairs = cast_pairs(model)
-    checks["no_cast_pairs"] = not pairs
-    if pairs:
-        notes.append("Cast→Cast round trips: " + ", ".join(f"{a}→{b}" for a, b in pairs))
+    checks["no_cast_pairs"] = not written.pairs
+    if written.pairs:
+        differences.append("Cast→Cast round trips: " + ", ".join(f"{a}→{b}" for a, b in written.pairs))
     checks["cast_dtypes_match_fx"] = matched["dtypes_match"]
-    if not matched["dtypes_match"]:
-        notes.append(f"the Casts' (source, target) ONNX types {matched['onnx']} differ from the FX graph's {matched['fx']}")
+    if not checks["cast_count"] or not matched["dtypes_match"]:
+        differences.append(_cast_difference(len(casts), expected, matched))
     elif not matched["in_order"]:
         notes.append("the Casts convert what the FX graph says but not in its order; they keep the exporter's names")
-    if renamed:
-        notes.append(f"{renamed} node(s) renamed to make every node name unique")
-    # 5. weights stored in half
-    n_half, n_fp32, only_half_use = _half_initializers(model)
+    if written.renamed:
+        notes.append(f"{written.renamed} node(s) renamed to make every node name unique")
+    _, _, only_half_use = _half_initializers(model)
     checks["half_initializers"] = not only_half_use
     if only_half_use:
-        notes.append(f"fp32 initializers consumed only through half casts: {', '.join(only_half_use[:5])}")
-    notes.append(_cast_explanation(len(casts), expected, folded, n_half, n_fp32, target))
+        differences.append(f"fp32 initializers consumed only through half casts: {', '.join(only_half_use[:5])}")
+    notes.append(_cast_explanation(len(casts), expected, written.folded, written.n_half, written.n_fp32, written.target))
+    notes.extend(f"information (not a failure): {d}" for d in differences)
+    return checks, differences
 
-    # 6. onnxruntime
+
+def _type_name(t: Optional[int]) -> str:
+    return _ONNX_TYPE_NAMES.get(t, f"type {t}")
+
+
+def _cast_difference(count: int, expected: dict, matched: dict) -> str:
+    """Why the Casts of the export differ from the FX graph's, as far as the FX graph tells.
+
+    A Cast the FX graph has and the export lacks is put down to the exporter's constant folding
+    when the value it casts depends on no graph input (rotary-embedding tables, masks built from
+    the example's fixed shape); any other difference is reported as added or dropped by the exporter.
+    """
+    order = expected["order"]
+    got = collections.Counter(matched["onnx"])
+    want = collections.Counter((_onnx_type(e.src), _onnx_type(e.dst)) for e in order)
+    parts = []
+    for pair, n in sorted((want - got).items(), key=str):
+        what = f"{_type_name(pair[0])}→{_type_name(pair[1])}"
+        entries = [e for e in order if (_onnx_type(e.src), _onnx_type(e.dst)) == pair]
+        constant = [e.name for e in entries if e.constant]
+        folded = min(n, len(constant))
+        if folded:
+            parts.append(f"the exporter's optimizer folded {folded} {what} Cast(s) of values computed from constants "
+                         f"only ({', '.join(constant[:4])}{', ...' if len(constant) > 4 else ''})")
+        if n > folded:
+            others = [e.name for e in entries if not e.constant]
+            parts.append(f"the exporter dropped or merged {n - folded} {what} Cast(s) of the FX graph "
+                         f"(among {', '.join(others[:4])}{', ...' if len(others) > 4 else ''})")
+    for pair, n in sorted((got - want).items(), key=str):
+        parts.append(f"the exporter added {n} {_type_name(pair[0])}→{_type_name(pair[1])} Cast(s) the FX graph does not have")
+    head = (f"Cast count {count} differs from the {expected['expected']} the FX graph implies"
+            if count != expected["expected"] else "Cast dtypes differ from the FX graph's")
+    return f"{head}: {'; '.join(parts) or 'the exporter reordered them'}"
+
+
+@dataclass
+class _Verified:
+    """The onnxruntime comparison: its check, the error, the tolerance, and whether it matched."""
+
+    checks: dict = field(default_factory=dict)
     max_err: Optional[float] = None
     tol: Optional[float] = None
-    verified = False
-    if verify:
-        provider = "CPUExecutionProvider"
-        run_it = True
-        if target == "bf16":
-            import onnxruntime as ort
+    verified: bool = False
 
-            if "CUDAExecutionProvider" in ort.get_available_providers():
-                provider = "CUDAExecutionProvider"
-            else:
-                run_it = False
-                why = _bf16_cpu_failure(path)
-                notes.append(f"CPU verification skipped for the bf16 export: {BF16_CPU_REASON}"
-                             + (f"; onnxruntime says: {why}" if why else "")
-                             + ". Run it with a GPU provider (CUDAExecutionProvider), or export precision='fp16' to verify on CPU")
-        if run_it:
-            try:
-                got = _run_ort(path, args, kwargs, provider)
-                ref = _reference(gm, args, kwargs)
-                max_err, scale = _compare(got, ref)
-                tol = tolerance_for(target, scale)
-                verified = max_err <= tol
-                checks["ort_match"] = verified
-                notes.append(f"onnxruntime ({provider}) vs conv.module: max abs error {max_err:.3g} "
-                             f"(tolerance {tol:.3g} = {TOLERANCE_ULPS} {target} ulps at max|ref| = {scale:.3g})")
-            except Exception as exc:  # a failed run is a failed check, with its reason
-                checks["ort_match"] = False
-                notes.append(f"onnxruntime run failed: {type(exc).__name__}: {str(exc)[:300]}")
-    else:
-        notes.append("verification with onnxruntime not requested (verify=False)")
 
-    # 7. size
-    fp32_size = fp32_casts = None
+def _verify(path: Path, gm: torch.fx.GraphModule, args: tuple, kwargs: dict, target: str, notes: list[str]) -> _Verified:
+    """Run the written file on onnxruntime and compare with ``gm`` (skipped for bf16 without a GPU provider)."""
+    provider = "CPUExecutionProvider"
+    if target == "bf16":
+        import onnxruntime as ort
+
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            why = _bf16_cpu_failure(path)
+            notes.append(f"CPU verification skipped for the bf16 export: {BF16_CPU_REASON}"
+                         + (f"; onnxruntime says: {why}" if why else "")
+                         + ". Run it with a GPU provider (CUDAExecutionProvider), or export precision='fp16' to verify on CPU")
+            return _Verified()
+        provider = "CUDAExecutionProvider"
+    out = _Verified()
+    try:
+        got = _run_ort(path, args, kwargs, provider)
+        ref = _reference(gm, args, kwargs)
+        out.max_err, scale = _compare(got, ref)
+        out.tol = tolerance_for(target, scale)
+    except Exception as exc:  # a failed run is a failed check, with its reason
+        out.checks["ort_match"] = False
+        notes.append(f"onnxruntime run failed: {type(exc).__name__}: {str(exc)[:300]}")
+        return out
+    out.verified = out.checks["ort_match"] = out.max_err <= out.tol
+    verdict = "match" if out.verified else "MISMATCH"
+    notes.append(f"onnxruntime ({provider}) vs conv.module: {verdict}, max abs error {out.max_err:.3g} "
+                 f"(tolerance {out.tol:.3g} = {TOLERANCE_ULPS} {target} ulps at max|ref| = {scale:.3g})")
+    return out
+
+
+def _size_notes(size: int, fp32_size: Optional[int], fp32_casts: Optional[int], expected: dict,
+                notes: list[str]) -> Optional[float]:
+    """The size ratio to the fp32 export (None when it could not be exported), with notes."""
     ratio = None
-    if compare_size:
-        fp32_size, fp32_casts = _fp32_size(source, args, kwargs, opset=opset, exporter=used, notes=notes,
-                                           keep_debug_metadata=keep_debug_metadata)
-        if fp32_size:
-            ratio = size / fp32_size
-            notes.append(f"file size {_mib(size)} = {ratio:.3f}× the fp32 export ({_mib(fp32_size)})")
-        if fp32_casts is not None and fp32_casts != expected["model-nonfloat"]:
-            notes.append(f"the fp32 export has {fp32_casts} Cast(s) where the FX graph has "
-                         f"{expected['model-nonfloat']} non-float cast(s) of the model's own")
-
-    ok = all(checks.values())
-    breakdown = {k: v for k, v in expected.items() if k != "order"}
-    breakdown.update({"folded_weight_casts": folded, "half_initializers": n_half, "fp32_initializers": n_fp32,
-                      "identity_casts_removed": identity, "named_after_fx": matched["in_order"]})
-    return OnnxResult(
-        path=path,
-        precision=target,
-        opset=opset,
-        exporter=used,
-        cast_count=len(casts),
-        expected_casts=expected["expected"],
-        cast_pairs=pairs,
-        max_abs_error=max_err,
-        fp32_size=fp32_size,
-        size=size,
-        size_ratio=ratio,
-        ok=ok,
-        notes=notes,
-        verified=verified,
-        conversion_precision=conv.precision,
-        tolerance=tol,
-        cast_breakdown=breakdown,
-        checks=checks,
-        fp32_cast_count=fp32_casts,
-    )
+    if fp32_size:
+        ratio = size / fp32_size
+        notes.append(f"file size {_mib(size)} = {ratio:.3f}× the fp32 export ({_mib(fp32_size)})")
+    if fp32_casts is not None and fp32_casts != expected["model-nonfloat"]:
+        notes.append(f"the fp32 export has {fp32_casts} Cast(s) where the FX graph has "
+                     f"{expected['model-nonfloat']} non-float cast(s) of the model's own")
+    return ratio
 
 
 def _cast_explanation(count: int, expected: dict, folded: int, n_half: int, n_fp32: int, target: str) -> str:

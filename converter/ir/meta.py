@@ -130,7 +130,7 @@ CONTRACT: tuple[MetaKey, ...] = (
     MetaKey(META_VALUE, "node", "TensorSpec | tuple | torch.dtype | str", ("capture", "lower", "rewrite"),
             ("ir", "place", "calibrate", "report", "export"),
             "shape propagation: a TensorSpec per tensor (tuples for containers), a dtype, or a type name"),
-    MetaKey(META_STATS, "node", "converter.numerics.calibrate.NodeStats", ("calibrate",), (),
+    MetaKey(META_STATS, "node", "converter.numerics.stats.NodeStats", ("calibrate",), (),
             "forward (and gradient) statistics over the calibration inputs"),
     MetaKey(META_LOWERED, "node", "str", ("lower",), (),
             "marks a node lower made or re-typed, with why (for users and tests; the decision has the note)"),

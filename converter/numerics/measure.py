@@ -27,24 +27,25 @@ The report's static numbers come from ``node.meta``; this module checks them by 
   output, i.e. the error this node adds by itself. The nodes with the lowest local SQNR are the
   ones to pin to fp32 first.
 
-An SQNR of ``None`` means the outputs are identical (no error). Measuring never changes the
+SQNRs are :func:`converter.numerics.common.sqnr_db` over the positions finite in both (non-finite
+mismatches are counted apart): ``+inf`` means identical (``"inf"`` in report.json), ``None``
+that nothing was compared (a local SQNR: no input dtype differs). Measuring never changes the
 models: buffers (BatchNorm statistics), train/eval mode and the RNG state are restored.
 """
 from __future__ import annotations
 
 import contextlib
-import math
 import time
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 import torch.fx
 from torch.fx.node import map_arg
-from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from converter.ir.meta import DTYPES
 from converter.ir.meta import META_CAST, META_DECISION, META_INFO
+from converter.numerics.common import output_tensors, preserved_state, sqnr_db
 
 __all__ = [
     "measure",
@@ -52,13 +53,10 @@ __all__ = [
     "count_casts",
     "saved_activations",
     "compare_outputs",
-    "sqnr_db",
     "node_errors",
 ]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-#: an SQNR below this means the output is unrelated to the reference (also used for -inf)
-_SQNR_FLOOR = -300.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -68,28 +66,6 @@ _SQNR_FLOOR = -300.0
 def _storage_ptrs(module: torch.nn.Module) -> set[int]:
     tensors = list(module.parameters()) + list(module.buffers())
     return {t.untyped_storage().data_ptr() for t in tensors if t.device.type != "meta"}
-
-
-@contextlib.contextmanager
-def _preserved(*modules: torch.nn.Module) -> Iterator[None]:
-    """Restore buffers, train/eval flags and the RNG state after running ``modules``."""
-    saved = []
-    for module in modules:
-        buffers = {name: buf.detach().clone() for name, buf in module.named_buffers()}
-        flags = {name: sub.training for name, sub in module.named_modules()}
-        saved.append((module, buffers, flags))
-    with torch.random.fork_rng(devices=[]):
-        try:
-            yield
-        finally:
-            for module, buffers, flags in saved:
-                with torch.no_grad():
-                    for name, buf in module.named_buffers():
-                        if name in buffers:
-                            buf.copy_(buffers[name])
-                for name, sub in module.named_modules():
-                    if name in flags:
-                        sub.training = flags[name]
 
 
 def _try_eval(*modules: torch.nn.Module) -> bool:
@@ -167,7 +143,7 @@ def count_casts(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = N
     """Run one forward (no grad) and count its casts; ``autocast="bf16"`` runs under torch.autocast."""
     counter = CastCounter(_storage_ptrs(module))
     ctx = _autocast(autocast, module) if autocast else contextlib.nullcontext()
-    with _preserved(module), torch.no_grad(), ctx, counter:
+    with preserved_state(module), torch.no_grad(), ctx, counter:
         _run(module, args, kwargs or {})
     return counter.summary()
 
@@ -204,7 +180,7 @@ def saved_activations(
 
     counter = CastCounter(params) if count_casts else None
     ctx = _autocast(autocast, module) if autocast else contextlib.nullcontext()
-    with _preserved(module), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+    with preserved_state(module), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
             (counter if counter is not None else contextlib.nullcontext()), ctx:
         out = _run(module, args, kwargs or {})
     del out
@@ -221,31 +197,13 @@ def saved_activations(
 # numerics
 
 
-def _float_leaves(value: Any) -> list[torch.Tensor]:
-    if hasattr(value, "to_tuple") and not isinstance(value, (tuple, list, dict, torch.Tensor)):
-        value = value.to_tuple()
-    leaves = pytree.tree_leaves(value)
-    return [t for t in leaves if isinstance(t, torch.Tensor) and t.dtype in _FLOATS]
-
-
-def sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> Optional[float]:
-    """20·log10(‖ref‖/‖ref−out‖) in dB over finite positions; ``None`` when identical."""
-    ref = ref.detach().double().flatten()
-    out = out.detach().double().flatten()
-    finite = torch.isfinite(ref) & torch.isfinite(out)
-    ref, out = ref[finite], out[finite]
-    err = float((ref - out).norm())
-    if err == 0.0:
-        return None
-    norm = float(ref.norm())
-    if norm == 0.0:
-        return _SQNR_FLOOR
-    return max(_SQNR_FLOOR, 20.0 * math.log10(norm / err))
+def _float_tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in output_tensors(value) if t.dtype in _FLOATS]
 
 
 def compare_outputs(ref: Any, out: Any) -> dict:
     """SQNR and max |error| of ``out`` against ``ref`` over all floating output tensors."""
-    refs, outs = _float_leaves(ref), _float_leaves(out)
+    refs, outs = _float_tensors(ref), _float_tensors(out)
     pairs = [(r, o) for r, o in zip(refs, outs) if r.shape == o.shape]
     if not pairs:
         return {"sqnr_db": None, "max_abs_err": 0.0, "numel": 0, "nonfinite_mismatch": 0, "compared": 0}
@@ -261,14 +219,7 @@ def compare_outputs(ref: Any, out: Any) -> dict:
         mismatch = int((~finite & ~same_nonfinite).sum())
         r, o = r[finite], o[finite]
     diff = r - o
-    err = float(torch.linalg.vector_norm(diff))
-    norm = float(torch.linalg.vector_norm(r))
-    if err == 0.0:
-        sqnr = None
-    elif norm == 0.0:
-        sqnr = _SQNR_FLOOR
-    else:
-        sqnr = max(_SQNR_FLOOR, 20.0 * math.log10(norm / err))
+    sqnr = sqnr_db(r, o)
     return {
         "sqnr_db": _round(sqnr),
         "max_abs_err": float(diff.abs().max()) if diff.numel() else 0.0,
@@ -358,7 +309,7 @@ def node_errors(gm: torch.fx.GraphModule, args: tuple, kwargs: Optional[dict] = 
                     ref[node] = ref[node.args[0]]  # the fp32 model has no such cast
                 else:
                     ref[node] = call(node, *in_ref)
-                if _reported(node) and _float_leaves(ref[node]):
+                if _reported(node) and _float_tensors(ref[node]):
                     cumulative = compare_outputs(ref[node], mixed[node])
                     row = {"sqnr_db": cumulative["sqnr_db"], "max_abs_err": cumulative["max_abs_err"], "local_sqnr_db": None}
                     if local is not None:
@@ -416,7 +367,7 @@ def measure(conv, *, autocast: bool = True, per_node: bool = True, worst: int = 
     out["memory"] = memory
 
     # numerics (eval mode when possible)
-    with _preserved(gm, original), torch.no_grad():
+    with preserved_state(gm, original), torch.no_grad():
         mode = "eval" if _try_eval(gm, original) else "as-is"
         ref = _run(original, args, kwargs)
         converted = _run(gm, args, kwargs)

@@ -1,6 +1,6 @@
 """Accuracy search: a small set of nodes to keep in fp32 so that the outputs meet a tolerance.
 
-Used by the calibrate stage when ``tolerance`` is given (``calibration_options={"tolerance": 30}``,
+Used by the calibrate stage when ``tolerance`` is given (``CalibrationOptions(tolerance=30)``,
 ``--tolerance 30``). Three parts:
 
 1. **Emulation** (:class:`HalfEmulator`). A precision assignment is evaluated on the still-fp32
@@ -32,42 +32,73 @@ placement is re-run, and the final assignment is verified once more by emulation
 is the original model, so keeping *every* half node in fp32 always meets a tolerance; that is no
 conversion, so the search keeps at most all but one (or ``max_keep``). When the tolerance cannot
 be met that way, or within ``max_evaluations`` candidate evaluations,
-:class:`~converter.calibrate.ToleranceNotMet` carries the best SQNR and set reached.
+:class:`ToleranceNotMet` carries the best SQNR and set reached.
 """
 from __future__ import annotations
 
 import math
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-from converter.numerics.calibrate import ToleranceNotMet, _BufferGuard, _num, copy_graph, progress_bar, replace_decisions
-from converter.ir.meta import DTYPES, HALF_NAMES, Decision, Match, RuleRef
+from converter.ir.meta import DTYPES, Decision, HALF_NAMES, META_DECISION, Match, RuleRef
 from converter.ir.ops import castable_arg_positions, map_castable_args
 from converter.ir.meta import META_DECISION, META_INFO
-from converter.ir.errors import EXIT_INTERNAL, MpconvertError
+from converter.ir.errors import EXIT_CHECK_FAILED, EXIT_INTERNAL, MpconvertError
 from converter.rules.precedence import OVERRIDE_LEVEL, rank
+from converter.numerics.common import copy_graph, floating_outputs, json_float, preserved_state, progress_bar, sqnr_db
+from converter.numerics.redecide import PlaceSettings, fresh_decisions, replace_decisions
+from converter.passes.place.stage import castable_inputs
 
 __all__ = [
+    "ToleranceNotMet",
     "Tolerance",
+    "SearchOptions",
     "Outcome",
     "HalfEmulator",
     "rank_sensitivity",
     "search_ranked",
     "bisect_graph_order",
     "accuracy_search",
-    "sqnr_db",
     "SEARCH_REF",
 ]
 
 SEARCH_REF = RuleRef(file="<accuracy-search>", table="calibration", pattern="tolerance")
 #: ops whose output is random: their half error is the output rounding only (no second run)
 _RANDOM_OPS = re.compile(r"dropout|rrelu|bernoulli|rand|multinomial|normal")
+
+
+class ToleranceNotMet(MpconvertError, ValueError):
+    """The accuracy search could not meet the tolerance; carries the best result reached.
+
+    A ``ValueError`` so that it reaches the caller of :func:`converter.convert` unwrapped
+    (the pipeline wraps other exceptions in ``PassError``). The CLI maps it to exit status 1.
+    """
+
+    exit_code = EXIT_CHECK_FAILED
+
+    def __init__(self, best_sqnr: float, best_set: Sequence[str], *, tolerance: Any = None, evaluations: int = 0, why: str = ""):
+        self.best_sqnr = float(best_sqnr)
+        self.best_set = tuple(best_set)
+        self.tolerance = tolerance
+        self.evaluations = evaluations
+        self.why = why
+        detail = f"; {why}" if why else ""
+        super().__init__(
+            f"tolerance {tolerance} not met{detail}: best SQNR {self.best_sqnr:.2f} dB with {len(self.best_set)} "
+            f"node(s) kept in fp32 ({', '.join(self.best_set[:8])}{', ...' if len(self.best_set) > 8 else ''}) "
+            f"after {evaluations} evaluations"
+        )
+
+    def to_dict(self) -> dict:
+        """The search section of the calibration report for a tolerance that was not met."""
+        return {"tolerance": str(self.tolerance), "met": False, "best_sqnr_db": json_float(self.best_sqnr),
+                "best_set": list(self.best_set), "evaluations": self.evaluations, "why": self.why}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,23 +175,32 @@ class Outcome:
     allclose_ratio: Optional[float] = None  # max |out - ref| / (atol + rtol |ref|); <= 1 passes
 
 
-def sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
-    """``20·log10(‖ref‖ / ‖ref − out‖)`` in float64; -inf when ``out`` is not finite."""
-    ref = ref.detach().double().reshape(-1)
-    out = out.detach().double().reshape(-1)
-    if not bool(torch.isfinite(out).all()):
-        return -math.inf
-    err = float(torch.linalg.vector_norm(ref - out))
-    sig = float(torch.linalg.vector_norm(ref))
-    if err == 0.0:
-        return math.inf
-    if sig == 0.0:
-        return -math.inf
-    return 20.0 * math.log10(sig / err)
+@dataclass(frozen=True)
+class SearchOptions:
+    """Bounds and knobs of :func:`accuracy_search` (see the module docstring).
 
+    ``max_evaluations``: candidate evaluations at most; ``max_keep``: nodes kept in fp32 at most
+    (None: all but one); ``projections``: random output directions for the ranking; ``prune``: drop
+    kept nodes that turn out unnecessary; ``max_batches``: calibration batches evaluated (None: all);
+    ``seed``: for the random ops and the projections.
+    """
 
-def _float_outputs(value: Any) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    max_evaluations: int = 64
+    max_keep: Optional[int] = None
+    projections: int = 1
+    prune: bool = True
+    max_batches: Optional[int] = 8
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name, low in (("max_evaluations", 1), ("projections", 1), ("max_keep", 1), ("max_batches", 1), ("seed", 0)):
+            value = getattr(self, name)
+            if value is None and name in ("max_keep", "max_batches"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"search option {name} must be an integer >= {low}, got {value!r}")
+        if not isinstance(self.prune, bool):
+            raise ValueError(f"search option prune must be True or False, got {self.prune!r}")
 
 
 def _judge(tol: Tolerance, refs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> Outcome:
@@ -220,13 +260,6 @@ def _emulated_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return out
 
 
-def _castable_args(node: torch.fx.Node) -> list:
-    """The producers whose values the rewrite would cast for ``node`` (the rewrite's own rule)."""
-    from converter.passes.place.stage import castable_inputs
-
-    return castable_inputs(node)
-
-
 class HalfEmulator:
     """Evaluates precision assignments of ``gm`` (still fp32) on ``batches`` by rounding at dtype boundaries.
 
@@ -264,7 +297,7 @@ class HalfEmulator:
         for i, old in enumerate(nodes):
             new = mapping[old]
             replaced = {}
-            for p in _castable_args(old):
+            for p in castable_inputs(old):
                 with graph.inserting_before(new):
                     replaced[mapping[p]] = graph.call_function(_mp_qin, (i, mapping[p]))
             if not replaced:
@@ -285,10 +318,10 @@ class HalfEmulator:
     # -- running ---------------------------------------------------------------------------------
     def _run(self) -> list[list[torch.Tensor]]:
         outs = []
-        with torch.no_grad(), _BufferGuard(self.gm):
+        with torch.no_grad(), preserved_state(self.gm):
             for b, (args, kwargs) in enumerate(self.batches):
                 torch.manual_seed(self.seed + b)  # random ops (dropout) draw the same numbers every run
-                outs.append([t.detach() for t in _float_outputs(self.module(*args, **kwargs))])
+                outs.append([t.detach() for t in floating_outputs(self.module(*args, **kwargs))])
         return outs
 
     @staticmethod
@@ -343,7 +376,7 @@ class Sensitivity:
     est_sqnr_db: float  # 10·log10(‖ref‖² / score): the SQNR if only this node were half
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "score": _num(self.score), "est_sqnr_db": _num(self.est_sqnr_db)}
+        return {"name": self.name, "score": json_float(self.score), "est_sqnr_db": json_float(self.est_sqnr_db)}
 
 
 def _call(node_op: str, target: Any, root: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -389,8 +422,7 @@ def rank_sensitivity(gm: torch.fx.GraphModule, batches: Sequence[tuple[tuple, di
                         r_args = tuple(pytree.tree_map(rnd if p in positions else det, a) for p, a in enumerate(args))
                         r_kwargs = {k: pytree.tree_map(det, v) for k, v in kwargs.items()}
                     z = _round(_call(op, target, gm, r_args, r_kwargs), dtype)
-                ys = [t for t in pytree.tree_leaves(y) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-                zs = [t for t in pytree.tree_leaves(z) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+                ys, zs = floating_outputs(y), floating_outputs(z)
                 deltas = [zz.float() - yy.detach().float() for yy, zz in zip(ys, zs)]
             slots[i] = (ys, deltas)
             return None
@@ -406,15 +438,15 @@ def rank_sensitivity(gm: torch.fx.GraphModule, batches: Sequence[tuple[tuple, di
     overflow = [False] * len(nodes)
     ref_energy = 0.0
     gen = torch.Generator().manual_seed(seed)
-    with _BufferGuard(gm):
+    with preserved_state(gm):
         for b, (args, kwargs) in enumerate(batches):
             for i in range(len(slots)):
                 slots[i] = None
             torch.manual_seed(seed + b)
             with torch.enable_grad():
                 out = module(*args, **kwargs)
-                outs = [t for t in _float_outputs(out) if t.requires_grad]
-                ref_energy += sum(float(t.detach().double().pow(2).sum()) for t in _float_outputs(out))
+                outs = [t for t in floating_outputs(out) if t.requires_grad]
+                ref_energy += sum(float(t.detach().double().pow(2).sum()) for t in floating_outputs(out))
                 wrt, owner = [], []
                 for i, slot in enumerate(slots):
                     if slot is None:
@@ -583,93 +615,112 @@ def accuracy_search(
     batches: Sequence[tuple[tuple, dict]],
     *,
     tolerance: Any,
-    target: str,
+    settings: PlaceSettings,
     rules: Any = None,
-    placement: str = "mincut",
-    keep_io_types: bool = True,
     fresh: Optional[Mapping[str, Decision]] = None,
+    options: Optional[SearchOptions] = None,
     progress: bool = False,
-    max_evaluations: int = 64,
-    max_keep: Optional[int] = None,
-    projections: int = 1,
-    prune: bool = True,
-    max_batches: Optional[int] = 8,
-    seed: int = 0,
 ) -> dict:
     """Pin the fewest nodes to fp32 so that ``gm``'s outputs meet ``tolerance``; returns the report dict.
 
     ``batches`` are normalised ``(args, kwargs)`` pairs (the calibration inputs; the first
-    ``max_batches`` are used). ``max_evaluations`` bounds the candidate evaluations, ``max_keep``
-    the size of the fp32 set. Decisions of the kept nodes are replaced and placement re-run
-    (``fresh`` are the pre-placement decisions, see :func:`converter.calibrate.replace_decisions`).
+    ``options.max_batches`` are used). ``options`` bound the candidate evaluations and the size of
+    the fp32 set. Decisions of the kept nodes are replaced and placement re-run with ``settings``
+    (``fresh`` are the pre-placement decisions, see :func:`converter.numerics.redecide.replace_decisions`;
+    without them ``rules`` gives them). Raises :class:`ToleranceNotMet` when the tolerance cannot be met.
     """
-    from converter.numerics.calibrate import _fresh_decisions
-
     t0 = time.perf_counter()
+    options = options if options is not None else SearchOptions()
     tol = Tolerance.parse(tolerance)
-    batches = list(batches)[: max_batches] if max_batches else list(batches)
+    batches = list(batches)[: options.max_batches] if options.max_batches else list(batches)
     if not batches:
         raise ValueError("accuracy search: no batches to evaluate on")
     base = _half_nodes(gm)
     original = {n.name: n.meta[META_DECISION] for n in gm.graph.nodes if META_DECISION in n.meta}
-    em = HalfEmulator(gm, batches, tolerance=tol, base=base, seed=seed)
-    budget = _Budget(em, max_evaluations)
+    em = HalfEmulator(gm, batches, tolerance=tol, base=base, seed=options.seed)
+    budget = _Budget(em, options.max_evaluations)
     report: dict = {"tolerance": str(tol), "batches": len(batches), "candidates": len(base)}
     bar = progress_bar(progress)
     with bar:
         task = bar.add_task("accuracy search", total=None)
         first = budget(())
-        report["initial_sqnr_db"] = _num(first.sqnr_db)
-        ranking_cost = 0
-        keep: list[str] = []
-        sens: dict[str, Sensitivity] = {}
-        ranks: dict[str, int] = {}
+        report["initial_sqnr_db"] = json_float(first.sqnr_db)
+        found = _Found()
         if not first.ok:
-            ranked = rank_sensitivity(gm, batches, base=base, projections=projections, seed=seed)
-            ranking_cost = 2 + 2 * projections
+            found = _rank_and_search(gm, batches, base, budget, first, tol, options, report)
             bar.advance(task)
-            sens = {s.name: s for s in ranked}
-            ranks = {s.name: i for i, s in enumerate(ranked)}
-            report["ranking"] = [s.to_dict() for s in ranked[:10]]
-            # at least one node must stay in half: keeping every candidate is no conversion at all
-            limit = len(ranked) - 1 if max_keep is None else min(max_keep, len(ranked) - 1)
-            try:
-                keep = search_ranked(budget, [s.name for s in ranked], max_keep=limit, prune=prune)
-            except (LookupError, _OutOfBudget) as exc:
-                best_sqnr, best_set = budget.best if budget.best else (first.sqnr_db, ())
-                why = str(exc) if isinstance(exc, LookupError) else f"{max_evaluations} evaluations were not enough"
-                raise ToleranceNotMet(best_sqnr, best_set, tolerance=tol, evaluations=ranking_cost + em.runs, why=why) from None
-        # pin, re-place, verify the assignment placement produced (it may move follow neighbours)
-        if keep:
+        final = first
+        if found.keep:
             if fresh is None:
                 if rules is None:
                     raise ValueError("accuracy_search needs rules= (or fresh=) to re-run placement")
-                fresh = _fresh_decisions(gm, rules, target)
-            for _ in range(len(base) + 1):
-                overrides = _pin(original, keep, ranks, sens, tol, first.sqnr_db)
-                current = {n.name: n.meta[META_DECISION] for n in gm.graph.nodes if META_DECISION in n.meta}
-                # earlier calibration decisions (overflow fallback) stay; this search's pins are replaced
-                kept_before = {k: d for k, d in current.items() if d.rule.table == "calibration" and d.rule != SEARCH_REF}
-                replace_decisions(gm, {**{k: v for k, v in kept_before.items() if k not in overrides}, **overrides},
-                                  fresh=fresh, target=target, placement=placement, keep_io_types=keep_io_types)
-                final = em.evaluate(_half_nodes(gm))
-                if final.ok:
-                    break
-                extra = [s.name for s in sorted(sens.values(), key=lambda s: -s.score) if s.name not in keep]
-                if not extra or (max_keep is not None and len(keep) >= max_keep):
-                    raise ToleranceNotMet(final.sqnr_db, keep, tolerance=tol, evaluations=ranking_cost + em.runs,
-                                          why="the assignment after re-placement does not meet it")
-                keep.append(extra[0])
-        else:
-            final = first
+                fresh = fresh_decisions(gm, rules, settings.target)
+            final = _pin_and_verify(gm, em, found, original, tol, first.sqnr_db, fresh=fresh, settings=settings,
+                                    max_keep=options.max_keep, n_base=len(base))
     report.update({
         "met": True,
-        "kept_fp32": list(keep),
-        "sqnr_db": _num(final.sqnr_db),
-        "allclose_ratio": final.allclose_ratio,
+        "kept_fp32": list(found.keep),
+        "sqnr_db": json_float(final.sqnr_db),
+        "allclose_ratio": None if final.allclose_ratio is None else json_float(final.allclose_ratio),
         # every forward-equivalent pass: the fp32 reference, the candidate runs, and the ranking
-        "evaluations": em.runs + ranking_cost,
-        "evaluation_breakdown": {"reference": 1, "candidates": em.runs - 1, "ranking": ranking_cost},
+        "evaluations": em.runs + found.ranking_cost,
+        "evaluation_breakdown": {"reference": 1, "candidates": em.runs - 1, "ranking": found.ranking_cost},
         "seconds": time.perf_counter() - t0,
     })
     return report
+
+
+@dataclass
+class _Found:
+    """What the ranked search found: the fp32 set, the sensitivities and what the ranking cost."""
+
+    keep: list = field(default_factory=list)
+    sens: dict = field(default_factory=dict)
+    ranks: dict = field(default_factory=dict)
+    ranking_cost: int = 0
+
+
+def _rank_and_search(gm: torch.fx.GraphModule, batches: list, base: Mapping[str, str], budget: _Budget, first: Outcome,
+                     tol: Tolerance, options: SearchOptions, report: dict) -> _Found:
+    """Rank the half nodes, then search the ranked list for the smallest passing fp32 set."""
+    ranked = rank_sensitivity(gm, batches, base=base, projections=options.projections, seed=options.seed)
+    found = _Found(sens={s.name: s for s in ranked}, ranks={s.name: i for i, s in enumerate(ranked)},
+                   ranking_cost=2 + 2 * options.projections)
+    report["ranking"] = [s.to_dict() for s in ranked[:10]]
+    # at least one node must stay in half: keeping every candidate is no conversion at all
+    limit = len(ranked) - 1 if options.max_keep is None else min(options.max_keep, len(ranked) - 1)
+    try:
+        found.keep = search_ranked(budget, [s.name for s in ranked], max_keep=limit, prune=options.prune)
+    except (LookupError, _OutOfBudget) as exc:
+        best_sqnr, best_set = budget.best if budget.best else (first.sqnr_db, ())
+        why = str(exc) if isinstance(exc, LookupError) else f"{options.max_evaluations} evaluations were not enough"
+        raise ToleranceNotMet(best_sqnr, best_set, tolerance=tol, evaluations=found.ranking_cost + budget.em.runs,
+                              why=why) from None
+    return found
+
+
+def _pin_and_verify(gm: torch.fx.GraphModule, em: HalfEmulator, found: _Found, original: Mapping[str, Decision],
+                    tol: Tolerance, base_sqnr: float, *, fresh: Mapping[str, Decision], settings: PlaceSettings,
+                    max_keep: Optional[int], n_base: int) -> Outcome:
+    """Pin ``found.keep`` to fp32, re-place, and verify the assignment placement produced.
+
+    Placement may move ``follow`` neighbours back to half; while the result fails, the next most
+    sensitive node joins the kept set.
+    """
+    keep = found.keep
+    for _ in range(n_base + 1):
+        overrides = _pin(original, keep, found.ranks, found.sens, tol, base_sqnr)
+        current = {n.name: n.meta[META_DECISION] for n in gm.graph.nodes if META_DECISION in n.meta}
+        # earlier calibration decisions (overflow fallback) stay; this search's pins are replaced
+        kept_before = {k: d for k, d in current.items() if d.rule.table == "calibration" and d.rule != SEARCH_REF}
+        replace_decisions(gm, {**{k: v for k, v in kept_before.items() if k not in overrides}, **overrides},
+                          fresh=fresh, settings=settings)
+        final = em.evaluate(_half_nodes(gm))
+        if final.ok:
+            return final
+        extra = [s.name for s in sorted(found.sens.values(), key=lambda s: -s.score) if s.name not in keep]
+        if not extra or (max_keep is not None and len(keep) >= max_keep):
+            raise ToleranceNotMet(final.sqnr_db, keep, tolerance=tol, evaluations=found.ranking_cost + em.runs,
+                                  why="the assignment after re-placement does not meet it")
+        keep.append(extra[0])
+    return final

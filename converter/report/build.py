@@ -24,18 +24,18 @@ Renderers (Markdown, HTML, terminal) live in :mod:`converter.render`.
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.fx
 
-from converter.report.flops import node_flops
 from converter.ir.meta import HALF_NAMES, CastRecord, Decision, NodeInfo, itemsize
 from converter.ir.meta import GM_CALIBRATION, GM_PARAM_DTYPES, META_CAST, META_DECISION, META_INFO
 from converter.rules.precedence import PRECEDENCE
+from converter.numerics.common import to_json
+from converter.report.flops import node_flops
 
 __all__ = ["Report", "build_report", "summary_line", "SCHEMA", "PRECEDENCE"]
 
@@ -45,7 +45,13 @@ _PRECISIONS = ("fp16", "bf16", "fp32")
 
 @dataclass
 class Report:
-    """Everything the audit knows; ``to_dict()`` is report.json (schema 1, DESIGN §6)."""
+    """Everything the audit knows; ``to_dict()`` is report.json (schema 1, DESIGN §6).
+
+    report.json is strict JSON: a non-finite number is written as the string ``"inf"``, ``"-inf"``
+    or ``"nan"`` (an exact SQNR is ``"inf"``) and ``null`` means "not measured"; see
+    :func:`converter.numerics.common.json_float`, and read such a number back with
+    :func:`converter.numerics.common.from_json_float`.
+    """
 
     precision: str
     tracer: str
@@ -82,7 +88,7 @@ class Report:
         }
         for key, value in self.extra.items():
             out.setdefault(key, value)
-        return _jsonable(out)
+        return to_json(out)
 
     def to_json(self, **kwargs) -> str:
         return json.dumps(self.to_dict(), indent=kwargs.pop("indent", 2), allow_nan=False, **kwargs)
@@ -378,16 +384,3 @@ def build_report(gm: torch.fx.GraphModule, *, precision: str, tracer: str, rules
         memory=_memory(gm, casts),
         calibration=dict(gm.meta.get(GM_CALIBRATION) or {}),
     )
-
-
-def _jsonable(value: Any) -> Any:
-    """Plain JSON types only: non-finite floats become ``None``, other objects their ``str``."""
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    return str(value)

@@ -22,6 +22,7 @@ import difflib
 import hashlib
 import html
 import io
+import math
 import re
 from pathlib import Path
 from typing import Any, Iterable, Optional, Union
@@ -30,6 +31,9 @@ from converter.ir.meta import HALF_NAMES, note_text
 from converter.report.build import Report, build_report
 from converter.rules.precedence import OVERRIDE_LEVEL, SCOPED_LEVELS, describe, rank
 from converter.ir.meta import GM_GRAPH
+from converter.ir.meta import HALF_NAMES
+from converter.numerics.common import from_json_float
+from converter.report.build import PRECEDENCE, Report, build_report
 
 __all__ = ["to_markdown", "to_html", "print_report", "write_reports", "explain", "md_escape", "COLORS"]
 
@@ -63,9 +67,18 @@ def _flops(n: Optional[float]) -> str:
 
 
 def _db(x: Any) -> str:
-    if x is None:
+    """An SQNR (a float, or report.json's ``"inf"``/``"-inf"``/``"nan"``): +inf and None (no error
+    measured: e.g. a local SQNR where no input dtype changes) read "exact"."""
+    value = from_json_float(x)
+    if value is None or value == math.inf:
         return "exact"
-    return f"{x:.1f} dB"
+    return f"{value:.1f} dB"
+
+
+def _db_sort_key(x: Any) -> float:
+    """A finite number for the HTML table's sort (exact sorts above every measured SQNR)."""
+    value = from_json_float(x)
+    return 999.0 if value is None or value == math.inf else (-999.0 if not math.isfinite(value) else value)
 
 
 def _pct(x: Optional[float]) -> str:
@@ -707,7 +720,7 @@ def _nodes_html(report: Report) -> str:
         if measured:
             for key in ("sqnr_db", "local_sqnr_db"):
                 v = r.get(key)
-                cells.append(f'<td class=n data-v="{999 if v is None else v}">{_e(_db(v)) if key in r else "—"}</td>')
+                cells.append(f'<td class=n data-v="{_db_sort_key(v)}">{_e(_db(v)) if key in r else "—"}</td>')
         cells.append(f'<td class="mono nw">{_e(r["source"])}</td>')
         reason = _e(_reason(r))
         cells.append(f'<td data-v="{reason}"><div class="reason" title="{reason}">{reason}</div></td>')
@@ -964,8 +977,9 @@ def write_reports(report: Report, out_dir: Union[str, Path]) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "report.json", out / "report.md", out / "report.html"]
     paths[0].write_text(report.to_json() + "\n", encoding="utf-8")
-    paths[1].write_text(to_markdown(report), encoding="utf-8")
-    paths[2].write_text(to_html(report), encoding="utf-8")
+    # backslashreplace: a path that is not valid UTF-8 (a lone surrogate in Python) is shown escaped
+    paths[1].write_text(to_markdown(report), encoding="utf-8", errors="backslashreplace")
+    paths[2].write_text(to_html(report), encoding="utf-8", errors="backslashreplace")
     return paths
 
 

@@ -1,0 +1,300 @@
+"""Write the output directory (DESIGN §7) atomically, and never clobber what is not ours.
+
+::
+
+    OUT/
+      model.py       readable PyTorch code of the rewritten graph; depends only on torch
+      weights.pt     every parameter, buffer and tensor constant, read with torch.load(weights_only=True)
+      train.py       a training loop with converter.MixedPrecisionTrainer (torchrun-ready)
+      user_model.py  a copy of the model file (train.py uses its loss_fn/train_batches)
+      report.json, report.md, report.html
+
+**Weights**: ``weights.pt`` is a flat ``{name: tensor}`` dict written with ``torch.save``. It
+includes non-persistent buffers and tensor constants, which ``state_dict()`` would drop but the
+forward needs for bit-exact outputs. Tied parameters are stored once and re-tied by ``model.py``.
+(safetensors is not used: it is not a dependency, and it refuses tied tensors.)
+
+**Publishing**: everything is written to a hidden temporary sibling ``.OUT.tmp-PID-XXXXXXXX`` and
+renamed into place at the end.
+
+- Without ``force`` the rename never replaces anything: ``renameat2(RENAME_NOREPLACE)`` on Linux;
+  elsewhere (or on a file system without it) a plain rename, which fails onto a non-empty
+  directory, so at worst an empty directory that appeared meanwhile is replaced. Output that
+  appeared at OUT after the first check is left as it is, and :class:`OutputExistsError` is raised.
+- With ``force`` an existing directory is swapped atomically with ``renameat2(RENAME_EXCHANGE)``
+  (OUT always exists, old or new) and the old one deleted; without that call it is moved aside,
+  the new one renamed into place and the old one deleted.
+- Any exception, ``KeyboardInterrupt`` included, removes the temporary directory and the parent
+  directories this call created. Temporary directories left by killed runs (their PID is no longer
+  running) are removed by the next run to the same OUT.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import re
+import shutil
+import signal
+import sys
+import threading
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from converter.export.errors import EmitError, OutputExistsError
+from converter.export.model_py import WEIGHTS_FILE, generate_model_source
+from converter.export.train_py import (
+    USER_MODEL_FILE,
+    model_file_to_copy,
+    render_train_py,
+)
+from converter.export.verify import verify_emitted
+
+__all__ = ["emit", "emit_reports", "publish_directory", "check_output_dir", "clean_stale_temporaries"]
+
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
+_TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.(?:tmp|old)-(?P<pid>\d+)-[0-9a-f]{8}$")
+
+
+# ---------------------------------------------------------------------------------------------
+# renames that do not replace
+
+
+def _renameat2(src: Path, dst: Path, flags: int) -> bool:
+    """``renameat2(src, dst, flags)``; False where the system or file system does not offer it."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        func = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    func.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    func.restype = ctypes.c_int
+    if func(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(dst))
+
+
+def _appeared(out_dir: Path) -> OutputExistsError:
+    return OutputExistsError(
+        f"{out_dir} appeared while this run was converting (another run?); it was left as it is and nothing "
+        "was written; pass --force to replace it or choose another --out"
+    )
+
+
+def _rename_new(tmp: Path, out_dir: Path) -> None:
+    """Rename ``tmp`` to ``out_dir``, which must not exist; :class:`OutputExistsError` otherwise."""
+    try:
+        if _renameat2(tmp, out_dir, _RENAME_NOREPLACE):
+            return
+        if os.path.lexists(out_dir):
+            raise _appeared(out_dir)
+        os.rename(tmp, out_dir)  # fails onto a file or a non-empty directory: nothing is lost
+    except (FileExistsError, IsADirectoryError, NotADirectoryError) as exc:
+        raise _appeared(out_dir) from exc
+    except OSError as exc:
+        if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            raise _appeared(out_dir) from exc
+        raise
+
+
+def _replace(tmp: Path, out_dir: Path, parent: Path) -> None:
+    """Put ``tmp`` at ``out_dir``, replacing the directory there (``force``)."""
+    if not os.path.lexists(out_dir):
+        with contextlib.suppress(OutputExistsError):
+            _rename_new(tmp, out_dir)
+            return
+    if out_dir.is_symlink() or not out_dir.is_dir():
+        raise OutputExistsError(f"{out_dir} exists and is not a directory; choose another --out")
+    if _renameat2(tmp, out_dir, _RENAME_EXCHANGE):
+        shutil.rmtree(tmp, ignore_errors=True)  # now the old directory
+        return
+    old = parent / f".{out_dir.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    os.replace(out_dir, old)
+    try:
+        os.replace(tmp, out_dir)
+    except BaseException:
+        os.replace(old, out_dir)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# temporary directories
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True  # exists (another user's), or we cannot tell: keep its files
+    return True
+
+
+def clean_stale_temporaries(out_dir: Path) -> list[Path]:
+    """Remove ``.OUT.tmp-PID-*``/``.OUT.old-PID-*`` siblings of ``out_dir`` whose process is gone."""
+    out_dir = Path(out_dir)
+    parent = out_dir.absolute().parent
+    removed: list[Path] = []
+    if os.name != "posix" or not parent.is_dir():
+        return removed
+    try:
+        entries = list(parent.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        match = _TEMP_NAME.match(entry.name)
+        if match is None or match["name"] != out_dir.name or entry.is_symlink() or not entry.is_dir():
+            continue
+        pid = int(match["pid"])
+        if pid == os.getpid() or _running(pid):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry)
+    return removed
+
+
+@contextlib.contextmanager
+def _uninterruptible():
+    """Hold off SIGINT while cleaning up or swapping directories (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    try:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except (ValueError, OSError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+# ---------------------------------------------------------------------------------------------
+# publishing
+
+
+def check_output_dir(out_dir: Path, *, force: bool) -> None:
+    """Raise :class:`OutputExistsError` when ``out_dir`` exists and ``force`` is false."""
+    out_dir = Path(out_dir)
+    if os.path.lexists(out_dir) and not force:
+        raise OutputExistsError(f"output directory {out_dir} already exists; pass --force to replace it or choose another --out")
+    if os.path.lexists(out_dir) and (out_dir.is_symlink() or not out_dir.is_dir()):
+        raise OutputExistsError(f"{out_dir} exists and is not a directory; choose another --out")
+
+
+def publish_directory(out_dir: Path, fill: Callable[[Path], Any], *, force: bool = False) -> Path:
+    """Create a temporary sibling of ``out_dir``, let ``fill`` write into it, then rename it into place.
+
+    Without ``force`` nothing at ``out_dir`` is ever replaced: output that appears there while
+    ``fill`` runs makes this raise :class:`OutputExistsError`. Any exception (``KeyboardInterrupt``
+    included) removes the temporary directory and the parent directories this call created.
+    """
+    out_dir = Path(out_dir)
+    check_output_dir(out_dir, force=force)
+    parent = out_dir.absolute().parent
+    created: list[Path] = []
+    probe = parent
+    while not probe.exists():
+        created.append(probe)
+        probe = probe.parent
+    clean_stale_temporaries(out_dir)
+    tmp = parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+        fill(tmp)
+        with _uninterruptible():
+            if force:
+                _replace(tmp, out_dir, parent)
+            else:
+                _rename_new(tmp, out_dir)
+    except BaseException:
+        with _uninterruptible():
+            shutil.rmtree(tmp, ignore_errors=True)
+            for directory in created:
+                with contextlib.suppress(OSError):
+                    directory.rmdir()
+        raise
+    return out_dir
+
+
+def _write_reports(report, directory: Path) -> list[str]:
+    from converter.report.render import write_reports
+
+    write_reports(report, directory)
+    return []
+
+
+def _write_text(path: Path, text: str) -> None:
+    path.write_text(text, encoding="utf-8")
+
+
+def emit(
+    conv,
+    out_dir: Path,
+    *,
+    force: bool = False,
+    model_file: Optional[str] = None,
+    device: str = "cpu",
+    verify: bool = True,
+    extra: Optional[Callable[[Path], Any]] = None,
+    messages: Optional[list] = None,
+) -> Path:
+    """Write model.py, weights.pt, train.py (with a copy of the model file) and the reports atomically.
+
+    ``model_file``: the model file the conversion came from; it is copied next to train.py as
+    ``user_model.py`` (train.py imports its ``loss_fn`` and ``train_batches`` from there).
+    ``device``: where the emitted model is checked (``cuda`` needs CUDA). ``verify``: check that
+    model.py reproduces ``conv.module`` before publishing. ``extra``: called with the temporary
+    directory before it is published (the CLI exports ONNX there), so its files are part of the
+    atomic output. ``messages``: a list that receives warnings and check results.
+    Returns the output directory.
+    """
+    out_dir = Path(out_dir)
+    check_output_dir(out_dir, force=force)
+    if device not in ("cpu", "cuda") and not str(device).startswith("cuda:"):
+        raise EmitError(f"unknown device {device!r}; use cpu or cuda")
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise EmitError("--device cuda was given but CUDA is not available on this machine; use --device cpu")
+    notes = messages if messages is not None else []
+    source = generate_model_source(conv, model_file=model_file)
+    notes.extend(source.warnings)
+    train_py = render_train_py(conv, model_file=model_file)
+    user_model = model_file_to_copy(model_file)
+
+    def fill(tmp: Path) -> None:
+        _write_text(tmp / "model.py", source.code)
+        torch.save(source.tensors, tmp / WEIGHTS_FILE)
+        _write_text(tmp / "train.py", train_py)
+        if user_model is not None:
+            shutil.copyfile(user_model, tmp / USER_MODEL_FILE)
+        notes.extend(_write_reports(conv.report, tmp))
+        if verify:
+            notes.append(verify_emitted(conv, tmp, device="cpu"))
+            if str(device).startswith("cuda"):
+                notes.append(verify_emitted(conv, tmp, device=device))
+        if extra is not None:
+            extra(tmp)
+
+    return publish_directory(out_dir, fill, force=force)
+
+
+def emit_reports(report, out_dir: Path, *, force: bool = False, messages: Optional[list] = None) -> Path:
+    """Write report.json/.md/.html (the audit) into ``out_dir`` atomically, like :func:`emit`."""
+    out_dir = Path(out_dir)
+    check_output_dir(out_dir, force=force)
+    notes = messages if messages is not None else []
+    return publish_directory(out_dir, lambda tmp: notes.extend(_write_reports(report, tmp)), force=force)

@@ -1,0 +1,229 @@
+"""The helpers every numerics user shares; one copy of each, used across the package.
+
+* :func:`sqnr_db` — the one SQNR: ``20·log10(‖ref‖ / ‖ref − out‖)`` in dB, in float64.
+* :func:`output_tensors` / :func:`floating_outputs` — the one output flattener (tuples, lists,
+  dicts, HF ``ModelOutput`` and other objects with ``to_tuple()``), in pytree order.
+* :func:`preserved_state` — the one guard that runs models without leaving a trace: buffers
+  (BatchNorm statistics), train/eval flags and the RNG state are restored.
+* :func:`json_float` / :func:`to_json` / :func:`from_json_float` — the one convention for
+  non-finite numbers in report.json and the other JSON files (see :func:`json_float`).
+* :func:`copy_graph` and :func:`progress_bar`, shared by calibration and the accuracy search.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from typing import Any, Iterator, Optional, Union
+
+import torch
+import torch.fx
+from torch.utils import _pytree as pytree
+
+__all__ = [
+    "sqnr_db",
+    "output_tensors",
+    "floating_outputs",
+    "preserved_state",
+    "NONFINITE_JSON",
+    "json_float",
+    "to_json",
+    "from_json_float",
+    "from_json",
+    "copy_graph",
+    "progress_bar",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# SQNR
+
+
+def sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
+    """Signal-to-quantisation-noise ratio of ``out`` against ``ref``, in dB.
+
+    ``20·log10(‖ref‖ / ‖ref − out‖)`` over all elements (both flattened, computed in float64 on
+    the CPU). The contract:
+
+    * ``+inf`` when ``out`` equals ``ref`` exactly (empty tensors included);
+    * ``-inf`` when ``ref`` is all zero and ``out`` is not;
+    * non-finite values: a position where both hold the same non-finite value (the same infinity,
+      or NaN in both) is equal and adds no error; any other position where either is non-finite
+      makes the result ``-inf`` (the output does not represent the reference there);
+    * ``ValueError`` when the element counts differ.
+    """
+    r = ref.detach().to("cpu", torch.float64).reshape(-1)
+    o = out.detach().to("cpu", torch.float64).reshape(-1)
+    if r.numel() != o.numel():
+        raise ValueError(f"sqnr_db: shapes differ in size: {tuple(ref.shape)} vs {tuple(out.shape)}")
+    finite = torch.isfinite(r) & torch.isfinite(o)
+    if not bool(finite.all()):
+        same = (r == o) | (torch.isnan(r) & torch.isnan(o))
+        if not bool((finite | same).all()):
+            return -math.inf
+        r, o = r[finite], o[finite]
+    err = float(torch.linalg.vector_norm(r - o))
+    if err == 0.0:
+        return math.inf
+    signal = float(torch.linalg.vector_norm(r))
+    if signal == 0.0:
+        return -math.inf
+    return 20.0 * math.log10(signal / err)
+
+
+# ---------------------------------------------------------------------------------------------
+# model outputs
+
+
+def output_tensors(value: Any) -> list[torch.Tensor]:
+    """Every tensor of a model output, in pytree order.
+
+    Tuples, lists and dicts (values in insertion order) are walked by pytree; an object pytree
+    does not know that has ``to_tuple()`` (a transformers ``ModelOutput``) is walked through it.
+    Anything else (None, numbers, strings) is skipped.
+    """
+    found: list[torch.Tensor] = []
+    for leaf in pytree.tree_leaves(value):
+        if isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+        elif callable(getattr(leaf, "to_tuple", None)):
+            found.extend(output_tensors(leaf.to_tuple()))
+    return found
+
+
+def floating_outputs(value: Any, *, fp64: bool = True) -> list[torch.Tensor]:
+    """The floating tensors of :func:`output_tensors`; ``fp64=False`` also leaves out float64 ones
+    (the rewrite never touches fp64 values)."""
+    return [t for t in output_tensors(value) if t.is_floating_point() and (fp64 or t.dtype != torch.float64)]
+
+
+# ---------------------------------------------------------------------------------------------
+# running a model without leaving a trace
+
+
+def _rng_devices() -> list[int]:
+    """The CUDA devices whose RNG state must be kept (only when CUDA is already initialised)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return [torch.cuda.current_device()]
+    return []
+
+
+@contextlib.contextmanager
+def preserved_state(*modules: torch.nn.Module) -> Iterator[None]:
+    """Run code on ``modules`` and leave no trace on them or on the global RNG.
+
+    On exit (also after an exception): every buffer gets its value back (BatchNorm running
+    statistics, counters), every submodule its train/eval flag, and the CPU RNG (and the current
+    CUDA device's, when CUDA is initialised) its state. Parameters are not saved: the code in the
+    block must not write them (calibration and measuring only read them).
+    """
+    saved = []
+    for module in modules:
+        buffers = {name: buf.detach().clone() for name, buf in module.named_buffers()}
+        flags = {name: sub.training for name, sub in module.named_modules()}
+        saved.append((module, buffers, flags))
+    with torch.random.fork_rng(devices=_rng_devices()):
+        try:
+            yield
+        finally:
+            for module, buffers, flags in saved:
+                with torch.no_grad():
+                    for name, buf in module.named_buffers():
+                        if name in buffers:
+                            buf.copy_(buffers[name])
+                for name, sub in module.named_modules():
+                    if name in flags:
+                        sub.training = flags[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# non-finite numbers in JSON
+
+#: how report.json (and every other JSON file mpconvert writes) spells a non-finite float
+NONFINITE_JSON = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+
+
+def json_float(x: float) -> Union[float, str]:
+    """A float for JSON: finite values as numbers, ``+inf``/``-inf``/NaN as ``"inf"``/``"-inf"``/``"nan"``.
+
+    The convention of report.json: strict JSON (no ``Infinity`` tokens), and lossless, so a reader
+    tells an exact match (SQNR ``"inf"``) from a missing value (``null``). Read it back with
+    :func:`from_json_float`.
+    """
+    x = float(x)
+    if math.isfinite(x):
+        return x
+    return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+
+
+def to_json(value: Any) -> Any:
+    """``value`` as plain JSON types: floats through :func:`json_float`, tuples as lists, dict keys
+    as strings, other objects (dtypes, paths) as their ``str``."""
+    if isinstance(value, dict):
+        return {str(k): to_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_json(v) for v in value]
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, float):
+        return json_float(value)
+    return str(value)
+
+
+def from_json_float(value: Any) -> Optional[float]:
+    """Read a number written by :func:`json_float`: ``"inf"``/``"-inf"``/``"nan"`` and numbers give
+    a float, ``None`` stays ``None``; anything else is a ``ValueError``."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if value in NONFINITE_JSON:
+            return NONFINITE_JSON[value]
+        raise ValueError(f"not a JSON number of report.json: {value!r}")
+    if isinstance(value, bool):
+        raise ValueError(f"not a JSON number of report.json: {value!r}")
+    return float(value)
+
+
+def from_json(value: Any) -> Any:
+    """A JSON document read back: every ``"inf"``/``"-inf"``/``"nan"`` string becomes its float.
+
+    For documents written through :func:`to_json` whose strings are never those three words
+    otherwise (report.json, the benchmark results).
+    """
+    if isinstance(value, dict):
+        return {k: from_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [from_json(v) for v in value]
+    if isinstance(value, str) and value in NONFINITE_JSON:
+        return NONFINITE_JSON[value]
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# graphs and progress
+
+
+def copy_graph(gm: torch.fx.GraphModule) -> tuple[torch.fx.Graph, dict]:
+    """A deep copy of ``gm.graph`` (same codegen, so the same calling convention) and old→new nodes."""
+    old = gm.graph
+    mapping: dict = {}
+    graph = torch.fx.Graph(tracer_cls=old._tracer_cls)
+    output_val, old_output = graph.graph_copy(old, val_map=mapping, return_output_node=True)
+    graph._codegen = copy.deepcopy(old._codegen)
+    new_output = graph.output(output_val, type_expr=getattr(old_output, "type", None))
+    new_output.meta = copy.copy(old_output.meta)
+    mapping[old_output] = new_output
+    return graph, mapping
+
+
+def progress_bar(enabled: bool):
+    """A rich progress bar on stderr; disabled when ``enabled`` is false or stderr is not a terminal."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    show = bool(enabled) and console.is_terminal
+    return Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=console, transient=True, disable=not show,
+    )
