@@ -125,14 +125,15 @@ def _run_stage(name: str, done: list[str], fn, *args, **kwargs):
 
 
 def _pipeline(model, example_inputs, *, settings: PlaceSettings, rules, tracer, calibration=None,
-              calibration_options: Optional[CalibrationOptions] = None, device=None, codegen=True):
+              calibration_options: Optional[CalibrationOptions] = None, device=None, codegen=True,
+              dynamic: bool = True, dynamic_shapes: Any = None):
     """capture → decide → lower → place → (calibrate) → rewrite → (codegen), placing with ``settings``."""
     target = settings.target
     rule_set = load_rules(rules)
     done: list[str] = []
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    captured: Captured = capture(model, example_inputs, tracer=tracer)
+    captured: Captured = capture(model, example_inputs, tracer=tracer, dynamic=dynamic, dynamic_shapes=dynamic_shapes)
     done.append("capture")
     timings["capture_s"] = time.perf_counter() - t0
     gm = captured.gm
@@ -166,7 +167,9 @@ def _report(captured: Captured, rule_set: Rules, target: str, timings: dict, *, 
     gm = captured.gm
     return build_report(gm, precision=target, tracer=captured.tracer, rules=rule_set.to_dict(),
                         extra={"capture_errors": captured.errors, "timings": timings, "opt_level": opt_level,
-                               "device": device, "lowered": list(gm.meta[GM_GRAPH].extra.get("lowered", ()))})
+                               "device": device, "lowered": list(gm.meta[GM_GRAPH].extra.get("lowered", ())),
+                               "dynamic_dims": captured.dynamic_dims, "shapes": captured.shapes_note,
+                               "modes": captured.modes})
 
 
 def convert(
@@ -182,6 +185,8 @@ def convert(
     calibration_options: Union[None, CalibrationOptions, Mapping[str, Any]] = None,
     opt_level: str = "O1",
     device: Optional[str] = None,
+    dynamic: bool = True,
+    dynamic_shapes: Any = None,
 ) -> Conversion:
     """Convert ``model`` to mixed precision.
 
@@ -200,6 +205,11 @@ def convert(
     ``device``: the device the model will train on, which enables that device's lowerings
     (:mod:`converter.lower`; ``"cpu"``: bf16 attention as matmul·softmax·matmul, 2-4x faster than
     PyTorch's CPU bf16 flash kernel). None (default): a portable graph, nothing device-specific.
+    ``dynamic``: torch.export captures batch, sequence and other input dims as dynamic, so the
+    converted module serves other sizes (False: fixed to the example's sizes; symbolic_trace
+    graphs are dynamic either way). ``dynamic_shapes``: torch.export-style dims for the example
+    inputs instead of the default. ``report.extra["dynamic_dims"]`` lists the dims that are dynamic
+    and ``report.extra["modes"]`` whether ``train()``/``eval()`` work (see :mod:`converter.passes.capture`).
     """
     options = CalibrationOptions.coerce(calibration_options) if calibration is not None else None
     batches = None
@@ -209,7 +219,7 @@ def convert(
                              opt_level=opt_level)
     captured, rule_set, target, timings = _pipeline(
         model, example_inputs, settings=settings, rules=rules, tracer=tracer, calibration=batches,
-        calibration_options=options, device=device,
+        calibration_options=options, device=device, dynamic=dynamic, dynamic_shapes=dynamic_shapes,
     )
     return Conversion(
         module=captured.gm,
@@ -220,7 +230,8 @@ def convert(
         original=model,
         example_inputs=(captured.args, captured.kwargs),
         timings=timings,
-        options={"keep_io_types": keep_io_types, "placement": placement, "opt_level": opt_level, "device": device},
+        options={"keep_io_types": keep_io_types, "placement": placement, "opt_level": opt_level, "device": device,
+                 "dynamic": dynamic, "dynamic_shapes": dynamic_shapes},
         calibration=batches,
         calibration_options=options,
     )
@@ -235,6 +246,8 @@ def audit(
     tracer: str = "auto",
     placement: str = "mincut",
     device: Optional[str] = None,
+    dynamic: bool = True,
+    dynamic_shapes: Any = None,
 ) -> Report:
     """The report of what :func:`convert` would do; the model is untouched.
 
@@ -244,5 +257,6 @@ def audit(
     """
     settings = PlaceSettings(target=normalize_precision(precision), strategy=placement)
     captured, rule_set, target, timings = _pipeline(model, example_inputs, settings=settings, rules=rules, tracer=tracer,
-                                                    device=device, codegen=False)
+                                                    device=device, codegen=False, dynamic=dynamic,
+                                                    dynamic_shapes=dynamic_shapes)
     return _report(captured, rule_set, target, timings, opt_level="O1", device=device)

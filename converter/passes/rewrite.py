@@ -4,6 +4,9 @@
   producer's dtype differs, and there is one cast per (producer, dtype), shared by all consumers.
 * fp64, integer and bool tensors are never touched; normalisation ops only get their input cast
   (weights and running statistics stay fp32).
+* A cast is not shared between consumers inside and outside a ``no_grad``/autocast region that
+  capture inlined (``meta["mp_region"]``): made under ``no_grad``, it would cut the gradient of
+  the consumers outside.
 * Casts the model already performs (``x.float()``, ``softmax(..., dtype=)``) are respected; a
   dtype computed at run time (``x.to(y.dtype)``) is folded to the dtype observed in fp32.
 * Parameters stay fp32 and are cast in the graph (O1); ``gm.meta["mp_param_dtypes"]`` records the
@@ -26,9 +29,22 @@ import torch.fx
 from torch.fx.node import map_arg
 
 from converter.ir.graphmodule import pauses_gc
-from converter.ir.meta import BUILTIN, DTYPES, CastRecord, NodeInfo, RuleRef, TensorSpec, name_of
+from converter.ir.meta import (
+    BUILTIN,
+    DTYPES,
+    GM_PARAM_DTYPES,
+    META_CAST,
+    META_DECISION,
+    META_INFO,
+    META_REGION,
+    META_VALUE,
+    CastRecord,
+    NodeInfo,
+    RuleRef,
+    TensorSpec,
+    name_of,
+)
 from converter.ir.ops import CAST_OPS, NATIVE_PROMOTE_OPS, explicit_dtype, map_castable_args
-from converter.ir.meta import GM_PARAM_DTYPES, META_CAST, META_DECISION, META_INFO, META_VALUE
 
 __all__ = ["rewrite", "inserted_casts", "runtime_dtype"]
 
@@ -69,10 +85,11 @@ def rewrite(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, check: Opti
     builds it happens once, later (see :mod:`converter.graphmodule`)."""
     graph = gm.graph
     cache: dict = {}
-    casts: dict[tuple[torch.fx.Node, torch.dtype], torch.fx.Node] = {}
+    casts: dict[tuple[torch.fx.Node, torch.dtype, tuple], torch.fx.Node] = {}
 
     def get_cast(src: torch.fx.Node, dtype: torch.dtype, consumer: torch.fx.Node, rule: RuleRef, reason: str) -> torch.fx.Node:
-        key = (src, dtype)
+        region = consumer.meta.get(META_REGION, ())
+        key = (src, dtype, region)  # never share a cast across a no_grad region's edge (see passes.regions)
         if key in casts:
             cast = casts[key]
             rec: CastRecord = cast.meta[META_CAST]
@@ -86,6 +103,8 @@ def rewrite(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, check: Opti
             # and that scan alone was ~40 % of the rewrite on a 9k-node graph
             cast = graph.create_node("call_method", "to", name=f"{src.name}_to_{name_of(dtype)}")
         cast.args = (src, dtype)
+        if region:
+            cast.meta[META_REGION] = region
         out = TensorSpec(spec.shape, dtype)
         cast.meta[META_VALUE] = out
         cast.meta[META_INFO] = NodeInfo(op="to", module=consumer.meta.get(META_INFO, NodeInfo("")).module, kind="cast", outputs=(out,))
