@@ -576,3 +576,16 @@ def test_o2_drops_the_weight_casts_half_storage_made_identities():
     assert trainer.step()
     o1 = MixedPrecisionTrainer(copy.deepcopy(conv.module), torch.optim.SGD(gm.parameters(), lr=0.1), precision="bf16")
     assert o1.dropped_weight_casts == 0
+
+
+# ---------------------------------------------------------------- foreach optimizer
+def test_optimizer_foreach_is_switched_on_only_where_left_to_the_default():
+    model = _tiny()
+    params = list(model.parameters())
+    opt = torch.optim.SGD([{"params": params[:2]}, {"params": params[2:], "foreach": False}], lr=0.1)
+    trainer = MixedPrecisionTrainer(model, opt, precision="bf16")
+    assert trainer.foreach_groups == 1
+    assert [g["foreach"] for g in opt.param_groups] == [True, False]
+    untouched = torch.optim.SGD(_tiny().parameters(), lr=0.1)
+    MixedPrecisionTrainer(_tiny(), untouched, precision="bf16", optimizer_foreach=False)
+    assert untouched.param_groups[0]["foreach"] is None

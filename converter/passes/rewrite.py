@@ -122,6 +122,7 @@ def rewrite(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, check: Opti
         casts[key] = cast
         return cast
 
+    native: list[tuple[torch.fx.Node, torch.dtype]] = []  # promote nodes left to promote natively
     for node in list(graph.nodes):
         info: Optional[NodeInfo] = node.meta.get(META_INFO)
         if info is None or info.kind == "cast":
@@ -154,6 +155,7 @@ def rewrite(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, check: Opti
             continue
         want = DTYPES[decision.precision]
         if decision.requested == "promote" and _promotes_natively(node, info, want, cache):
+            native.append((node, want))
             continue
         reason = f"{node.name} ({info.op}) runs in {decision.precision}: {decision.full_reason}"
 
@@ -169,6 +171,7 @@ def rewrite(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, check: Opti
             return get_cast(arg, _want, _node, _rule, _reason)
 
         map_castable_args(node, info.op, convert)
+    _share_casts_with_promotes(native, casts, cache)
     _record_param_dtypes(gm)
     if check if check is not None else os.environ.get("MPCONVERT_CHECK") == "1":
         graph.lint()
@@ -186,6 +189,31 @@ def _retarget_metadata_assert(node: torch.fx.Node, cache: dict) -> None:
     have = runtime_dtype(src, cache)
     if have is not None and have != node.kwargs["dtype"]:
         node.kwargs = {**node.kwargs, "dtype": have}
+
+
+def _share_casts_with_promotes(native: list, casts: dict, cache: dict) -> None:
+    """A natively promoting node reads the shared cast of a narrower input when one exists anyway.
+
+    The cast is there for other consumers (one per (producer, dtype)); reading it costs nothing and
+    keeps one conversion per (producer, dtype), as the placement cost model counts it (an exporter
+    would otherwise write a second, identical Cast for the promotion). The cast moves up to just
+    before the promoting node when its first consumer came later.
+    """
+    if not native:
+        return
+    position = {n: i for i, n in enumerate(native[0][0].graph.nodes)}
+    for node, want in native:
+        for arg in list(node.all_input_nodes):
+            cast = casts.get((arg, want, node.meta.get(META_REGION, ())))  # within its own region only
+            have = runtime_dtype(arg, cache)
+            if cast is None or have is None or have == want:
+                continue
+            if position[cast] > position[node]:
+                node.prepend(cast)  # its other consumers all come later still
+                position[cast] = position[node] - 0.5
+            node.replace_input_with(arg, cast)
+            rec: CastRecord = cast.meta[META_CAST]
+            cast.meta[META_CAST] = dataclasses.replace(rec, consumers=rec.consumers + (node.name,))
 
 
 def _promotes_natively(node: torch.fx.Node, info: NodeInfo, want: torch.dtype, cache: dict) -> bool:

@@ -52,6 +52,10 @@ _DISPATCH_KEY_FOR_DEVICE = {
     "meta": "Meta",
     "privateuseone": "PrivateUse1",
 }
+_STATE_KEYS = (
+    "scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker",
+    "hysteresis", "_hysteresis_left", "min_scale", "max_scale", "dynamic",
+)
 _CLOSURE_MESSAGE = (
     "Closure use is not currently supported if GradScaler is enabled. "
     "A closure re-evaluates the loss inside optimizer.step(), after the gradients were unscaled and "
@@ -66,6 +70,28 @@ def _has_kernel(op_name: str, device: torch.device) -> bool:
     if key is None:
         return False
     return bool(torch._C._dispatch_has_kernel_for_dispatch_key(op_name, key))
+
+
+def _dtensor_class() -> type | None:
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+_DTENSOR = _dtensor_class()
+
+
+def _local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a ``DTensor`` (FSDP2 gradients), else the tensor itself.
+
+    Ops on the shard change the DTensor in place; each rank checks only its own shard, and
+    ``sync_found_inf`` makes the ranks agree.
+    """
+    if _DTENSOR is not None and isinstance(tensor, _DTENSOR):
+        return tensor.to_local()
+    return tensor
 
 
 class _Stage(enum.Enum):
@@ -142,7 +168,7 @@ def _unscale_grads(
                 param.grad = grad = grad.coalesce()
             target = grad._values()
         else:
-            target = grad
+            target = _local_shard(grad)
         groups[(target.device, target.dtype)].append(target)
 
     flags: dict[torch.device, torch.Tensor] = {found_inf.device: found_inf}
@@ -497,10 +523,14 @@ class LossScaler:
             "dynamic": self._dynamic,
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a dict from ``state_dict()`` (or from a ``GradScaler``: our extra keys then keep their values)."""
-        if not self._enabled:
-            return
+    def check_state_dict(self, state_dict: Any) -> dict[str, Any]:
+        """Validate a dict from ``state_dict()`` (or a ``GradScaler``'s) without changing anything.
+
+        Returns the values ``load_state_dict`` would apply; raises ``ValueError``/``TypeError``
+        naming the first bad key. Keys this class does not save keep their current values.
+        """
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"a LossScaler state dict must be a dict, got {type(state_dict).__name__}")
         if len(state_dict) == 0:
             raise RuntimeError(
                 "The source state dict is empty, possibly because it was saved "
@@ -510,28 +540,54 @@ class LossScaler:
                    if k not in state_dict]
         if missing:
             raise ValueError(f"LossScaler state dict is missing keys {missing}; got keys {sorted(state_dict)}")
-        if "min_scale" in state_dict:
-            self._min_scale = _check_positive_finite("min_scale", state_dict["min_scale"], allow_none=True)
-        if "max_scale" in state_dict:
-            self._max_scale = _check_positive_finite("max_scale", state_dict["max_scale"], allow_none=True)
-        if "hysteresis" in state_dict:
-            self._hysteresis = _check_int("hysteresis", state_dict["hysteresis"], minimum=1)
-        if "dynamic" in state_dict:
-            self._dynamic = bool(state_dict["dynamic"])
-        scale = _check_positive_finite("scale", state_dict["scale"])
-        self._check_bounds(scale, "scale")
-        self._growth_factor = _check_growth_factor(state_dict["growth_factor"])
-        self._backoff_factor = _check_backoff_factor(state_dict["backoff_factor"])
-        self._growth_interval = _check_int("growth_interval", state_dict["growth_interval"], minimum=1)
-        tracker = _check_int("_growth_tracker", state_dict["_growth_tracker"], minimum=0)
-        left = _check_int("_hysteresis_left", state_dict.get("_hysteresis_left", self._hysteresis), minimum=1)
-        self._init_scale = scale
-        self._init_growth_tracker = tracker
-        self._init_hysteresis_left = left
+        unknown = sorted(set(state_dict) - set(_STATE_KEYS))
+        if unknown:
+            raise ValueError(f"LossScaler state dict has unknown keys {unknown}; expected a subset of {_STATE_KEYS}")
+        values: dict[str, Any] = {
+            "min_scale": _check_positive_finite("min_scale", state_dict.get("min_scale", self._min_scale),
+                                                allow_none=True),
+            "max_scale": _check_positive_finite("max_scale", state_dict.get("max_scale", self._max_scale),
+                                                allow_none=True),
+            "hysteresis": _check_int("hysteresis", state_dict.get("hysteresis", self._hysteresis), minimum=1),
+            "dynamic": state_dict.get("dynamic", self._dynamic),
+            "scale": _check_positive_finite("scale", state_dict["scale"]),
+            "growth_factor": _check_growth_factor(state_dict["growth_factor"]),
+            "backoff_factor": _check_backoff_factor(state_dict["backoff_factor"]),
+            "growth_interval": _check_int("growth_interval", state_dict["growth_interval"], minimum=1),
+            "_growth_tracker": _check_int("_growth_tracker", state_dict["_growth_tracker"], minimum=0),
+        }
+        if not isinstance(values["dynamic"], bool):
+            raise TypeError(f"dynamic must be a bool, got {type(values['dynamic']).__name__}")
+        values["_hysteresis_left"] = _check_int(
+            "_hysteresis_left", state_dict.get("_hysteresis_left", values["hysteresis"]), minimum=1
+        )
+        low, high, scale = values["min_scale"], values["max_scale"], values["scale"]
+        if low is not None and high is not None and low > high:
+            raise ValueError(f"min_scale ({low}) must be <= max_scale ({high})")
+        if (low is not None and scale < low) or (high is not None and scale > high):
+            raise ValueError(f"scale ({scale}) is outside [min_scale, max_scale] = [{low}, {high}]")
+        return values
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a dict from ``state_dict()`` (or from a ``GradScaler``: our extra keys then keep their values).
+
+        All or nothing: the whole dict is validated first (:meth:`check_state_dict`), so a bad
+        dict raises and leaves the scaler exactly as it was.
+        """
+        if not self._enabled:
+            return
+        values = self.check_state_dict(state_dict)
+        self._min_scale, self._max_scale = values["min_scale"], values["max_scale"]
+        self._hysteresis, self._dynamic = values["hysteresis"], values["dynamic"]
+        self._growth_factor, self._backoff_factor = values["growth_factor"], values["backoff_factor"]
+        self._growth_interval = values["growth_interval"]
+        self._init_scale = values["scale"]
+        self._init_growth_tracker = values["_growth_tracker"]
+        self._init_hysteresis_left = values["_hysteresis_left"]
         if self._scale is not None:
-            self._scale.fill_(scale)
-            self._growth_tracker.fill_(tracker)
-            self._hysteresis_left.fill_(left)
+            self._scale.fill_(values["scale"])
+            self._growth_tracker.fill_(values["_growth_tracker"])
+            self._hysteresis_left.fill_(values["_hysteresis_left"])
 
     def __repr__(self) -> str:
         return (

@@ -4,7 +4,7 @@ Two modes, named after Apex's opt levels:
 
 * **O1** (``master_weights=False``): parameters stay fp32 and the converted graph casts them to
   half where an op runs in half. The optimizer steps the fp32 parameters directly; fp16 runs
-  through a :class:`~converter.scaler.LossScaler`.
+  through a :class:`~converter.train.scaler.LossScaler`.
 * **O2** (``master_weights=True``): parameters are *stored* in half, which halves weight memory
   and removes the per-forward weight casts. The trainer keeps an fp32 master copy of every half
   parameter and points the optimizer at the masters, so updates smaller than half's resolution
@@ -26,8 +26,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import operator
+import statistics
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -35,11 +38,14 @@ import torch
 import torch.fx
 from torch import nn
 
-from converter.train.scaler import LossScaler
+from converter.ir.errors import EXIT_CHECK_FAILED, MpconvertError
 from converter.ir.meta import GM_PARAM_DTYPES, META_CAST, META_INFO, META_TRAINER
 from converter.ir.precision import half_dtype
+from converter.train.scaler import LossScaler
 
-__all__ = ["MixedPrecisionTrainer", "TrainStats"]
+__all__ = ["MixedPrecisionTrainer", "SpikeGuard", "TrainStats", "TrainingStalledError"]
+
+_LOG = logging.getLogger(__name__)
 
 _FP32_MODULE_MARKERS = ("Norm", "Embedding")
 _BF16_NO_SCALER = (
@@ -47,6 +53,40 @@ _BF16_NO_SCALER = (
     "is unnecessary; pass precision='fp16' to use a loss scaler, or drop the {what} for bf16."
 )
 _STATE_FORMAT = 1
+_DEFAULT_MIN_SCALE = 1.0  # the trainer's dynamic scaler never goes below 1 (DeepSpeed, Megatron)
+_DEFAULT_MAX_CONSECUTIVE_SKIPS = 100
+
+
+class TrainingStalledError(MpconvertError, RuntimeError):
+    """Raised when ``max_consecutive_skips`` optimizer steps in a row were skipped (exit status 1: a check failed)."""
+
+    exit_code = EXIT_CHECK_FAILED
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SpikeGuard:
+    """Skip a step whose unscaled gradient norm exceeds ``factor`` × the median of recent norms.
+
+    GLM-130B's observation: loss blow-ups are often preceded by a gradient-norm spike, and
+    skipping that batch avoids them. The median is over the last ``window`` finite gradient norms
+    (skipped spikes included, so a lasting change of scale is accepted once it fills half the
+    window); the guard only acts once ``min_history`` norms were seen.
+    """
+
+    factor: float = 10.0
+    window: int = 100
+    min_history: int = 10
+
+    def __post_init__(self) -> None:
+        if isinstance(self.factor, bool) or not isinstance(self.factor, (int, float)) \
+                or not math.isfinite(self.factor) or self.factor <= 1.0:
+            raise ValueError(f"SpikeGuard.factor must be a finite number > 1, got {self.factor!r}")
+        for name in ("window", "min_history"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"SpikeGuard.{name} must be an int >= 1, got {value!r}")
+        if self.min_history > self.window:
+            raise ValueError(f"SpikeGuard.min_history ({self.min_history}) must be <= window ({self.window})")
 
 
 @dataclasses.dataclass
@@ -56,7 +96,9 @@ class TrainStats:
     Attributes:
         scale: the loss scale after the step's update (1.0 without a scaler).
         steps: optimizer steps taken.
-        skipped: optimizer steps skipped because the gradients held inf or NaN.
+        skipped: optimizer steps skipped because the unscaled gradients held inf or NaN.
+        spike_skips: optimizer steps skipped by the :class:`SpikeGuard` (finite but spiking norm).
+        consecutive_skips: skipped steps (either kind) since the last real optimizer step.
         overflows: times the loss scale was reduced. Equal to ``skipped`` with the default
             hysteresis of 1; smaller with hysteresis, a static scale, or at ``min_scale``.
         grad_norm: total 2-norm of the unscaled gradients before clipping; inf on a skipped step;
@@ -68,6 +110,8 @@ class TrainStats:
     scale: float = 1.0
     steps: int = 0
     skipped: int = 0
+    spike_skips: int = 0
+    consecutive_skips: int = 0
     overflows: int = 0
     grad_norm: float | None = None
     loss: float | None = None
@@ -77,6 +121,43 @@ def _unwrap(module: nn.Module) -> nn.Module:
     if isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
         return module.module
     return module
+
+
+def _fsdp_module(module: nn.Module) -> nn.Module | None:
+    """``module`` when it was sharded with ``torch.distributed.fsdp.fully_shard`` (FSDP2), else None."""
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.fsdp import FSDPModule
+
+    return module if isinstance(module, FSDPModule) else None
+
+
+def _full_value(tensor: torch.Tensor) -> float:
+    """A 0-dim tensor as a float; a DTensor (FSDP2 norm, partial per rank) is reduced first."""
+    full_tensor = getattr(tensor, "full_tensor", None)
+    if full_tensor is not None:
+        tensor = full_tensor()
+    return float(tensor.item())
+
+
+def _enable_foreach(optimizer: torch.optim.Optimizer) -> int:
+    """``foreach=True`` on every param group that left it to torch's default; returns how many."""
+    if "foreach" not in optimizer.defaults:
+        return 0
+    count = 0
+    for group in optimizer.param_groups:
+        if group.get("foreach") is None and not group.get("fused") and not group.get("differentiable"):
+            group["foreach"] = True
+            count += 1
+    return count
+
+
+def _check_optional_count(name: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+    return value
 
 
 def _shrink_embedding_grad(alpha: float, _module: nn.Module, _args: Any, output: torch.Tensor) -> torch.Tensor:
@@ -229,9 +310,12 @@ class MixedPrecisionTrainer:
         master_weights: False = O1 (fp32 params, cast in the graph); True = O2 (half params, fp32
             masters). False by default: O1 keeps the model exactly as converted and works with any
             optimizer; O2 is the memory/speed option.
-        loss_scale: ``"dynamic"`` (a default :class:`LossScaler`), a float (a static scale), a
-            :class:`LossScaler`, or None (fp16 without scaling: a static scale of 1 that still skips
-            non-finite steps). Must be ``"dynamic"`` or None for bf16, which needs no scaling.
+        loss_scale: ``"dynamic"`` (a :class:`LossScaler` with ``min_scale=1.0``: DeepSpeed's and
+            Megatron's floor, so a run of overflows cannot drive the scale to 0, whose reciprocal
+            would turn every later gradient into inf/NaN), a float (a static scale), a
+            :class:`LossScaler` (used as given, floor or not), or None (fp16 without scaling: a
+            static scale of 1 that still skips non-finite steps). Must be ``"dynamic"`` or None
+            for bf16, which needs no scaling.
         max_grad_norm: clip the total 2-norm of the unscaled gradients to this (None = no clipping,
             the neutral choice; clipping always happens after unscaling, so the threshold is in
             true gradient units).
@@ -239,6 +323,17 @@ class MixedPrecisionTrainer:
             divided by it so the accumulated gradient is the mean.
         scaler: a :class:`LossScaler` to use (same as passing it as ``loss_scale``).
         callback: called with a copy of :class:`TrainStats` after every real step.
+        max_consecutive_skips: raise :class:`TrainingStalledError` (naming the step count) when
+            this many optimizer steps in a row were skipped (non-finite gradients or spikes),
+            instead of going on silently without learning. 100 by default (from the default cap of
+            2**24 a dynamic scale reaches 1 in 24 overflows, 48 with hysteresis 2); None disables it.
+        spike_guard: a :class:`SpikeGuard` to skip steps whose gradient norm spikes; None (off) by
+            default. Skips are counted in ``stats.spike_skips`` and logged (``logging`` warning).
+        optimizer_foreach: set ``foreach=True`` on the optimizer's param groups that left
+            ``foreach`` at None (torch's default on CPU is then a per-parameter Python loop; the
+            multi-tensor path does the same arithmetic in a few ``_foreach_*`` calls: SGD with
+            momentum on the 2-layer d128 encoder takes 170 µs instead of 210 µs). True by default;
+            groups with ``foreach``/``fused``/``differentiable`` set explicitly are left alone.
         embedding_grad_shrink: ``alpha`` in (0, 1]: every ``nn.Embedding`` output becomes
             ``alpha*e + (1-alpha)*e.detach()`` (GLM-130B's trick against early loss spikes). None by
             default: it changes the optimisation. Implemented as forward hooks on the ``nn.Embedding``
@@ -254,6 +349,22 @@ class MixedPrecisionTrainer:
 
     ``zero_grad()`` only clears gradients at an accumulation boundary, so that loop accumulates
     correctly with ``accumulation_steps > 1``.
+
+    Every step is taken only on finite gradients: the check runs on the *unscaled* gradients (the
+    scaler's fused check sees the scaled ones; a tiny scale can overflow on unscaling), for fp16,
+    bf16 and no scaler alike, so no inf/NaN ever reaches the weights.
+
+    **FSDP2** (``torch.distributed.fsdp.fully_shard``): build the trainer on the sharded module,
+    after ``fully_shard`` (the optimizer too). O1 only (``master_weights=False``). The gradient
+    norm is the global one (DTensor shards reduced), every rank skips together, accumulation uses
+    ``set_requires_gradient_sync``, and ``state_dict()``/``load_state_dict()`` go through
+    ``torch.distributed.checkpoint.state_dict`` (sharded, for ``torch.distributed.checkpoint``).
+    Never let FSDP and the converted graph both cast: for a converted module keep FSDP's
+    ``MixedPrecisionPolicy`` at ``param_dtype=None`` (the graph casts each weight where its op
+    runs in half; FSDP would also round the weights the converter kept fp32, such as norm
+    weights) with ``reduce_dtype=torch.float32``. For a plain module, FSDP's
+    ``param_dtype=torch.bfloat16, reduce_dtype=torch.float32`` *is* O2: its fp32 shards are the
+    master weights. See ``docs/training.md``.
     """
 
     def __init__(
@@ -269,6 +380,9 @@ class MixedPrecisionTrainer:
         scaler: LossScaler | None = None,
         callback: Callable[[TrainStats], Any] | None = None,
         embedding_grad_shrink: float | None = None,
+        max_consecutive_skips: int | None = _DEFAULT_MAX_CONSECUTIVE_SKIPS,
+        spike_guard: SpikeGuard | None = None,
+        optimizer_foreach: bool = True,
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
@@ -286,10 +400,23 @@ class MixedPrecisionTrainer:
                 raise ValueError(f"max_grad_norm must be a finite number > 0, got {max_grad_norm}")
         if callback is not None and not callable(callback):
             raise TypeError("callback must be callable or None")
+        if spike_guard is not None and not isinstance(spike_guard, SpikeGuard):
+            raise TypeError(f"spike_guard must be a SpikeGuard or None, got {type(spike_guard).__name__}")
+        self._max_consecutive_skips = _check_optional_count("max_consecutive_skips", max_consecutive_skips)
+        self._spike_guard = spike_guard
+        self._norm_history: deque[float] = deque(maxlen=spike_guard.window if spike_guard else 1)
 
         self._module = module
         self._inner = _unwrap(module)
         self._ddp = module if isinstance(module, nn.parallel.DistributedDataParallel) else None
+        self._fsdp = _fsdp_module(module)
+        if self._fsdp is not None and master_weights:
+            raise ValueError(
+                "master_weights=True (O2) is not supported on an FSDP2 (fully_shard) module: its DTensor "
+                "shards cannot be re-laid out as half copies. Use master_weights=False; for O2 storage let FSDP "
+                "keep fp32 shards as the masters with MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
+                "reduce_dtype=torch.float32) on an unconverted module (docs/training.md)."
+            )
         self._optimizer = optimizer
         self._half = half
         self._precision = "fp16" if self._half == torch.float16 else "bf16"
@@ -321,6 +448,8 @@ class MixedPrecisionTrainer:
             self.dropped_weight_casts = _drop_identity_weight_casts(self._inner)
         else:
             self._check_o1_params()
+        if self._fsdp is not None:
+            self._fsdp.set_requires_gradient_sync(accumulation_steps == 1)
         if self._ddp is not None:
             # O2: DDP would all-reduce half gradients into buckets laid out for the fp32 params it
             # was built with. Turn its reduction off (what no_sync() does) and all-reduce the fp32
@@ -329,6 +458,9 @@ class MixedPrecisionTrainer:
             self._ddp.require_backward_grad_sync = (not master_weights) and accumulation_steps == 1
         if embedding_grad_shrink is not None:
             self._install_embedding_shrink(embedding_grad_shrink)
+        if not isinstance(optimizer_foreach, bool):
+            raise TypeError(f"optimizer_foreach must be a bool, got {type(optimizer_foreach).__name__}")
+        self.foreach_groups = _enable_foreach(optimizer) if optimizer_foreach else 0  # groups switched to foreach
 
     # ------------------------------------------------------------------ setup
     def _resolve_scaler(self, loss_scale: Any, scaler: LossScaler | None) -> LossScaler | None:
@@ -347,7 +479,7 @@ class MixedPrecisionTrainer:
         if isinstance(loss_scale, LossScaler):
             return loss_scale
         if loss_scale == "dynamic":
-            return LossScaler()
+            return LossScaler(min_scale=_DEFAULT_MIN_SCALE)
         if loss_scale is None:
             return LossScaler(init_scale=1.0, dynamic=False, max_scale=None)
         if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
@@ -568,7 +700,11 @@ class MixedPrecisionTrainer:
             torch._foreach_copy_(grads, [chunk.view_as(g) for chunk, g in zip(flat.split([g.numel() for g in grads]), grads)])
 
     def _all_ranks_agree(self, finite: bool) -> bool:
-        """bf16 under DDP: step only if every rank's gradients are finite, so replicas never diverge."""
+        """No scaler under DDP: step only if every rank's gradients are finite, so replicas never diverge.
+
+        Under FSDP2 the norm itself is global (reduced over the shards' mesh), so every rank already
+        sees the same value and no further collective is needed.
+        """
         if self._ddp is None:
             return finite
         flag = torch.tensor([0.0 if finite else 1.0], device=self._first_param_device())
@@ -580,10 +716,16 @@ class MixedPrecisionTrainer:
             return param.device
         return torch.device("cpu")
 
-    def _grad_norm(self) -> torch.Tensor:
+    def _grad_norm(self) -> float:
+        """Total 2-norm of the (unscaled) gradients the optimizer will use; clips them when asked.
+
+        Global under FSDP2 (the DTensor norm is reduced across the shards). Foreach/flat kernels only.
+        """
         params = [p for p in self._optimizer_params() if p.grad is not None]
         if self._max_grad_norm is not None:
-            return torch.nn.utils.clip_grad_norm_(params, self._max_grad_norm)
+            return _full_value(torch.nn.utils.clip_grad_norm_(params, self._max_grad_norm, foreach=True))
+        if self._fsdp is not None:
+            return _full_value(torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True))
         # a flat master-grad buffer whose every view is its master's grad is normed in one go
         norms, covered = [], set()
         for group in self._flat_groups:
@@ -594,14 +736,56 @@ class MixedPrecisionTrainer:
         if grads:
             norms.extend(torch._foreach_norm(grads))
         if not norms:
-            return torch.zeros(())
-        return torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
+            return 0.0
+        total = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
+        return float(total.item())
+
+    def _set_grad_sync(self, sync: bool) -> None:
+        """Whether the next backward reduces gradients across ranks (only the window's last one does)."""
+        if self._ddp is not None and not self._master_weights:
+            self._ddp.require_backward_grad_sync = sync
+        if self._fsdp is not None:
+            self._fsdp.set_requires_gradient_sync(sync)
+
+    def _unscale_and_check(self) -> tuple[float, bool]:
+        """Unscale, then the gradient norm; returns ``(norm, non_finite)``, agreed by every rank.
+
+        The scaler's fused check looks at the gradients *before* unscaling; a finite gradient can
+        still become inf when multiplied by ``1/scale`` (a scale below 1, or 0 without a floor), so
+        the norm of the unscaled gradients is checked as well.
+        """
+        if self._scaler is not None:
+            self._scaler.unscale_(self._optimizer)
+            found_inf = self._scaler.found_inf(self._optimizer)  # all-reduced by the scaler (sync_found_inf)
+            if found_inf and self._fsdp is None:
+                return math.inf, True
+            # FSDP2: the norm is a collective, so every rank computes it; it is inf on every rank when any
+            # shard holds an inf, which keeps the ranks together even with sync_found_inf=False
+            norm = self._grad_norm()
+            return (math.inf, True) if found_inf else (norm, not math.isfinite(norm))
+        norm = self._grad_norm()
+        return norm, not self._all_ranks_agree(math.isfinite(norm))
+
+    def _is_spike(self, norm: float) -> bool:
+        guard = self._spike_guard
+        if guard is None:
+            return False
+        history = self._norm_history
+        median = statistics.median(history) if len(history) >= guard.min_history else math.inf
+        history.append(norm)
+        if norm <= guard.factor * median:
+            return False
+        _LOG.warning("step %d skipped by the spike guard: gradient norm %.4g > %g x median %.4g of the last %d",
+                     self._stats.steps + self._stats.skipped + self._stats.spike_skips + 1, norm, guard.factor,
+                     median, len(history) - 1)
+        return True
 
     def step(self, *, closure: Any = None) -> bool:
         """Finish an accumulation window: unscale, check, clip, step, copy masters back.
 
         Returns True when the optimizer stepped; False inside an accumulation window or when the
-        step was skipped for inf/NaN gradients.
+        step was skipped (non-finite unscaled gradients, or a spike the :class:`SpikeGuard` caught).
+        Raises :class:`TrainingStalledError` when ``max_consecutive_skips`` steps in a row were skipped.
         """
         if closure is not None:
             raise ValueError(
@@ -611,54 +795,77 @@ class MixedPrecisionTrainer:
             )
         self._micro += 1
         if self._micro < self._accumulation_steps:
-            if self._ddp is not None and not self._master_weights:
-                self._ddp.require_backward_grad_sync = self._micro == self._accumulation_steps - 1
+            self._set_grad_sync(self._micro == self._accumulation_steps - 1)
             return False
         self._micro = 0
-        if self._ddp is not None and not self._master_weights:
-            self._ddp.require_backward_grad_sync = self._accumulation_steps == 1
+        self._set_grad_sync(self._accumulation_steps == 1)
 
         if self._master_weights:
             self._harvest_half_grads()
             if self._ddp is not None:
                 self._all_reduce_fp32_grads()
-
-        scaler, optimizer = self._scaler, self._optimizer
-        if scaler is not None:
-            scale_before = scaler.get_scale()
-            scaler.unscale_(optimizer)
-            found_inf = scaler.found_inf(optimizer)
-            grad_norm = math.inf if found_inf else float(self._grad_norm().item())
-            scaler.step(optimizer)
-            scaler.update()
-            scale_after = scaler.get_scale()
-            stepped = not found_inf
-            self._stats.overflows += int(scale_after < scale_before)
-            self._stats.scale = scale_after
-        else:
-            grad_norm = float(self._grad_norm().item())
-            stepped = self._all_ranks_agree(math.isfinite(grad_norm))
-            if stepped:
-                optimizer.step()
-        if stepped and self._masters:
-            self._copy_masters_to_model()
-
-        self._stats.steps += int(stepped)
-        self._stats.skipped += int(not stepped)
-        self._stats.grad_norm = grad_norm
-        if self._loss_sum is not None:
-            self._stats.loss = float(self._loss_sum.item()) / self._accumulation_steps
-        self._loss_sum = None
-        if self._callback is not None:
-            self._callback(dataclasses.replace(self._stats))
+        scale_before = self._scaler.get_scale() if self._scaler is not None else 1.0
+        grad_norm, non_finite = self._unscale_and_check()
+        spike = not non_finite and self._is_spike(grad_norm)
+        stepped = not (non_finite or spike)
+        if stepped:
+            self._optimizer.step()
+            if self._masters:
+                self._copy_masters_to_model()
+        if self._scaler is not None:
+            self._scaler.update()
+            self._stats.scale = self._scaler.get_scale()
+            self._stats.overflows += int(self._stats.scale < scale_before)
+        self._record_step(stepped=stepped, non_finite=non_finite, spike=spike, grad_norm=grad_norm)
         return stepped
 
+    def _record_step(self, *, stepped: bool, non_finite: bool, spike: bool, grad_norm: float) -> None:
+        stats = self._stats
+        stats.steps += int(stepped)
+        stats.skipped += int(non_finite)
+        stats.spike_skips += int(spike)
+        stats.consecutive_skips = 0 if stepped else stats.consecutive_skips + 1
+        stats.grad_norm = grad_norm
+        if self._loss_sum is not None:
+            stats.loss = float(self._loss_sum.item()) / self._accumulation_steps
+        self._loss_sum = None
+        if self._callback is not None:
+            self._callback(dataclasses.replace(stats))
+        limit = self._max_consecutive_skips
+        if limit is not None and stats.consecutive_skips >= limit:
+            total = stats.steps + stats.skipped + stats.spike_skips
+            raise TrainingStalledError(
+                f"{stats.consecutive_skips} consecutive optimizer steps were skipped (steps "
+                f"{total - stats.consecutive_skips + 1} to {total}; last gradient norm {grad_norm:.4g}, loss scale "
+                f"{stats.scale:g}): the gradients are non-finite or spiking on every step. Check the data, the "
+                f"learning rate and the model's numerics, or raise max_consecutive_skips (None disables the limit)."
+            )
+
     # ------------------------------------------------------------------ checkpoints
+    def _model_state(self) -> dict[str, Any]:
+        if self._fsdp is not None:
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+            return get_model_state_dict(self._fsdp)
+        return self._inner.state_dict()
+
+    def _optimizer_state(self) -> dict[str, Any]:
+        if self._fsdp is not None:
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+            return get_optimizer_state_dict(self._fsdp, self._optimizer)
+        return self._optimizer.state_dict()
+
     def state_dict(self) -> dict[str, Any]:
-        """Model, fp32 masters, optimizer, scaler and counters; loads with ``torch.load(weights_only=True)``.
+        """Model, fp32 masters, optimizer, scaler, counters and the spike guard's recent gradient norms.
+
+        Loads with ``torch.load(weights_only=True)``.
 
         Only at an accumulation boundary: accumulated gradients are not saved, so a checkpoint
-        taken mid-window could not resume bit-identically.
+        taken mid-window could not resume bit-identically. Under FSDP2 the model and optimizer
+        entries come from ``torch.distributed.checkpoint.state_dict`` (sharded DTensors): save the
+        dict with ``torch.distributed.checkpoint.save`` and load it into a fresh trainer's
+        ``state_dict()`` with ``torch.distributed.checkpoint.load`` before ``load_state_dict``.
         """
         if self._micro != 0:
             raise RuntimeError(
@@ -669,33 +876,104 @@ class MixedPrecisionTrainer:
             "format": _STATE_FORMAT,
             "precision": self._precision,
             "master_weights": self._master_weights,
-            "model": self._inner.state_dict(),
+            "model": self._model_state(),
             "master": {fqn: master.detach() for fqn, _param, master in self._masters},
-            "optimizer": self._optimizer.state_dict(),
+            "optimizer": self._optimizer_state(),
             "scaler": self._scaler.state_dict() if self._scaler is not None else {},
             "stats": dataclasses.asdict(self._stats),
+            "spike_history": list(self._norm_history) if self._spike_guard is not None else [],
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore everything ``state_dict()`` saved; the trainer must be built the same way."""
+    def _check_state_dict(self, state_dict: Any) -> TrainStats:
+        """Validate a whole checkpoint before anything is loaded; returns its stats."""
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"a trainer state dict must be a dict, got {type(state_dict).__name__}")
         if state_dict.get("format") != _STATE_FORMAT:
             raise ValueError(f"unknown trainer state format {state_dict.get('format')!r}, expected {_STATE_FORMAT}")
+        missing = sorted({"precision", "master_weights", "model", "master", "optimizer", "scaler", "stats"}
+                         - set(state_dict))
+        if missing:
+            raise ValueError(f"trainer state dict is missing keys {missing}")
         for key, mine in (("precision", self._precision), ("master_weights", self._master_weights)):
             if state_dict[key] != mine:
                 raise ValueError(f"checkpoint has {key}={state_dict[key]!r} but this trainer has {key}={mine!r}")
+        expected = {fqn: master for fqn, _param, master in self._masters}
+        _check_tensors("master weights", state_dict["master"], expected)
+        _check_tensors("model", state_dict["model"], self._model_state())
+        if self._fsdp is None:
+            _check_optimizer_groups(state_dict["optimizer"], self._optimizer)
+        if self._scaler is not None:
+            self._scaler.check_state_dict(state_dict["scaler"])
+        stats = state_dict["stats"]
+        fields = {f.name for f in dataclasses.fields(TrainStats)}
+        if not isinstance(stats, dict) or not set(stats) <= fields:
+            raise ValueError(f"checkpoint stats must be a dict with keys from {sorted(fields)}, got {stats!r}")
+        history = state_dict.get("spike_history", [])
+        if not isinstance(history, list) or not all(
+            isinstance(v, float) and math.isfinite(v) and v >= 0 for v in history
+        ):
+            raise ValueError("checkpoint spike_history must be a list of finite gradient norms (floats >= 0)")
+        return TrainStats(**stats)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore everything ``state_dict()`` saved; the trainer must be built the same way.
+
+        The whole checkpoint is validated first (format, mode, every master's and model tensor's
+        name, shape and dtype, the scaler dict): a mismatch raises ``ValueError`` naming it and
+        loads nothing; nothing is broadcast or silently converted.
+        """
+        stats = self._check_state_dict(state_dict)
         masters = state_dict["master"]
-        expected = {fqn for fqn, _param, _master in self._masters}
-        if set(masters) != expected:
-            raise ValueError(
-                f"checkpoint master weights {sorted(masters)[:5]} do not match this trainer's {sorted(expected)[:5]}"
+        if self._fsdp is not None:
+            from torch.distributed.checkpoint.state_dict import (
+                set_model_state_dict,
+                set_optimizer_state_dict,
             )
-        self._inner.load_state_dict(state_dict["model"])
+
+            set_model_state_dict(self._fsdp, state_dict["model"])
+            set_optimizer_state_dict(self._fsdp, self._optimizer, state_dict["optimizer"])
+        else:
+            self._inner.load_state_dict(state_dict["model"])
+            self._optimizer.load_state_dict(state_dict["optimizer"])
         with torch.no_grad():
             for fqn, _param, master in self._masters:
                 master.copy_(masters[fqn])
-        self._optimizer.load_state_dict(state_dict["optimizer"])
         if self._scaler is not None:
             self._scaler.load_state_dict(state_dict["scaler"])
-        self._stats = TrainStats(**state_dict["stats"])
+        self._stats = stats
+        self._norm_history.clear()
+        if self._spike_guard is not None:
+            self._norm_history.extend(state_dict.get("spike_history", []))
         self._micro = 0
         self._loss_sum = None
+
+
+def _check_tensors(what: str, given: Any, expected: dict[str, torch.Tensor]) -> None:
+    """``given`` must name exactly ``expected``'s tensors, each with the same shape and dtype."""
+    if not isinstance(given, dict):
+        raise TypeError(f"checkpoint {what} must be a dict of tensors, got {type(given).__name__}")
+    if set(given) != set(expected):
+        extra, absent = sorted(set(given) - set(expected)), sorted(set(expected) - set(given))
+        raise ValueError(f"checkpoint {what} do not match this trainer: unexpected {extra[:5]}, missing {absent[:5]}")
+    for name, mine in expected.items():
+        theirs = given[name]
+        if not isinstance(mine, torch.Tensor):
+            continue
+        if not isinstance(theirs, torch.Tensor):
+            raise TypeError(f"checkpoint {what} entry {name!r} must be a tensor, got {type(theirs).__name__}")
+        if theirs.shape != mine.shape or theirs.dtype != mine.dtype:
+            raise ValueError(
+                f"checkpoint {what} entry {name!r} has shape {tuple(theirs.shape)} and dtype {theirs.dtype}, "
+                f"but this trainer's has shape {tuple(mine.shape)} and dtype {mine.dtype}; nothing was loaded"
+            )
+
+
+def _check_optimizer_groups(given: Any, optimizer: torch.optim.Optimizer) -> None:
+    """The checkpoint's optimizer has as many param groups, of the same sizes, as ``optimizer``."""
+    groups = given.get("param_groups") if isinstance(given, dict) else None
+    if not isinstance(groups, list) or not all(isinstance(g, dict) and "params" in g for g in groups):
+        raise ValueError("checkpoint optimizer state must be an optimizer state_dict() with 'param_groups'")
+    theirs = [len(g["params"]) for g in groups]
+    mine = [len(g["params"]) for g in optimizer.param_groups]
+    if theirs != mine:
+        raise ValueError(f"checkpoint optimizer has param groups of sizes {theirs}, this optimizer {mine}")

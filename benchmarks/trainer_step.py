@@ -1,0 +1,157 @@
+"""Trainer step overhead (issue 18 item 4): converted model + MixedPrecisionTrainer vs a plain autocast loop.
+
+Model: ``nn.TransformerEncoder`` d128, 4 heads, ff 256, 2 layers, B2×T16, dropout 0, SGD (lr 1e-4,
+momentum 0.9), bf16. Variants, each on its own copy of the same weights:
+
+* ``autocast`` — the original model under ``torch.autocast("cpu", dtype=bfloat16)``, ``loss.backward()``,
+  ``optimizer.step()``: the baseline (SGD as torch builds it by default: a per-parameter loop on CPU);
+* ``autocast_fe`` — the same with ``SGD(foreach=True)``, which the trainer switches on by default
+  (``optimizer_foreach``), so the optimizer's share is compared like for like;
+* ``O1`` / ``O2`` — ``converter.convert(..., precision="bf16", opt_level=..., device=...)``.module driven by
+  ``MixedPrecisionTrainer(master_weights=False/True)``.
+
+The steps run interleaved in one process (A B C … A B C …, :func:`benchmarks.common.interleaved`)
+with one torch thread and the thread CPU clock, so other processes on a shared machine do not
+blur the figures. Printed: median ms per phase (fwd, bwd, opt = ``trainer.step()`` or
+``optimizer.step()``) and the ratio of each step to autocast's.
+
+Run: ``python benchmarks/trainer_step.py [--rounds 200] [--device-lowering cpu|none] [--compare-ref REF]
+[--json out.json]``; ``--compare-ref 50aa920`` adds ``O1@50aa920``/``O2@50aa920``: the trainer as committed
+there, timed in the same interleaved rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import itertools
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import interleaved, machine_info, summarize
+from converter import convert
+from converter.train.trainer import MixedPrecisionTrainer
+
+__all__ = ["build", "main"]
+
+
+def _encoder() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(128, 4, 256, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False).train()
+    torch.manual_seed(1)
+    return model, torch.randn(2, 16, 128)
+
+
+def _sgd(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(list(params), lr=1e-4, momentum=0.9)
+
+
+def _trainer_class_at(ref: str) -> type:
+    """``MixedPrecisionTrainer`` as committed at git ``ref`` (to time before/after in one process)."""
+    root = Path(__file__).resolve().parent.parent
+    source = subprocess.run(["git", "-C", str(root), "show", f"{ref}:converter/train/trainer.py"],
+                            check=True, capture_output=True, text=True).stdout
+    folder = Path(tempfile.mkdtemp(prefix="trainer_at_"))
+    path = folder / "trainer_at_ref.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(f"_trainer_at_{ref}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module.MixedPrecisionTrainer
+
+
+def build(*, lowering: str | None, compare_ref: str | None = None) -> dict:
+    """name -> step(clock) callables for the variants."""
+    model, x = _encoder()
+    steps = {}
+
+    amp = copy.deepcopy(model)
+    amp_opt = _sgd(amp.parameters())
+
+    def autocast_step(clock) -> None:
+        amp_opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = amp(x)
+        loss = out.float().pow(2).mean()
+        clock.mark("fwd")
+        loss.backward()
+        clock.mark("bwd")
+        amp_opt.step()
+        clock.mark("opt")
+
+    steps["autocast"] = autocast_step
+
+    amp_fe = copy.deepcopy(model)
+    amp_fe_opt = torch.optim.SGD(list(amp_fe.parameters()), lr=1e-4, momentum=0.9, foreach=True)
+
+    def autocast_foreach_step(clock) -> None:
+        amp_fe_opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = amp_fe(x)
+        loss = out.float().pow(2).mean()
+        clock.mark("fwd")
+        loss.backward()
+        clock.mark("bwd")
+        amp_fe_opt.step()
+        clock.mark("opt")
+
+    steps["autocast_fe"] = autocast_foreach_step
+    trainers = {"": MixedPrecisionTrainer}
+    if compare_ref is not None:
+        trainers[f"@{compare_ref}"] = _trainer_class_at(compare_ref)
+    for level, (suffix, trainer_class) in itertools.product(("O1", "O2"), trainers.items()):
+        conv = convert(copy.deepcopy(model), (x,), precision="bf16", opt_level=level, device=lowering)
+        module = conv.module
+        trainer = trainer_class(module, _sgd(module.parameters()), precision="bf16", master_weights=level == "O2")
+
+        def trainer_step(clock, module=module, trainer=trainer) -> None:
+            trainer.zero_grad()
+            loss = module(x).float().pow(2).mean()
+            clock.mark("fwd")
+            trainer.backward(loss)
+            clock.mark("bwd")
+            trainer.step()
+            clock.mark("opt")
+
+        steps[level + suffix] = trainer_step
+    return steps
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--inner", type=int, default=5)
+    parser.add_argument("--device-lowering", choices=("cpu", "none"), default="cpu")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--compare-ref", default=None,
+                        help="also time the trainer as committed at this git ref (before/after in one process)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    steps = build(lowering=None if args.device_lowering == "none" else args.device_lowering,
+                  compare_ref=args.compare_ref)
+    samples = interleaved(steps, rounds=args.rounds, warmup=5, inner=args.inner, clock="cpu")
+    result = {"machine": machine_info(), "lowering": args.device_lowering,
+              "variants": {name: summarize(s) for name, s in samples.items()}}
+    base = result["variants"]["autocast"]["total_ms"]
+    print(f"{'variant':14s} {'step ms':>8s} {'fwd':>7s} {'bwd':>7s} {'opt':>7s} {'vs autocast':>12s}")
+    for name, entry in result["variants"].items():
+        entry["vs_autocast"] = entry["total_ms"] / base
+        print(f"{name:14s} {entry['total_ms']:8.3f} {entry['fwd_ms']:7.3f} {entry['bwd_ms']:7.3f} "
+              f"{entry['opt_ms']:7.3f} {entry['vs_autocast']:11.2f}x")
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
