@@ -17,7 +17,6 @@ fixes (typically the fp32 ``softmax``), instead of casting the constant to ±inf
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.fx
