@@ -484,10 +484,11 @@ def _capture_one(name: str, model: torch.nn.Module, args: tuple, kwargs: dict, s
         if name == "fx":
             _propagate(gm, args, kwargs)
     except Exception as exc:
-        if not model.training and _control_flow(exc) is None:
-            why = f"tracing in train mode failed ({_short(exc)})"
-        else:
+        if model.training:
             raise
+        # e.g. LayerDrop's `if self.training and torch.rand(()) < p`: a branch only train mode takes
+        flow = _control_flow(exc)
+        why = f"tracing in train mode failed ({'a data-dependent branch' if flow else _short(exc)})"
     if not why:
         try:
             why = _eval_mismatch(gm, model, args, kwargs) or ""
