@@ -97,6 +97,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                             timeout=timedelta(seconds=60))
     results = {name: _run_scenario(rank, name) for name in SCENARIOS}
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    dist.barrier()  # no rank tears gloo down while a peer still has a collective in flight
     dist.destroy_process_group()
 
 

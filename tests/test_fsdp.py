@@ -161,6 +161,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     for name in ("fp16_scaler", "bf16_accumulate", "plain_fsdp_o2"):
         results[name] = _scenario(rank, name, rows)
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    dist.barrier()  # no rank tears gloo down while a peer still has a collective in flight
     dist.destroy_process_group()
 
 
@@ -286,4 +287,5 @@ def test_fsdp_o2_through_the_trainer_is_rejected_with_the_recipe():
             MixedPrecisionTrainer(module, torch.optim.SGD(module.parameters(), lr=0.1), precision="bf16",
                                   master_weights=True)
     finally:
+        dist.barrier()  # no rank tears gloo down while a peer still has a collective in flight
         dist.destroy_process_group()
