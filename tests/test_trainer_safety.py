@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from test_trainer import _batch, _mse, _tiny  # the same tiny model and batches as the trainer's own tests
 from torch import nn
 
 import converter
@@ -20,19 +21,6 @@ from converter.train.trainer import (
 
 INF = float("inf")
 
-
-def _tiny(seed: int = 0) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
-
-
-def _batch(step: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(8, 4, generator=gen).to(dtype), torch.randn(8, 4, generator=gen)
-
-
-def _mse(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return nn.functional.mse_loss(model(x).float(), y)
 
 
 def _weights(model: nn.Module, trainer: MixedPrecisionTrainer) -> list[torch.Tensor]:

@@ -11,14 +11,15 @@
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.fx
 from torch.utils import _pytree as pytree
+
+from converter.ir.state import preserved_state
 
 __all__ = [
     "sqnr_db",
@@ -99,41 +100,6 @@ def floating_outputs(value: Any, *, fp64: bool = True) -> list[torch.Tensor]:
 
 # ---------------------------------------------------------------------------------------------
 # running a model without leaving a trace
-
-
-def _rng_devices() -> list[int]:
-    """The CUDA devices whose RNG state must be kept (only when CUDA is already initialised)."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return [torch.cuda.current_device()]
-    return []
-
-
-@contextlib.contextmanager
-def preserved_state(*modules: torch.nn.Module) -> Iterator[None]:
-    """Run code on ``modules`` and leave no trace on them or on the global RNG.
-
-    On exit (also after an exception): every buffer gets its value back (BatchNorm running
-    statistics, counters), every submodule its train/eval flag, and the CPU RNG (and the current
-    CUDA device's, when CUDA is initialised) its state. Parameters are not saved: the code in the
-    block must not write them (calibration and measuring only read them).
-    """
-    saved = []
-    for module in modules:
-        buffers = {name: buf.detach().clone() for name, buf in module.named_buffers()}
-        flags = {name: sub.training for name, sub in module.named_modules()}
-        saved.append((module, buffers, flags))
-    with torch.random.fork_rng(devices=_rng_devices()):
-        try:
-            yield
-        finally:
-            for module, buffers, flags in saved:
-                with torch.no_grad():
-                    for name, buf in module.named_buffers():
-                        if name in buffers:
-                            buf.copy_(buffers[name])
-                for name, sub in module.named_modules():
-                    if name in flags:
-                        sub.training = flags[name]
 
 
 # ---------------------------------------------------------------------------------------------

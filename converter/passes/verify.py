@@ -9,14 +9,14 @@ the rule behind that precision and its source line, and says how to pin it to fp
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 import torch.fx
 
 from converter.ir.errors import EXIT_INTERNAL, MpconvertError
 from converter.ir.meta import META_DECISION, META_INFO
+from converter.ir.state import preserved_state
 from converter.passes.capture import placeholder_values
 
 __all__ = ["check_forward", "ForwardCheckError"]
@@ -31,22 +31,6 @@ class ForwardCheckError(MpconvertError, RuntimeError):
     def __init__(self, message: str, *, node: Optional[str] = None):
         super().__init__(message)
         self.node = node
-
-
-@contextlib.contextmanager
-def _restored(module: torch.nn.Module) -> Iterator[None]:
-    buffers = {name: buf.detach().clone() for name, buf in module.named_buffers()}
-    flags = {name: sub.training for name, sub in module.named_modules()}
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        try:
-            yield
-        finally:
-            for name, buf in module.named_buffers():
-                if name in buffers:
-                    buf.copy_(buffers[name])
-            for name, sub in module.named_modules():
-                if name in flags:
-                    sub.training = flags[name]
 
 
 class _Locator(torch.fx.Interpreter):
@@ -81,14 +65,14 @@ def _describe(node: torch.fx.Node) -> str:
 
 def check_forward(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> None:
     """Run ``gm`` on the example inputs; raise :class:`ForwardCheckError` naming the failing node."""
-    with _restored(gm):
+    with preserved_state(gm), torch.no_grad():
         try:
             gm(*args, **kwargs)
             return
         except Exception as exc:  # located below; the message names the node
             error = exc
     locator = _Locator(gm)
-    with _restored(gm):
+    with preserved_state(gm), torch.no_grad():
         try:
             locator.run(*placeholder_values(gm, args, kwargs))
         except Exception as exc:  # the same failure, now with its node
