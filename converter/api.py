@@ -32,6 +32,7 @@ from converter.ir.precision import ALIASES, half_precision
 from converter.passes.place.stage import place
 from converter.report.build import Report, build_report
 from converter.passes.rewrite import rewrite
+from converter.passes.simplify import fold_counts, simplify
 from converter.rules.loader import Rules, load_rules
 from converter.ir.meta import Decision, GraphMeta
 from converter.numerics.options import CalibrationOptions
@@ -123,8 +124,10 @@ def _run_stage(name: str, done: list[str], fn, *args, **kwargs):
 
 
 def _pipeline(model, example_inputs, *, settings: PlaceSettings, rules, tracer, calibration=None,
-              calibration_options: Optional[CalibrationOptions] = None, device=None, codegen=True):
-    """capture → decide → lower → place → (calibrate) → rewrite → (codegen), placing with ``settings``."""
+              calibration_options: Optional[CalibrationOptions] = None, device=None, codegen=True,
+              simplify_graph=True):
+    """capture → decide → lower → place → (calibrate) → rewrite → simplify → (codegen), placing with
+    ``settings``; ``simplify_graph=False`` keeps the no-op nodes (benchmarks/graph_step.py times both)."""
     target = settings.target
     rule_set = load_rules(rules)
     done: list[str] = []
@@ -148,6 +151,8 @@ def _pipeline(model, example_inputs, *, settings: PlaceSettings, rules, tracer, 
         _run_stage("calibrate", done, calibrate_and_redecide, gm, calibration, rules=rule_set, settings=settings,
                    options=calibration_options or CalibrationOptions())
     _run_stage("rewrite", done, rewrite, gm, keep_io_types=settings.keep_io_types)
+    if simplify_graph:
+        gm.meta[GM_GRAPH].extra.update(simplified=_run_stage("simplify", done, simplify, gm))
     t2 = time.perf_counter()
     timings["pass_s"] = t2 - t1
     if codegen:
@@ -160,7 +165,8 @@ def _report(captured: Captured, rule_set: Rules, target: str, timings: dict, *, 
     gm = captured.gm
     return build_report(gm, precision=target, tracer=captured.tracer, rules=rule_set.to_dict(),
                         extra={"capture_errors": captured.errors, "timings": timings, "opt_level": opt_level,
-                               "device": device, "lowered": list(gm.meta[GM_GRAPH].extra.get("lowered", ()))})
+                               "device": device, "lowered": list(gm.meta[GM_GRAPH].extra.get("lowered", ())),
+                               "simplified": fold_counts(gm.meta[GM_GRAPH].extra.get("simplified", ()))})
 
 
 def convert(
