@@ -11,9 +11,10 @@ when the graph's own facts prove it is the identity for every input the graph ac
   literal ints (no symbolic sizes, no ``-1``) equal to the input's recorded shape, so on any other
   input the original would have failed rather than computed something else;
 * ``contiguous`` of a tensor torch recorded (``node.meta["val"]``, static shape) as contiguous;
-* ``.to(dtype)`` / ``aten.to.dtype`` (not ``_to_copy``, which copies) of a tensor already of that
-  dtype; rewrite's inserted casts (they carry a :class:`~converter.ir.meta.CastRecord`) are never
-  touched, so every cast the report lists stays on the graph.
+* ``.to(dtype)`` / ``aten.to.dtype`` (not ``_to_copy``, which copies) of a tensor the graph itself
+  fixes to that dtype (a rewrite cast's output, or a node whose code fixes its dtype; never an
+  input or a parameter, whose dtype the caller or the O2 trainer may change); rewrite's inserted
+  casts (their :class:`~converter.ir.meta.CastRecord` says ``inserted``) are never touched.
 
 The module call path is made leaner too: a torch.export graph that calls its own ``_guards_fn``
 (the shape guards) gets ``validate_inputs = False``, which turns off the forward pre-hook that
@@ -33,7 +34,7 @@ from typing import Any, Optional
 import torch
 import torch.fx
 
-from converter.ir.meta import META_CAST, META_INFO, META_VALUE, TensorSpec
+from converter.ir.meta import META_CAST, META_INFO, META_VALUE, TensorSpec, dtype_of
 
 __all__ = ["Fold", "simplify", "fold_counts"]
 
@@ -71,16 +72,16 @@ def _shape_of(node: Any) -> Optional[tuple]:
 
 
 def _dtype_of(node: Any) -> Optional[torch.dtype]:
-    """The dtype ``node`` produces at run time: a rewrite cast's target, else the recorded one."""
-    if not isinstance(node, torch.fx.Node):
+    """The dtype ``node`` produces on every call, when the graph itself fixes it: a rewrite cast's
+    target, or a node whose own code fixes its dtype (kind ``fixed``). Inputs, parameters (O2
+    stores them in half) and compute nodes (placement picks their dtype) give None."""
+    if not isinstance(node, torch.fx.Node) or node.op not in ("call_function", "call_method", "call_module"):
         return None
-    if node.op == "call_method" and node.target == "to" and META_CAST in node.meta:
-        return node.args[1] if len(node.args) > 1 and isinstance(node.args[1], torch.dtype) else None
+    record = node.meta.get(META_CAST)
+    if record is not None:
+        return dtype_of(record.dtype)
     info = node.meta.get(META_INFO)
-    if info is not None and info.kind == "compute":
-        return None  # placement may have changed it: the recorded dtype is the captured one
-    spec = node.meta.get(META_VALUE)
-    return spec.dtype if isinstance(spec, TensorSpec) else None
+    return info.fixed_dtype if info is not None and info.kind == "fixed" else None
 
 
 def _dropout_identity(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Optional[str]:
@@ -141,7 +142,9 @@ def _contiguous_identity(node: torch.fx.Node) -> Optional[str]:
 
 
 def _cast_identity(node: torch.fx.Node) -> Optional[str]:
-    if META_CAST in node.meta or node.kwargs or len(node.args) != 2 or not isinstance(node.args[1], torch.dtype):
+    record = node.meta.get(META_CAST)
+    if (record is not None and record.inserted) or node.kwargs or len(node.args) != 2 \
+            or not isinstance(node.args[1], torch.dtype):
         return None
     if not ((node.op == "call_method" and node.target == "to")
             or (node.op == "call_function" and node.target is _aten.to.dtype)):
