@@ -26,8 +26,8 @@ from converter.passes.capture import Captured, capture
 from converter.passes.decide import decide
 from converter.ir.graphmodule import materialize
 from converter.passes.lower import lower
-from converter.ir.errors import EXIT_INTERNAL, MpconvertError
-from converter.ir.meta import GM_GRAPH, HALF_NAMES, META_DECISION, META_INFO, Decision, GraphMeta
+from converter.ir.errors import EXIT_CHECK_FAILED, EXIT_INTERNAL, MpconvertError
+from converter.ir.meta import GM_GRAPH, HALF_NAMES, META_CAST, META_DECISION, META_INFO, Decision, GraphMeta
 from converter.ir.precision import ALIASES, half_precision
 from converter.passes.place.stage import place
 from converter.report.build import Report, build_report
@@ -41,7 +41,7 @@ from converter.passes.capture import Captured, CaptureError, capture
 from converter.passes.decide import BannedOpError, decide
 from converter.rules.loader import Rules, RulesError, load_rules
 
-__all__ = ["convert", "audit", "Conversion", "PassError", "normalize_precision", "PRECISION_ALIASES"]
+__all__ = ["convert", "audit", "Conversion", "PassError", "Fp16OverflowError", "normalize_precision", "PRECISION_ALIASES"]
 
 #: the half-precision spellings ``convert`` accepts (see :mod:`converter.ir.precision`)
 PRECISION_ALIASES = {name: value for name, value in ALIASES.items() if value in HALF_NAMES}
@@ -56,6 +56,95 @@ class PassError(MpconvertError, RuntimeError):
     """A stage failed; the message names it and the stages that ran before it."""
 
     exit_code = EXIT_INTERNAL
+
+
+class Fp16OverflowError(MpconvertError, ValueError):
+    """The fp16 conversion gives inf/NaN on the example inputs where fp32 is finite (CLI exit 1).
+
+    The message names the first node that overflowed and suggests ``calibration=`` (CLI
+    ``--calibrate``), which re-decides overflowing nodes, or bf16, which has fp32's range.
+    """
+
+    exit_code = EXIT_CHECK_FAILED  # a failed check, not bad input
+
+    def __init__(self, message: str, *, node: str = ""):
+        super().__init__(message)
+        self.node = node
+
+
+def _nonfinite(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.is_floating_point() and not bool(torch.isfinite(value).all())
+    if isinstance(value, (tuple, list)):
+        return any(_nonfinite(v) for v in value)
+    if isinstance(value, dict):
+        return any(_nonfinite(v) for v in value.values())
+    return False
+
+
+def _absmax(value: Any) -> float:
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
+        return float(value.detach().abs().max())
+    if isinstance(value, (tuple, list)):
+        return max((_absmax(v) for v in value), default=0.0)
+    return 0.0
+
+
+def _first_overflow(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> Optional[tuple[torch.fx.Node, float]]:
+    """Run ``gm`` and, in lockstep, the same graph with its inserted casts skipped (fp32); return
+    the first node whose converted output is non-finite while its fp32 output is finite, with the
+    largest magnitude of that fp32 output."""
+    from torch.fx.node import map_arg
+
+    from converter.passes.capture import placeholder_values
+
+    interp = torch.fx.Interpreter(gm)
+    flat = iter(placeholder_values(gm, args, kwargs))
+    nodes = list(gm.graph.nodes)
+    last_use = {inp: i for i, node in enumerate(nodes) for inp in node.all_input_nodes}
+    mixed: dict = {}
+    ref: dict = {}
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        for i, node in enumerate(nodes):
+            if node.op == "output":
+                break
+            if node.op == "placeholder":
+                value = next(flat, None)
+                mixed[node], ref[node] = value, (value.clone() if isinstance(value, torch.Tensor) else value)
+            elif node.op == "get_attr":
+                mixed[node] = ref[node] = interp.fetch_attr(str(node.target))
+            else:
+                run = getattr(interp, node.op)
+                mixed[node] = run(node.target, *map_arg((node.args, node.kwargs), mixed.__getitem__))
+                rec = node.meta.get(META_CAST)
+                if rec is not None and rec.inserted:
+                    ref[node] = ref[node.args[0]]  # the fp32 graph has no such cast
+                else:
+                    ref[node] = run(node.target, *map_arg((node.args, node.kwargs), ref.__getitem__))
+                if _nonfinite(mixed[node]) and not _nonfinite(ref[node]):
+                    return node, _absmax(ref[node])
+            for inp in node.all_input_nodes:
+                if last_use.get(inp) == i:
+                    mixed.pop(inp, None)
+                    ref.pop(inp, None)
+    return None
+
+
+def _check_fp16_overflow(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> None:
+    """Raise :class:`Fp16OverflowError` when the fp16 graph overflows where fp32 does not."""
+    found = _first_overflow(gm, args, kwargs)
+    if found is None:
+        return
+    node, peak = found
+    info = node.meta.get(META_INFO)
+    op = info.op if info is not None else str(node.target)
+    where = f", module {info.module!r}" if info is not None and info.module else ""
+    raise Fp16OverflowError(
+        f"fp16 overflow: node {node.name!r} (op {op}{where}) gives inf/NaN on the example inputs while fp32 "
+        f"stays finite (largest fp32 magnitude there {peak:.4g}; fp16 holds up to 65504); convert with "
+        "calibration= (CLI: --calibrate) to re-decide the overflowing nodes, or use bf16 (fp32's range)",
+        node=node.name,
+    )
 
 
 @dataclass
@@ -125,7 +214,7 @@ def _run_stage(name: str, done: list[str], fn, *args, **kwargs):
 
 def _pipeline(model, example_inputs, *, settings: PlaceSettings, rules, tracer, calibration=None,
               calibration_options: Optional[CalibrationOptions] = None, device=None, codegen=True,
-              simplify_graph=True):
+              dynamic: bool = True, dynamic_shapes: Any = None, simplify_graph: bool = True):
     """capture → decide → lower → place → (calibrate) → rewrite → simplify → (codegen), placing with
     ``settings``; ``simplify_graph=False`` keeps the no-op nodes (benchmarks/graph_step.py times both)."""
     target = settings.target
@@ -133,7 +222,7 @@ def _pipeline(model, example_inputs, *, settings: PlaceSettings, rules, tracer, 
     done: list[str] = []
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    captured: Captured = capture(model, example_inputs, tracer=tracer)
+    captured: Captured = capture(model, example_inputs, tracer=tracer, dynamic=dynamic, dynamic_shapes=dynamic_shapes)
     done.append("capture")
     timings["capture_s"] = time.perf_counter() - t0
     gm = captured.gm
@@ -166,6 +255,8 @@ def _report(captured: Captured, rule_set: Rules, target: str, timings: dict, *, 
     return build_report(gm, precision=target, tracer=captured.tracer, rules=rule_set.to_dict(),
                         extra={"capture_errors": captured.errors, "timings": timings, "opt_level": opt_level,
                                "device": device, "lowered": list(gm.meta[GM_GRAPH].extra.get("lowered", ())),
+                               "dynamic_dims": captured.dynamic_dims, "shapes": captured.shapes_note,
+                               "modes": captured.modes,
                                "simplified": fold_counts(gm.meta[GM_GRAPH].extra.get("simplified", ()))})
 
 
@@ -182,13 +273,17 @@ def convert(
     calibration_options: Union[None, CalibrationOptions, Mapping[str, Any]] = None,
     opt_level: str = "O1",
     device: Optional[str] = None,
+    dynamic: bool = True,
+    dynamic_shapes: Any = None,
 ) -> Conversion:
     """Convert ``model`` to mixed precision.
 
     ``precision``: the half dtype that ``half`` rules mean (bf16 by default: it has fp32's range,
     so it needs no loss scaling). ``rules``: rule files layered over the defaults. ``tracer``:
     ``auto`` tries FX then torch.export. ``keep_io_types``: outputs keep their original dtype.
-    ``placement``: ``mincut`` (fewest cast bytes) or ``simple``. ``calibration``: an iterable of
+    ``placement``: ``mincut`` (fewest cast bytes that round nothing autocast keeps in fp32),
+    ``mincut-bytes`` (fewest cast bytes only: it may round values that per-consumer casting keeps
+    in fp32, see :mod:`converter.passes.place.stage`) or ``simple``. ``calibration``: an iterable of
     inputs used to find and fix nodes that would overflow fp16 (kept on the result, so that
     :meth:`Conversion.variant` calibrates the same way). ``calibration_options``: a
     :class:`~converter.numerics.options.CalibrationOptions` (or a mapping of its fields), e.g. a
@@ -200,6 +295,14 @@ def convert(
     ``device``: the device the model will train on, which enables that device's lowerings
     (:mod:`converter.lower`; ``"cpu"``: bf16 attention as matmul·softmax·matmul, 2-4x faster than
     PyTorch's CPU bf16 flash kernel). None (default): a portable graph, nothing device-specific.
+    ``dynamic``: torch.export captures batch, sequence and other input dims as dynamic, so the
+    converted module serves other sizes (False: fixed to the example's sizes; symbolic_trace
+    graphs are dynamic either way). ``dynamic_shapes``: torch.export-style dims for the example
+    inputs instead of the default. ``report.extra["dynamic_dims"]`` lists the dims that are dynamic
+    and ``report.extra["modes"]`` whether ``train()``/``eval()`` work (see :mod:`converter.passes.capture`).
+    fp16 without ``calibration``: the converted graph runs once on the example inputs beside its
+    fp32 twin, and :class:`Fp16OverflowError` names the first node that gives inf/NaN where fp32 is
+    finite.
     """
     options = CalibrationOptions.coerce(calibration_options) if calibration is not None else None
     batches = None
@@ -209,8 +312,10 @@ def convert(
                              opt_level=opt_level)
     captured, rule_set, target, timings = _pipeline(
         model, example_inputs, settings=settings, rules=rules, tracer=tracer, calibration=batches,
-        calibration_options=options, device=device,
+        calibration_options=options, device=device, dynamic=dynamic, dynamic_shapes=dynamic_shapes,
     )
+    if target == "fp16" and batches is None:
+        _check_fp16_overflow(captured.gm, captured.args, captured.kwargs)
     return Conversion(
         module=captured.gm,
         report=_report(captured, rule_set, target, timings, opt_level=opt_level, device=device),
@@ -220,7 +325,8 @@ def convert(
         original=model,
         example_inputs=(captured.args, captured.kwargs),
         timings=timings,
-        options={"keep_io_types": keep_io_types, "placement": placement, "opt_level": opt_level, "device": device},
+        options={"keep_io_types": keep_io_types, "placement": placement, "opt_level": opt_level, "device": device,
+                 "dynamic": dynamic, "dynamic_shapes": dynamic_shapes},
         calibration=batches,
         calibration_options=options,
     )
@@ -235,6 +341,8 @@ def audit(
     tracer: str = "auto",
     placement: str = "mincut",
     device: Optional[str] = None,
+    dynamic: bool = True,
+    dynamic_shapes: Any = None,
 ) -> Report:
     """The report of what :func:`convert` would do; the model is untouched.
 
@@ -244,5 +352,6 @@ def audit(
     """
     settings = PlaceSettings(target=normalize_precision(precision), strategy=placement)
     captured, rule_set, target, timings = _pipeline(model, example_inputs, settings=settings, rules=rules, tracer=tracer,
-                                                    device=device, codegen=False)
+                                                    device=device, codegen=False, dynamic=dynamic,
+                                                    dynamic_shapes=dynamic_shapes)
     return _report(captured, rule_set, target, timings, opt_level="O1", device=device)

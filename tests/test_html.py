@@ -140,6 +140,22 @@ def test_html_without_measurements_renders():
     assert "Not measured" in text and report.line in text.replace("&#x27;", "'")
 
 
+def test_css_and_js_are_shipped_files_inlined_verbatim(report):
+    """The page's style and script are converter/report/assets/report.{css,js}, declared as package data and
+    inlined whole at render time (so the CSP hash pins exactly the shipped script)."""
+    import tomllib
+
+    assets = ROOT / "converter" / "report" / "assets"
+    css, js = (assets / "report.css").read_text(encoding="utf-8"), (assets / "report.js").read_text(encoding="utf-8")
+    assert "#node-table" in css and "getElementById('node-table')" in js
+    text = to_html(report)
+    assert re.findall(r"<style>(.*?)</style>", text, re.S)[0] == "\n" + css
+    assert re.findall(r"<script>(.*?)</script>", text, re.S) == ["\n" + js]
+    globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["converter.report"]
+    shipped = {p.name for g in globs for p in (ROOT / "converter" / "report").glob(g)}
+    assert shipped == {"report.css", "report.js"}, (globs, shipped)
+
+
 # ---------------------------------------------------------------------------------------------
 # Chromium
 

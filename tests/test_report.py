@@ -463,3 +463,16 @@ def test_explain_from_a_bare_graph_module_knows_precision_and_tracer():
     assert (graph.tracer, graph.precision, graph.rule_files) == ("fx", "fp16", ("default.toml",))
     text = explain(conv.module, "fc1")
     assert "precision: fp16" in text, text
+
+
+def test_renderers_never_import_build():
+    """Report.to_markdown/to_html call the renderers, so the renderers read a Report through
+    converter.report.common.ReportView and never import converter.report.build (no build <-> render cycle)."""
+    import ast
+
+    for name in ("common", "markdown", "html", "terminal", "plots"):
+        path = ROOT / "converter" / "report" / f"{name}.py"
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert not any(m and m.startswith("converter.report.build") for m in imported), (name, sorted(m for m in imported if m))

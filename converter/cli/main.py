@@ -124,6 +124,9 @@ def _model_options(p: argparse.ArgumentParser) -> None:
                         "matmul/softmax/matmul, 2-4x faster than the CPU flash kernel). Default: a portable graph")
     p.add_argument("--no-measure", dest="no_measure", action="store_true",
                    help="skip measuring memory and numerics against fp32 and torch.autocast for the report")
+    p.add_argument("--static", action="store_true",
+                   help="fix every input dim to the example's size (default: batch, sequence and other input dims "
+                        "stay dynamic under torch.export, or as the model file's dynamic_shapes() says)")
 
 
 def build_parsers(only: Optional[str] = None) -> dict[str, argparse.ArgumentParser]:
@@ -293,8 +296,24 @@ def _load_model(path: str, entry: Optional[str]):
     return load_model_file(path, entry=entry)
 
 
+def _dynamic_shapes(mf):
+    """The model file's optional ``dynamic_shapes()`` (None: the default dynamic dims)."""
+    if getattr(mf, "dynamic_shapes", None) is None:
+        return None
+    try:
+        return mf.dynamic_shapes()
+    except Exception as exc:  # the user's hook failed: one line, exit 2
+        raise UsageError(f"{mf.name}: dynamic_shapes() raised {type(exc).__name__}: {_one_line(exc)}; "
+                         "return torch.export-style dims for the example inputs, or remove it") from exc
+
+
 def _capture_message(exc, model_name: str, model_file: str, tracer: str) -> str:
     reasons = getattr(exc, "reasons", {}) or {}
+    advice = getattr(exc, "advice", None)
+    if advice:  # Python code that needs a tensor's value: plain advice, then any other tracer's reason
+        head = "neither tracer could capture" if tracer == "auto" else f"the {tracer} tracer could not capture"
+        others = "; ".join(f"{name}: {_one_line(why)}" for name, why in reasons.items() if why != advice)
+        return f"{model_file}: {head} {model_name}: {advice}" + (f" (also {others})" if others else "")
     detail = "; ".join(f"{name}: {_one_line(why)}" for name, why in reasons.items()) or _one_line(exc)
     if tracer == "auto":
         fix = "fix the code each tracer names (--debug shows more), or pick one with --tracer fx|export"
@@ -311,7 +330,8 @@ def _convert(ns, ui: _UI, mf, precision: str, rules, *, calibration=None, calibr
         try:
             conv = convert(mf.model, mf.example_inputs, precision=precision, rules=rules, tracer=ns.tracer,
                            calibration=calibration, calibration_options=calibration_options,
-                           opt_level=getattr(ns, "opt_level", "O1"), device=getattr(ns, "tune_for", None))
+                           opt_level=getattr(ns, "opt_level", "O1"), device=getattr(ns, "tune_for", None),
+                           dynamic=not getattr(ns, "static", False), dynamic_shapes=_dynamic_shapes(mf))
         except CaptureError as exc:
             raise UsageError(_capture_message(exc, type(mf.model).__name__, mf.name, ns.tracer)) from exc
     if measure and not getattr(ns, "no_measure", False):
@@ -483,7 +503,8 @@ def _cmd_audit(ns, ui: _UI) -> int:
     with ui.status(f"Auditing {mf.name} ({precision})…"):
         try:
             report = audit(mf.model, mf.example_inputs, precision=precision, rules=rules, tracer=ns.tracer,
-                           device=getattr(ns, "tune_for", None))
+                           device=getattr(ns, "tune_for", None), dynamic=not getattr(ns, "static", False),
+                           dynamic_shapes=_dynamic_shapes(mf))
         except CaptureError as exc:
             raise UsageError(_capture_message(exc, type(mf.model).__name__, mf.name, ns.tracer)) from exc
     notes: list[str] = []

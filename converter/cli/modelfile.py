@@ -8,7 +8,8 @@ A model file is a Python file that defines:
   ``(args_tuple, kwargs_dict)`` pair, or a module-level ``example_inputs``;
 * optionally ``calibration_inputs()`` (an iterable of inputs in the same form, for ``--calibrate``),
   and ``loss_fn(output, batch)`` with ``train_batches()`` (for the emitted ``train.py``; each item of
-  ``train_batches()`` is an ``(inputs, batch)`` pair).
+  ``train_batches()`` is an ``(inputs, batch)`` pair), and ``dynamic_shapes()`` (torch.export-style
+  dynamic dims for the example inputs; without it every input dim the model allows is dynamic).
 
 The file is imported under a unique module name with its own directory on ``sys.path`` during the
 import (so it can import its neighbours). Every problem raises a subclass of
@@ -98,6 +99,7 @@ class ModelFile:
     calibration_inputs: Optional[Callable[[], Any]] = None
     loss_fn: Optional[Callable] = None
     train_batches: Optional[Callable] = None
+    dynamic_shapes: Optional[Callable[[], Any]] = None
 
     @property
     def name(self) -> str:
@@ -332,4 +334,5 @@ def load_model_file(path: str | Path, *, entry: Optional[str] = None) -> ModelFi
         calibration_inputs=optional("calibration_inputs"),
         loss_fn=optional("loss_fn"),
         train_batches=optional("train_batches"),
+        dynamic_shapes=optional("dynamic_shapes"),
     )

@@ -529,6 +529,8 @@ def _collect_tensors(gm: torch.fx.GraphModule, leaf_paths: list[str]) -> _Tensor
         target = str(node.target)
         if target in found.values or any(target == alias for alias, _, _ in found.tied):
             continue
+        if target == "training":  # the module's train/eval flag (converter.passes.modes): self.training
+            continue
         value = _resolve(gm, target)
         if not isinstance(value, torch.Tensor):
             raise EmitError(f"cannot emit model.py: get_attr {target!r} is a {type(value).__name__}, not a tensor")

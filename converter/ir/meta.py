@@ -41,6 +41,8 @@ __all__ = [
     "META_LOWERED",
     "META_SOURCE",
     "META_TRAINER",
+    "META_REGION",
+    "META_MODE_FLAG",
     "GM_GRAPH",
     "GM_PARAM_DTYPES",
     "GM_CALIBRATION",
@@ -94,6 +96,8 @@ META_STATS = "mp_stats"
 META_LOWERED = "mp_lowered"
 META_SOURCE = "mp_source"
 META_TRAINER = "mp_trainer"
+META_REGION = "mp_region"
+META_MODE_FLAG = "mp_mode_flag"
 GM_GRAPH = "mp_graph"
 GM_PARAM_DTYPES = "mp_param_dtypes"
 GM_CALIBRATION = "mp_calibration"
@@ -125,7 +129,7 @@ CONTRACT: tuple[MetaKey, ...] = (
     MetaKey(META_DECISION, "node", "Decision", ("decide", "lower", "place", "calibrate"),
             ("rewrite", "search", "measure", "report", "export", "api", "cli"),
             "the node's precision and its provenance; later stages amend it with Decision.noted"),
-    MetaKey(META_CAST, "node", "CastRecord", ("rewrite",), ("measure", "report", "export", "train", "simplify"),
+    MetaKey(META_CAST, "node", "CastRecord", ("rewrite",), ("measure", "report", "export", "train", "api", "simplify"),
             "on every cast node: what it converts and which rule made it necessary"),
     MetaKey(META_VALUE, "node", "TensorSpec | tuple | torch.dtype | str", ("capture", "lower", "rewrite"),
             ("ir", "place", "calibrate", "report", "export", "simplify"),
@@ -138,6 +142,10 @@ CONTRACT: tuple[MetaKey, ...] = (
             "file:line of the model code that made the node (FX tracer; read back by capture)"),
     MetaKey(META_TRAINER, "node", "str", ("train",), (),
             "marks a node the trainer inserted (e.g. embedding_grad_shrink)"),
+    MetaKey(META_REGION, "node", "tuple[str, ...]", ("regions", "rewrite"), ("rewrite",),
+            "the no_grad/autocast regions (outermost first) capture inlined the node from; casts are not shared across"),
+    MetaKey(META_MODE_FLAG, "node", "bool", ("modes",), ("lower",),
+            "marks the node reading self.training (or p * self.training) that capture put in a mode-dependent op"),
     MetaKey(GM_GRAPH, "graph", "GraphMeta", ("api",), ("report",),
             "graph-level facts: tracer, precision, capture errors, rule files, lower's list in extra"),
     MetaKey(GM_PARAM_DTYPES, "graph", "dict[str, torch.dtype]", ("rewrite",), ("report", "export", "train"),

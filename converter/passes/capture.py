@@ -9,25 +9,57 @@ The FX tracer traces *into* ``Linear``, ``Conv*``, ``LayerNorm``, ``GroupNorm``,
 becomes a functional call (``F.linear`` ...), the same op that export produces. ``BatchNorm`` stays
 a leaf module so that ``train()``/``eval()`` keep working on the converted model.
 
-Shape propagation runs the example inputs once (under ``no_grad``, restoring every buffer
-afterwards) for FX graphs; export graphs already carry fake values in ``node.meta["val"]``.
+Shape propagation runs the example inputs once (under ``no_grad``, restoring every buffer and the
+RNG state afterwards) for FX graphs; export graphs already carry fake values in ``node.meta["val"]``.
+Either way ``node.meta["mp_value"]`` holds the *example's* sizes, which placement uses as cast costs.
+
+**Dynamic shapes.** torch.export captures with ``Dim.AUTO`` on every dimension of every tensor
+input: what the model fixes (a hidden size that meets a weight) stays static, batch, sequence and
+image sizes stay dynamic, and the converted module and the emitted model.py serve other sizes.
+An example dim of size 1 would be specialised to 1 (torch's 0/1 specialisation), so when the
+example has one, capture first traces size-obliviously (``backed_size_oblivious``) and keeps it
+dynamic; if that fails it retries with plain ``Dim.AUTO``, and if dynamic capture fails at all it
+captures static shapes and says why. ``dynamic=False`` fixes every dim; ``dynamic_shapes`` (the
+model file's ``dynamic_shapes()``) replaces the default. symbolic_trace records no sizes, so FX
+graphs are dynamic by construction. ``Captured.dynamic_dims`` (``report.extra["dynamic_dims"]``)
+maps each input (``input_ids``, ``xs[1]``) to its dynamic dims; ``shapes_note`` says how.
+Sizes are never read with ``int(SymInt)``, which would specialise them.
+
+**Train and eval.** Both tracers trace the model in *train* mode, where every mode-dependent op is
+recorded with its train-mode arguments, and :mod:`converter.passes.modes` rewrites those arguments
+to read the converted module's ``self.training`` (dropout, batch norm and its batch counter,
+attention dropout, RNN dropout). The graph is then run in eval mode on the example and compared with
+the original model in eval mode; a model whose Python code branches on ``self.training`` some other
+way fails that check and is captured in its own mode, its mode frozen and the reason in
+``Captured.modes`` (``report.extra["modes"]``). The converted module starts in the original's mode.
+
+**Higher-order regions.** ``torch.no_grad()``/``set_grad_enabled`` and ``torch.autocast`` blocks,
+which torch.export records as nested graphs, are inlined between plain grad-mode/autocast calls
+(:mod:`converter.passes.regions`), so their ops get decisions and model.py is plain Python.
+
+**Errors.** A branch on tensor values (``if x.sum() > 0``) is a :class:`CaptureError` whose
+``advice`` says in plain words what to do (``torch.cond``, move the branch out of ``forward``, or
+split the model) and names the file and line of the branch.
 """
 from __future__ import annotations
 
 import copy
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
-from converter.ir.graphmodule import new_graph_module
-from converter.ir.meta import NodeInfo, TensorSpec
-from converter.ir.ops import CAST_OPS, NORM_OPS, canonical_op, explicit_dtype, is_inplace
-from converter.ir.meta import META_INFO, META_SOURCE, META_VALUE
 from converter.ir.errors import MpconvertError
+from converter.ir.graphmodule import new_graph_module
+from converter.ir.meta import META_INFO, META_SOURCE, META_VALUE, NodeInfo, TensorSpec
+from converter.ir.ops import CAST_OPS, NORM_OPS, canonical_op, explicit_dtype, is_inplace
+from converter.passes.modes import make_mode_aware
+from converter.passes.regions import inline_regions
 
 __all__ = ["Captured", "CaptureError", "capture", "normalize_inputs", "annotate", "placeholder_values", "TRACED_THROUGH"]
 
@@ -52,8 +84,13 @@ TRACED_THROUGH = (
 class CaptureError(MpconvertError, RuntimeError):
     """Neither tracer could capture the model; ``reasons`` maps tracer name to a one-line reason."""
 
-    def __init__(self, reasons: dict[str, str]):
+    def __init__(self, reasons: dict[str, str], *, advice: Optional[str] = None):
         self.reasons = dict(reasons)
+        #: plain words on what to change in the model (data-dependent control flow), or None
+        self.advice = advice
+        if advice is not None:
+            super().__init__(f"could not capture the model (tracer {' and '.join(reasons)}): {advice}")
+            return
         detail = "; ".join(f"{name}: {why}" for name, why in reasons.items())
         hint = "try --tracer export" if "export" not in reasons else "make the model traceable by torch.export (see its error)"
         super().__init__(f"could not capture the model ({detail}); {hint}")
@@ -66,6 +103,12 @@ class Captured:
     args: tuple
     kwargs: dict
     errors: dict[str, str]
+    #: placeholder name -> the dims that are dynamic in the captured graph
+    dynamic_dims: dict = field(default_factory=dict)
+    #: how the dims were chosen, or why they are static
+    shapes_note: str = ""
+    #: whether train()/eval() work on the captured graph, and why not if they do not
+    modes: str = ""
 
 
 def normalize_inputs(example_inputs: Any) -> tuple[tuple, dict]:
@@ -136,31 +179,173 @@ class _Tracer(torch.fx.Tracer):
         return proxy
 
 
-def _trace_fx(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
+def _trace_fx(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Shapes) -> torch.fx.GraphModule:
     tracer = _Tracer()
     graph = tracer.trace(model)
     gm = new_graph_module(tracer.root, graph, type(model).__name__)
-    _propagate(gm, args, kwargs)
+    shapes.dims = {
+        n.name: list(range(v.dim())) for n, v in zip(_placeholders(gm), placeholder_values(gm, args, kwargs))
+        if isinstance(v, torch.Tensor)
+    }
+    shapes.note = "symbolic_trace records no sizes: every dimension is dynamic" + (
+        "" if shapes.dynamic else " (dynamic=False fixes torch.export captures only)")
     return gm
 
 
-def _trace_export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
-    ep = torch.export.export(model, args, kwargs, strict=False)
+def _trace_export(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Shapes) -> torch.fx.GraphModule:
+    ep = _export_dynamic(model, args, kwargs, shapes)
     gm = ep.module()
+    # ep.module() replaces train()/eval() on the instance by ones that raise NotImplementedError;
+    # the graph reads self.training instead (converter.passes.modes), so the class's methods serve
+    for name in ("train", "eval"):
+        if name in vars(gm):
+            delattr(gm, name)
+    inline_regions(gm)
     for node in gm.graph.nodes:
         if "val" in node.meta:
             node.meta[META_VALUE] = _spec_of(node.meta["val"])
+    shapes.dims = {}
+    for node, name in zip(_placeholders(gm), _input_names(gm, model, args, kwargs)):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            dims = [i for i, s in enumerate(val.shape) if not is_concrete_int(s)]
+            if dims:
+                shapes.dims[name] = dims
     return gm
+
+
+def _input_names(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tuple, kwargs: dict) -> list[str]:
+    """The user's name of each placeholder of an export graph: ``input_ids``, ``pixel_values``, ``xs[1]``."""
+    import inspect
+
+    params = [p.name for p in inspect.signature(model.forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+    def label(path, _leaf) -> str:
+        head, *rest = path
+        top = head.idx if hasattr(head, "idx") else None
+        if top == 0 and rest:  # positional argument
+            index = rest[0].idx
+            name = params[index] if index < len(params) else f"args[{index}]"
+            rest = rest[1:]
+        else:  # keyword argument
+            name = str(getattr(rest[0], "key", rest[0])) if rest else "input"
+            rest = rest[1:]
+        return name + "".join(pytree.keystr([k]) for k in rest)
+
+    names = pytree.tree_map_with_path(label, (tuple(args), dict(kwargs)))
+    flat = placeholder_values(gm, *names)
+    placeholders = _placeholders(gm)
+    if len(flat) != len(placeholders) or not all(isinstance(n, str) for n in flat):
+        return [n.name for n in placeholders]
+    return flat
+
+
+@dataclass
+class _Shapes:
+    """What the caller asked for and what capture found about dynamic dimensions."""
+
+    dynamic: bool = True
+    user_spec: Any = None
+    dims: dict = field(default_factory=dict)
+    note: str = ""
+
+
+def _auto_spec(model: torch.nn.Module, args: tuple, kwargs: dict, *, unit_dims: str = "all") -> Optional[dict]:
+    """``Dim.AUTO`` for the dims of every tensor input, keyed by the forward's parameter names.
+
+    ``unit_dims``: which example dims of size 1 get it too: ``all``, or ``batch`` (dim 0 only: a
+    ``(B, 1, T)`` mask keeps its broadcast dim static).
+    """
+    import inspect
+
+    try:
+        bound = inspect.signature(model.forward).bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in inspect.signature(model.forward).parameters.values()
+           if p.name in bound.arguments):
+        return None
+
+    def leaf(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor) or not value.dim():
+            return None
+        return {i: torch.export.Dim.AUTO for i, size in enumerate(value.shape)
+                if size != 1 or unit_dims == "all" or i == 0} or None
+
+    return {name: pytree.tree_map(leaf, value) for name, value in bound.arguments.items()}
+
+
+def _has_unit_dims(args: tuple, kwargs: dict) -> bool:
+    leaves = pytree.tree_leaves((args, kwargs))
+    return any(isinstance(t, torch.Tensor) and 1 in tuple(t.shape) for t in leaves)
+
+
+def _export_dynamic(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Shapes):
+    """torch.export with dynamic dims (see :func:`capture`); falls back to static shapes, saying why."""
+    def run(spec, oblivious=False):
+        if not oblivious:
+            return torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=spec)
+        from torch.fx.experimental import _config as fx_config
+
+        with fx_config.patch(backed_size_oblivious=True):
+            return torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=spec)
+
+    if not shapes.dynamic:
+        shapes.note = "static shapes requested (dynamic=False / --static)"
+        return run(None)
+    if shapes.user_spec is not None:
+        shapes.note = "dynamic dims from the model file's dynamic_shapes()"
+        return run(shapes.user_spec)
+    spec = _auto_spec(model, args, kwargs)
+    if spec is None:
+        shapes.note = "static: the forward takes *args/**kwargs, so no dynamic dims could be named"
+        return run(None)
+    failures = []
+    if _has_unit_dims(args, kwargs):
+        # a size-1 example dim would be specialised to 1; size-oblivious tracing keeps it dynamic:
+        # every such dim first, then only the batch dim
+        for unit_dims in ("all", "batch"):
+            try:
+                ep = run(_auto_spec(model, args, kwargs, unit_dims=unit_dims), oblivious=True)
+                _check_example_guards(ep, args, kwargs)
+                which = "" if unit_dims == "all" else " but size-1 dims past dim 0 (kept static: broadcast dims)"
+                shapes.note = f"Dim.AUTO on every input dim{which}, traced size-obliviously (size-1 example dims)"
+                return ep
+            except Exception as exc:  # retried below
+                failures.append(_short(exc))
+    try:
+        ep = run(spec)
+        shapes.note = "Dim.AUTO on every input dim (torch.export keeps static what the model fixes" + (
+            "; size-1 example dims are static: give an example with sizes >= 2 to make them dynamic)" if failures else ")")
+        return ep
+    except Exception as exc:  # e.g. a size check the dynamic dims cannot pass: static shapes next
+        failures.append(_short(exc))
+    ep = run(None)
+    shapes.note = f"static shapes: dynamic capture failed ({failures[-1]})"
+    return ep
+
+
+def _check_example_guards(ep: Any, args: tuple, kwargs: dict) -> None:
+    """Raise if the example itself fails the graph's shape guards.
+
+    Size-oblivious tracing may unify a broadcast dim of size 1 (a ``(B, 1, T)`` mask) with the
+    size it broadcasts to; the graph would then refuse the very inputs it was captured from.
+    """
+    gm = ep.module()
+    guard = getattr(gm, "_guards_fn", None)
+    if guard is not None:
+        guard(*placeholder_values(gm, args, kwargs))
+
+
+def _placeholders(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
 
 
 def _spec_of(value: Any) -> Any:
     """A lightweight, tensor-free description of a runtime value (shape+dtype for tensors)."""
     if isinstance(value, torch.Tensor):
-        try:
-            shape = tuple(int(s) for s in value.shape)
-        except (TypeError, ValueError):  # symbolic sizes
-            shape = tuple(int(getattr(s, "node", s).hint) if hasattr(s, "node") else 1 for s in value.shape)
-        return TensorSpec(shape, value.dtype)
+        return TensorSpec(tuple(_size_hint(s) for s in value.shape), value.dtype)
     if isinstance(value, (tuple, list)):
         return tuple(_spec_of(v) for v in value)
     if isinstance(value, dict):
@@ -168,6 +353,17 @@ def _spec_of(value: Any) -> Any:
     if isinstance(value, torch.dtype):
         return value
     return type(value).__name__
+
+
+def _size_hint(size: Any) -> int:
+    """The example's size for a (possibly symbolic) dim. Never ``int(SymInt)``: that specialises it."""
+    if isinstance(size, int):
+        return size
+    node = getattr(size, "node", None)
+    hint = getattr(node, "hint", None) if node is not None else None
+    if hint is None and node is not None and getattr(node, "expr", None) is not None and node.expr.is_number:
+        hint = node.expr
+    return int(hint) if hint is not None else 1  # unbacked sizes (data-dependent) have no example value
 
 
 class _Propagator(torch.fx.Interpreter):
@@ -205,7 +401,7 @@ def _propagate(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> None:
     saved = {name: buf.detach().clone() for name, buf in gm.named_buffers()}
     values = placeholder_values(gm, args, kwargs)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
             _Propagator(gm).run(*values)
     finally:
         with torch.no_grad():
@@ -213,41 +409,174 @@ def _propagate(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> None:
                 buf.copy_(saved[name])
 
 
-def capture(model: torch.nn.Module, example_inputs: Any, *, tracer: str = "auto") -> Captured:
-    """Capture ``model`` into an annotated GraphModule (see module docstring)."""
+def capture(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    *,
+    tracer: str = "auto",
+    dynamic: bool = True,
+    dynamic_shapes: Any = None,
+) -> Captured:
+    """Capture ``model`` into an annotated GraphModule (see module docstring).
+
+    ``dynamic``: torch.export captures with dynamic dims (False: the example's sizes are fixed).
+    ``dynamic_shapes``: torch.export-style dims for the example inputs, used instead of the default.
+    """
     if tracer not in ("auto", "fx", "export"):
         raise ValueError(f"tracer must be 'auto', 'fx' or 'export', got {tracer!r}")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     args, kwargs = normalize_inputs(example_inputs)
     errors: dict[str, str] = {}
+    advice: Optional[str] = None
     order = {"auto": ("fx", "export"), "fx": ("fx",), "export": ("export",)}[tracer]
-    gm = None
+    result = None
     used = None
     for name in order:
+        shapes = _Shapes(dynamic=dynamic, user_spec=dynamic_shapes)
         try:
-            source = copy.deepcopy(model)
-            gm = _trace_fx(source, args, kwargs) if name == "fx" else _trace_export(source, args, kwargs)
+            result = _capture_one(name, model, args, kwargs, shapes)
             used = name
             break
         except Exception as exc:  # any tracer failure is reported with its reason, then the next is tried
-            errors[name] = _short(exc)
-    if gm is None:
-        raise CaptureError(errors)
+            plain = _control_flow(exc)
+            advice = advice or plain
+            errors[name] = plain or _short(exc)
+    if result is None:
+        raise CaptureError(errors, advice=advice)
+    gm, modes = result
     annotate(gm, root_type=type(model).__name__)
     opaque = _opaque_leaves(gm)
     if tracer == "auto" and used == "fx" and opaque:
         # FX kept modules it cannot see into (nn.MultiheadAttention, RNNs...) as fp32 leaves;
         # torch.export traces through them, so prefer it when it works.
+        export_shapes = _Shapes(dynamic=dynamic, user_spec=dynamic_shapes)
         try:
-            exported = _trace_export(copy.deepcopy(model), args, kwargs)
+            exported, export_modes = _capture_one("export", model, args, kwargs, export_shapes)
         except Exception as exc:  # keep the FX graph; the opaque modules stay fp32 (reported)
-            errors["export"] = _short(exc)
+            errors["export"] = _control_flow(exc) or _short(exc)
         else:
             annotate(exported, root_type=type(model).__name__)
             errors["fx"] = f"opaque leaf modules {', '.join(sorted(set(opaque)))}: used torch.export to convert inside them"
-            gm, used = exported, "export"
-    return Captured(gm=gm, tracer=used, args=args, kwargs=kwargs, errors=errors)
+            gm, used, modes, shapes = exported, "export", export_modes, export_shapes
+    return Captured(gm=gm, tracer=used, args=args, kwargs=kwargs, errors=errors,
+                    dynamic_dims=shapes.dims, shapes_note=shapes.note, modes=modes)
+
+
+def _capture_one(name: str, model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Shapes) -> tuple:
+    """Trace with one tracer, mode-aware if the eval check passes; returns (gm, modes note)."""
+    trace = _trace_fx if name == "fx" else _trace_export
+    why = ""
+    try:
+        gm = trace(copy.deepcopy(model).train(), args, kwargs, shapes)
+        changed = make_mode_aware(gm)
+        if name == "fx":
+            _propagate(gm, args, kwargs)
+    except Exception as exc:
+        if not model.training and _control_flow(exc) is None:
+            why = f"tracing in train mode failed ({_short(exc)})"
+        else:
+            raise
+    if not why:
+        try:
+            why = _eval_mismatch(gm, model, args, kwargs) or ""
+        except Exception as exc:  # the graph cannot run in eval mode: capture the model's own mode
+            why = f"running the graph in eval mode failed ({_short(exc)})"
+    if not why:
+        _set_modes(gm, model)
+        return gm, f"follows train()/eval(): traced in train mode, {len(changed)} mode-dependent ops read self.training"
+    gm = trace(copy.deepcopy(model), args, kwargs, shapes)
+    if name == "fx":
+        _propagate(gm, args, kwargs)
+    _set_modes(gm, model)
+    mode = "train" if model.training else "eval"
+    return gm, f"frozen in {mode} mode: {why}; train()/eval() on the converted module change nothing"
+
+
+def _set_modes(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
+    """The converted module starts in the original's mode; leaf modules keep their own."""
+    gm.train(model.training)
+    originals = dict(model.named_modules())
+    for path, sub in gm.named_modules():
+        if path in originals:
+            sub.training = originals[path].training
+
+
+def _eval_mismatch(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tuple, kwargs: dict) -> Optional[str]:
+    """Why ``gm`` in eval mode does not compute what ``model`` computes in eval mode (None: it does)."""
+    reference = copy.deepcopy(model).eval()
+    saved = {name: buf.detach().clone() for name, buf in gm.named_buffers()}
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            want = pytree.tree_leaves(reference(*args, **kwargs))
+            gm.eval()
+            got = pytree.tree_leaves(gm(*args, **kwargs))
+    finally:
+        with torch.no_grad():
+            for name, buf in gm.named_buffers():
+                buf.copy_(saved[name])
+    want = [t for t in want if isinstance(t, torch.Tensor)]
+    got = [t for t in got if isinstance(t, torch.Tensor)]
+    if len(want) != len(got):
+        return f"in eval mode the graph returns {len(got)} tensors, the model {len(want)}"
+    for i, (w, g) in enumerate(zip(want, got)):
+        if w.shape != g.shape or w.dtype != g.dtype:
+            return f"in eval mode output {i} is {tuple(g.shape)} {g.dtype}, the model's {tuple(w.shape)} {w.dtype}"
+        if w.is_floating_point() and w.numel():
+            scale = max(1.0, float(w.abs().max()))
+            diff = float((w - g).abs().max())
+            if not diff <= 1e-4 * scale:  # also catches NaN
+                return f"in eval mode output {i} differs from the model's by {diff:.3g} (it branches on self.training)"
+        elif not torch.equal(w, g):
+            return f"in eval mode output {i} differs from the model's"
+    return None
+
+
+_USER_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n(?: {3,}(\S[^\n]*))?')
+_BRANCH = re.compile(r"^\s*(if|elif|while|assert)\b|\bif\b.*\belse\b")
+
+
+def _control_flow(exc: BaseException) -> Optional[str]:
+    """Plain advice for Python code that needs a tensor's value (None for any other failure)."""
+    text = str(exc)
+    data_dependent = (
+        "GuardOnDataDependent" in type(exc).__name__
+        or "data-dependent" in text
+        or "data dependent" in text
+        or "cannot be used as inputs to control flow" in text
+    )
+    if not data_dependent:
+        return None
+    where, code = "", ""
+    found = _USER_FRAME.findall(text)
+    if found:
+        path, line, _, code = found[-1]
+        where = f" at {path.rsplit('/', 1)[-1]}:{line}"
+    else:
+        frame = _user_frame(exc.__traceback__)
+        if frame is not None:
+            where, code = f" at {frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}", frame.line or ""
+    shown = f" (`{code.strip()}`)" if code.strip() else ""
+    if not code.strip() or _BRANCH.search(code):
+        return (
+            f"data-dependent control flow{where}{shown}: forward branches on the values inside a tensor, which a "
+            "captured graph cannot record. Write the branch with torch.cond(pred, true_fn, false_fn, operands), move "
+            "it out of forward (decide before calling the model), or split the model at that point and convert each part"
+        )
+    return (
+        f"forward reads a tensor's value in Python{where}{shown} (float(), int(), .item(), .tolist()), which a "
+        "captured graph cannot record. Keep it a tensor operation, move it out of forward (compute it before or "
+        "after calling the model), or split the model at that point and convert each part; a branch on it needs torch.cond"
+    )
+
+
+def _user_frame(tb) -> Optional[Any]:
+    """The innermost traceback frame outside torch, transformers and this package."""
+    import traceback
+
+    skip = _SKIP_FRAMES + ("<",)
+    frames = [f for f in traceback.extract_tb(tb) if not f.filename.startswith(skip) and "/transformers/" not in f.filename]
+    return frames[-1] if frames else None
 
 
 def _opaque_leaves(gm: torch.fx.GraphModule) -> list[str]:

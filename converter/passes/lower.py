@@ -23,7 +23,9 @@ softmax in the model stays fp32 by the rules; only the softmax *inside* an atten
 rules already run in half is half here, as it was inside the fused kernel.
 
 Only bf16 is lowered: fp16 scores could overflow where the fused kernel's fp32 scores do not
-(bf16 has fp32's range). Calls with a non-zero ``dropout_p``, ``enable_gqa=True``, both a mask
+(bf16 has fp32's range). Attention dropout that capture made mode-aware (``dropout_p=p * self.training``,
+:mod:`converter.passes.modes`) becomes ``torch.dropout(probs, p, self.training)`` after the softmax, as the
+fused op applies it. Calls with another non-zero ``dropout_p``, ``enable_gqa=True``, both a mask
 and ``is_causal``, or non-literal flags keep the fused op. The lowered nodes record the
 attention's rule and say why they exist (``explain`` shows it).
 
@@ -39,16 +41,16 @@ bf16 (its activations' dtype) and its reason says why.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any, Optional
 
 import torch
 import torch.fx
 
-from converter.passes.capture import _classify, _flat_specs, _spec_of
 from converter.ir.graphmodule import pauses_gc
-from converter.ir.meta import Decision, NodeInfo, TensorSpec
+from converter.ir.meta import META_DECISION, META_INFO, META_LOWERED, META_MODE_FLAG, META_VALUE, Decision, NodeInfo, TensorSpec
 from converter.ir.ops import canonical_op
-from converter.ir.meta import META_DECISION, META_INFO, META_LOWERED, META_VALUE
+from converter.passes.capture import _classify, _flat_specs, _spec_of
 
 __all__ = ["lower", "DEVICES"]
 
@@ -123,7 +125,11 @@ def _sdpa_call(node: torch.fx.Node) -> Optional[dict[str, Any]]:
         return None
     if len(q.meta[META_VALUE].shape) < 2 or len(k.meta[META_VALUE].shape) < 2:
         return None
-    if not (isinstance(call["dropout_p"], (int, float)) and call["dropout_p"] == 0):
+    call["dropout"] = None
+    p = call["dropout_p"]
+    if isinstance(p, torch.fx.Node) and p.meta.get(META_MODE_FLAG) and p.target is operator.mul:
+        call["dropout"] = p.args  # (probability, self.training): dropout that is active in train mode only
+    elif not (isinstance(p, (int, float)) and p == 0):
         return None
     if call["enable_gqa"] is not False or not isinstance(call["is_causal"], bool):
         return None
@@ -163,15 +169,22 @@ def _lower_attention(gm: torch.fx.GraphModule, node: torch.fx.Node, info: NodeIn
         above = emit("call_function", torch.triu, emit("call_function", torch.ones_like, scores, dtype=torch.bool), 1)
         scores = emit("call_method", "masked_fill", scores, above, -math.inf)
     probs = emit("call_function", torch.softmax, scores, -1)
+    if call["dropout"] is not None:  # what the fused op does in train mode (converter.passes.modes)
+        probs = emit("call_function", torch.dropout, probs, *call["dropout"])
     out = emit("call_function", torch.matmul, probs, v)
     node.replace_all_uses_with(out)
     graph.erase_node(node)
+    p = call["dropout_p"]
+    if isinstance(p, torch.fx.Node) and not p.users:
+        graph.erase_node(p)
     _annotate(gm, new, info, decision, why)
 
 
 def _annotate(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], like: NodeInfo, decision: Decision, why: str) -> None:
     """Shapes (on the meta device), NodeInfo and a Decision for each new node, in graph order."""
     def meta_value(arg: Any) -> Any:
+        if isinstance(arg, torch.fx.Node) and arg.meta.get(META_MODE_FLAG):
+            return True  # self.training: any bool gives the shapes
         if isinstance(arg, torch.fx.Node):
             spec = arg.meta.get(META_VALUE)
             if isinstance(spec, TensorSpec):

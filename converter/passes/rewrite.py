@@ -4,6 +4,9 @@
   producer's dtype differs, and there is one cast per (producer, dtype), shared by all consumers.
 * fp64, integer and bool tensors are never touched; normalisation ops only get their input cast
   (weights and running statistics stay fp32).
+* A cast is not shared between consumers inside and outside a ``no_grad``/autocast region that
+  capture inlined (``meta["mp_region"]``): made under ``no_grad``, it would cut the gradient of
+  the consumers outside.
 * Casts the model already performs (``x.float()``, ``softmax(..., dtype=)``) are respected; a
   dtype computed at run time (``x.to(y.dtype)``) is folded to the dtype observed in fp32.
 * Parameters stay fp32 and are cast in the graph (O1); ``gm.meta["mp_param_dtypes"]`` records the
@@ -24,9 +27,22 @@ import torch.fx
 from torch.fx.node import map_arg
 
 from converter.ir.graphmodule import pauses_gc
-from converter.ir.meta import BUILTIN, DTYPES, CastRecord, NodeInfo, RuleRef, TensorSpec, name_of
+from converter.ir.meta import (
+    BUILTIN,
+    DTYPES,
+    GM_PARAM_DTYPES,
+    META_CAST,
+    META_DECISION,
+    META_INFO,
+    META_REGION,
+    META_VALUE,
+    CastRecord,
+    NodeInfo,
+    RuleRef,
+    TensorSpec,
+    name_of,
+)
 from converter.ir.ops import CAST_OPS, NATIVE_PROMOTE_OPS, explicit_dtype, map_castable_args
-from converter.ir.meta import GM_PARAM_DTYPES, META_CAST, META_DECISION, META_INFO, META_VALUE
 
 __all__ = ["rewrite", "inserted_casts", "runtime_dtype"]
 
@@ -67,10 +83,11 @@ def rewrite(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, check: Opti
     builds it happens once, later (see :mod:`converter.graphmodule`)."""
     graph = gm.graph
     cache: dict = {}
-    casts: dict[tuple[torch.fx.Node, torch.dtype], torch.fx.Node] = {}
+    casts: dict[tuple[torch.fx.Node, torch.dtype, tuple], torch.fx.Node] = {}
 
     def get_cast(src: torch.fx.Node, dtype: torch.dtype, consumer: torch.fx.Node, rule: RuleRef, reason: str) -> torch.fx.Node:
-        key = (src, dtype)
+        region = consumer.meta.get(META_REGION, ())
+        key = (src, dtype, region)  # never share a cast across a no_grad region's edge (see passes.regions)
         if key in casts:
             cast = casts[key]
             rec: CastRecord = cast.meta[META_CAST]
@@ -84,6 +101,8 @@ def rewrite(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, check: Opti
             # and that scan alone was ~40 % of the rewrite on a 9k-node graph
             cast = graph.create_node("call_method", "to", name=f"{src.name}_to_{name_of(dtype)}")
         cast.args = (src, dtype)
+        if region:
+            cast.meta[META_REGION] = region
         out = TensorSpec(spec.shape, dtype)
         cast.meta[META_VALUE] = out
         cast.meta[META_INFO] = NodeInfo(op="to", module=consumer.meta.get(META_INFO, NodeInfo("")).module, kind="cast", outputs=(out,))
@@ -101,6 +120,7 @@ def rewrite(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, check: Opti
         casts[key] = cast
         return cast
 
+    native: list[tuple[torch.fx.Node, torch.dtype]] = []  # promote nodes left to promote natively
     for node in list(graph.nodes):
         info: Optional[NodeInfo] = node.meta.get(META_INFO)
         if info is None or info.kind == "cast":
@@ -130,6 +150,7 @@ def rewrite(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, check: Opti
             continue
         want = DTYPES[decision.precision]
         if decision.requested == "promote" and _promotes_natively(node, info, want, cache):
+            native.append((node, want))
             continue
         reason = f"{node.name} ({info.op}) runs in {decision.precision}: {decision.full_reason}"
 
@@ -145,10 +166,36 @@ def rewrite(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, check: Opti
             return get_cast(arg, _want, _node, _rule, _reason)
 
         map_castable_args(node, info.op, convert)
+    _share_casts_with_promotes(native, casts, cache)
     _record_param_dtypes(gm)
     if check if check is not None else os.environ.get("MPCONVERT_CHECK") == "1":
         graph.lint()
     gm.recompile()
+
+
+def _share_casts_with_promotes(native: list, casts: dict, cache: dict) -> None:
+    """A natively promoting node reads the shared cast of a narrower input when one exists anyway.
+
+    The cast is there for other consumers (one per (producer, dtype)); reading it costs nothing and
+    keeps one conversion per (producer, dtype), as the placement cost model counts it (an exporter
+    would otherwise write a second, identical Cast for the promotion). The cast moves up to just
+    before the promoting node when its first consumer came later.
+    """
+    if not native:
+        return
+    position = {n: i for i, n in enumerate(native[0][0].graph.nodes)}
+    for node, want in native:
+        for arg in list(node.all_input_nodes):
+            cast = casts.get((arg, want, node.meta.get(META_REGION, ())))  # within its own region only
+            have = runtime_dtype(arg, cache)
+            if cast is None or have is None or have == want:
+                continue
+            if position[cast] > position[node]:
+                node.prepend(cast)  # its other consumers all come later still
+                position[cast] = position[node] - 0.5
+            node.replace_input_with(arg, cast)
+            rec: CastRecord = cast.meta[META_CAST]
+            cast.meta[META_CAST] = dataclasses.replace(rec, consumers=rec.consumers + (node.name,))
 
 
 def _promotes_natively(node: torch.fx.Node, info: NodeInfo, want: torch.dtype, cache: dict) -> bool:

@@ -1,13 +1,13 @@
-"""The precision audit report, built only from ``node.meta`` (see :mod:`converter.meta`).
+"""The precision audit report, built only from ``node.meta`` (see :mod:`converter.ir.meta`).
 
 ``build_report(gm, ...)`` reads the records the stages left on the graph and collects:
 
 * ``nodes`` — one row per compute node (every call node of the model itself; inserted casts and
   passive nodes are not rows): name, canonical op, module path and class, precision, deciding
-  rule, reason, source location, FLOPs (:mod:`converter.flops`), output bytes, and every rule
+  rule, reason, source location, FLOPs (:mod:`converter.report.flops`), output bytes, and every rule
   that matched (for ``explain``);
 * ``casts`` — one row per cast: activation casts and O1 weight casts (``on_weight``) apart;
-* ``summary`` — DESIGN §6: counts by precision (they sum to ``compute_nodes``), ``casts`` and
+* ``summary`` — docs/report.md: counts by precision (they sum to ``compute_nodes``), ``casts`` and
   ``cast_bytes`` for the activation casts only, ``weight_casts``/``weight_cast_bytes`` for the
   others, the FLOP share in half and the unmatched ops;
 * ``ops`` — per op type: Op | Total | FP16 | BF16 | FP32 | deciding rules;
@@ -18,8 +18,11 @@
   loss-scale advice), when it ran.
 
 Measured numbers (saved activations, SQNR, per-node error, cast counts at run time) come from
-:func:`converter.measure.measure` and are attached with :meth:`Report.add_measurements`.
-Renderers (Markdown, HTML, terminal) live in :mod:`converter.render`.
+:func:`converter.numerics.measure.measure` and are attached with :meth:`Report.add_measurements`.
+The renderings read a :class:`Report` and never import this module (it imports them):
+:mod:`converter.report.markdown`, :mod:`converter.report.html`, :mod:`converter.report.terminal`,
+:mod:`converter.report.explain` (which builds a report when given a graph) and :mod:`converter.report.render`
+(``write_reports``).
 """
 from __future__ import annotations
 
@@ -31,13 +34,25 @@ from typing import Optional
 import torch
 import torch.fx
 
-from converter.ir.meta import HALF_NAMES, CastRecord, Decision, NodeInfo, itemsize
-from converter.ir.meta import GM_CALIBRATION, GM_PARAM_DTYPES, META_CAST, META_DECISION, META_INFO
-from converter.rules.precedence import PRECEDENCE
+from converter.ir.meta import (
+    GM_CALIBRATION,
+    GM_PARAM_DTYPES,
+    HALF_NAMES,
+    META_CAST,
+    META_DECISION,
+    META_INFO,
+    CastRecord,
+    Decision,
+    NodeInfo,
+    itemsize,
+)
 from converter.numerics.common import to_json
 from converter.report.flops import node_flops
+from converter.report.html import to_html
+from converter.report.markdown import to_markdown
+from converter.rules.precedence import PRECEDENCE
 
-__all__ = ["Report", "build_report", "summary_line", "SCHEMA", "PRECEDENCE"]
+__all__ = ["Report", "build_report", "summary_line", "SCHEMA", "PRECEDENCE", "MODULE_RULE_FP32_SHARE"]
 
 SCHEMA = 1
 _PRECISIONS = ("fp16", "bf16", "fp32")
@@ -45,7 +60,7 @@ _PRECISIONS = ("fp16", "bf16", "fp32")
 
 @dataclass
 class Report:
-    """Everything the audit knows; ``to_dict()`` is report.json (schema 1, DESIGN §6).
+    """Everything the audit knows; ``to_dict()`` is report.json (schema 1, docs/report.md).
 
     report.json is strict JSON: a non-finite number is written as the string ``"inf"``, ``"-inf"``
     or ``"nan"`` (an exact SQNR is ``"inf"``) and ``null`` means "not measured"; see
@@ -102,7 +117,7 @@ class Report:
         return bool(self.numerics or self.measured_casts)
 
     def add_measurements(self, measured: dict) -> "Report":
-        """Attach the result of :func:`converter.measure.measure`; returns ``self``."""
+        """Attach the result of :func:`converter.numerics.measure.measure`; returns ``self``."""
         self.memory = {**self.memory, **measured.get("memory", {})}
         self.numerics = dict(measured.get("numerics", {}))
         self.measured_casts = dict(measured.get("measured_casts", {}))
@@ -125,13 +140,11 @@ class Report:
         raise KeyError(name)
 
     def to_markdown(self) -> str:
-        from converter.report.render import to_markdown
-
+        """report.md (:func:`converter.report.markdown.to_markdown`)."""
         return to_markdown(self)
 
     def to_html(self) -> str:
-        from converter.report.render import to_html
-
+        """report.html, one self-contained page (:func:`converter.report.html.to_html`)."""
         return to_html(self)
 
     def __str__(self) -> str:
@@ -151,6 +164,7 @@ def summary_line(summary: dict, precision: str) -> str:
         f"({100 * summary['half_flop_fraction']:.1f}% of FLOPs) to {target} with {summary['casts']} casts, "
         f"{mib:.2f} MiB per forward (+{summary.get('weight_casts', 0)} weight casts, "
         f"{summary.get('weight_cast_bytes', 0) / 2**20:.2f} MiB)"
+        + "".join(f"; warning: {w['message']}" for w in summary.get("warnings", ()))
     )
 
 
@@ -326,6 +340,32 @@ def _dtype(name: str) -> torch.dtype:
 # ---------------------------------------------------------------------------------------------
 
 
+#: a module rule that pins more than this share of the model's FLOPs to fp32 is reported
+MODULE_RULE_FP32_SHARE = 0.25
+
+
+def _module_rule_warnings(nodes: list[dict], total_flops: int) -> list[dict]:
+    """One record per module rule that pins more than :data:`MODULE_RULE_FP32_SHARE` of FLOPs to fp32."""
+    pinned: dict[str, int] = {}
+    for row in nodes:
+        if row["precision"] == "fp32" and row["rule_level"] in ("module", "module_type"):
+            pinned[row["rule"]] = pinned.get(row["rule"], 0) + row["flops"]
+    out = []
+    for rule, flops in sorted(pinned.items(), key=lambda item: -item[1]):
+        share = flops / total_flops if total_flops else 0.0
+        if share > MODULE_RULE_FP32_SHARE:
+            out.append({
+                "kind": "module_rule_pins_flops",
+                "rule": rule,
+                "fp32_flops": flops,
+                "share": share,
+                "message": f"module rule {rule} pins {100 * share:.0f}% of FLOPs to fp32 (over "
+                           f"{100 * MODULE_RULE_FP32_SHARE:.0f}%): check that it names the module you mean "
+                           "(scope = \"self\" keeps it off child modules)",
+            })
+    return out
+
+
 def build_report(gm: torch.fx.GraphModule, *, precision: str, tracer: str, rules: Optional[dict] = None, extra: Optional[dict] = None) -> Report:
     """Read ``node.meta`` of the converted (or only decided) graph into a :class:`Report`."""
     nodes: list[dict] = []
@@ -369,6 +409,7 @@ def build_report(gm: torch.fx.GraphModule, *, precision: str, tracer: str, rules
         "unmatched_ops": unmatched,
         "unmatched_nodes": sum(1 for r in nodes if r["unmatched"]),
         "out_bytes": sum(r["out_bytes"] for r in nodes),
+        "warnings": _module_rule_warnings(nodes, total_flops),
     }
     return Report(
         precision=precision,

@@ -1,6 +1,6 @@
 """FLOP counts from shapes (forward pass; one multiply-add = 2 FLOPs).
 
-Shapes come from shape propagation (``node.meta["mp_value"]``, a :class:`~converter.meta.TensorSpec`);
+Shapes come from shape propagation (``node.meta["mp_value"]``, a :class:`~converter.ir.meta.TensorSpec`);
 for leaf ``call_module`` nodes the weight shape is read from the module. Formulas, with
 ``numel(out)`` the number of output elements (an M×K by K×N product is 2·M·N·K):
 
@@ -33,8 +33,7 @@ from typing import Any, Optional
 import torch
 import torch.fx
 
-from converter.ir.meta import TensorSpec
-from converter.ir.meta import META_VALUE
+from converter.ir.meta import META_VALUE, TensorSpec
 
 __all__ = ["node_flops", "FLOP_OPS", "NORM_FLOPS"]
 

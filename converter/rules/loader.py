@@ -36,7 +36,15 @@ they outrank the module rule's own precision at the same module (not an inner mo
 A ``banned`` rule is the exception: it is an error whenever it matches, whatever else matches,
 unless a ``node`` rule names that very node (an explicit, reviewed exemption).
 A module rule applies to every op inside that module's scope; when several modules of a node's
-stack match at the same level, the innermost module wins. Between two rules of the same level and
+stack match at the same level, the innermost module wins. **Scope**: ``scope = "subtree"`` (the
+default) reaches the ops of the module and of all its child modules; ``scope = "self"`` only the
+ops the module runs itself, not those of its children. A rule whose pattern names a norm
+(``norm`` anywhere in it, any case: ``*LayerNorm``, ``*RMSNorm``, ``*.norm1``) or whose reason
+says "norm"/"normalisation" defaults to ``"self"``, so a norm rule never pins the linears of a block that contains it, nor of a block
+whose class name merely ends in ``LayerNorm`` (HF's ``...EncoderLayerStableLayerNorm``)::
+
+    [module_type]
+    "*LayerNorm" = { precision = "fp32", scope = "self" } Between two rules of the same level and
 scope, the one read last wins, so a later file overrides an earlier one (layering).
 
 Patterns use :func:`fnmatch.fnmatchcase` against the *whole* name (``*.embed`` matches
@@ -66,6 +74,8 @@ __all__ = [
     "RulesError",
     "PRECISIONS",
     "LEVELS",
+    "SCOPES",
+    "default_scope",
     "load_rules",
     "default_rules_path",
     "rules_dir",
@@ -77,7 +87,10 @@ PRECISIONS = ("half", "fp16", "bf16", "fp32", "follow", "promote", "banned")
 LEVELS = MATCH_TABLES
 _TOP_KEYS = ("meta", "settings", "default") + LEVELS
 _RULE_KEYS = ("precision", "reason", "message")
-_MODULE_RULE_KEYS = _RULE_KEYS + ("ops",)
+_MODULE_RULE_KEYS = _RULE_KEYS + ("ops", "scope")
+SCOPES = ("self", "subtree")
+_NORM = re.compile("norm", re.IGNORECASE)
+_NORM_WORD = re.compile(r"\bnorm(s|ali[sz]ation)?\b", re.IGNORECASE)  # "norm", "normalisation" in a reason
 _SETTINGS = {
     "overflow_fallback": ("bf16", "fp32"),
     "overflow_margin": None,  # a float > 0
@@ -120,6 +133,7 @@ class Rule:
     file: str = BUILTIN
     order: int = 0  # global read order; later wins among equals
     op: str = ""  # module rules only: restrict the rule to ops matching this pattern (an ``ops`` entry)
+    scope: str = "subtree"  # module rules only: "self" (the module's own ops) or "subtree" (and its children's)
 
     def __post_init__(self) -> None:
         if self.level not in LEVELS + ("default",):
@@ -129,6 +143,9 @@ class Rule:
                 f"{self.file}: [{self.level}].{self.pattern}: unknown precision {self.precision!r}"
                 f"{_suggest(self.precision, PRECISIONS)} (valid: {', '.join(PRECISIONS)})"
             )
+
+        if self.scope not in SCOPES:
+            raise RulesError(f"{self.file}: [{self.level}].{self.pattern}: scope must be one of {', '.join(SCOPES)}, got {self.scope!r}")
 
     @property
     def is_glob(self) -> bool:
@@ -146,6 +163,8 @@ class Rule:
         out = {"level": self.level, "pattern": self.pattern, "precision": self.precision, "file": self.file}
         if self.op:
             out["op"] = self.op
+        if self.level in ("module", "module_type"):
+            out["scope"] = self.scope
         if self.reason:
             out["reason"] = self.reason
         if self.message:
@@ -235,11 +254,19 @@ class Rules:
                 if not isinstance(pattern, str) or not pattern:
                     raise RulesError(f"{file}: [{top}] has an empty pattern")
                 ops = None
+                why = value.get("reason", "") if isinstance(value, Mapping) else ""
+                scope = default_scope(pattern, why if isinstance(why, str) else "")
                 if top in ("module", "module_type") and isinstance(value, Mapping) and "ops" in value:
                     value = dict(value)
                     ops = value.pop("ops")
                     if not isinstance(ops, Mapping):
                         raise RulesError(f"{where(top, pattern)}.ops: must be a table of op = precision")
+                if top in ("module", "module_type") and isinstance(value, Mapping) and "scope" in value:
+                    value = dict(value)
+                    scope = value.pop("scope")
+                    if scope not in SCOPES:
+                        raise RulesError(f"{where(top, pattern)}.scope: must be \"self\" (the module's own ops) or "
+                                         f"\"subtree\" (its child modules' ops too), got {scope!r}")
                 precision, reason, message = _entry(value, file, top, pattern, where)
                 for op_pattern, op_value in (ops or {}).items():
                     key = f"{pattern}.ops.{op_pattern}"
@@ -247,12 +274,14 @@ class Rules:
                     _check_op_name(op_pattern, known_ops, where(top, key))
                     if op_precision == "banned" and not op_message:
                         raise RulesError(f"{where(top, key)}: a banned rule needs a 'message' telling the user what to do instead")
-                    rules.append(Rule(top, pattern, op_precision, op_reason or reason, op_message, file, start + len(rules), op=op_pattern))
+                    rules.append(Rule(top, pattern, op_precision, op_reason or reason, op_message, file, start + len(rules),
+                                      op=op_pattern, scope=scope if top in ("module", "module_type") else "subtree"))
                 if top == "op":
                     _check_op_name(pattern, known_ops, where(top, pattern))
                 if precision == "banned" and not message:
                     raise RulesError(f"{where(top, pattern)}: a banned rule needs a 'message' telling the user what to do instead")
-                rules.append(Rule(top, pattern, precision, reason, message, file, start + len(rules)))
+                rules.append(Rule(top, pattern, precision, reason, message, file, start + len(rules),
+                                  scope=scope if top in ("module", "module_type") else "subtree"))
         return cls(rules=tuple(rules), files=(file,), settings=settings)
 
     @classmethod
@@ -303,10 +332,13 @@ class Rules:
                     found.append(((rank, 0, 1, -rule.order), Match(rule.ref, rule.precision, rank, level, "", rule.reason)))
                 continue
             idx = 0 if level == "module" else 1
+            innermost = len(module_stack)
             for depth, entry in enumerate(module_stack, 1):
                 for rule in self._rules_matching(level, entry[idx]):
                     if rule.op and not fnmatch.fnmatchcase(op, rule.op):
                         continue
+                    if rule.scope == "self" and depth != innermost:
+                        continue  # the op runs in a child module of the one this rule names
                     key = (rank, -depth, 0 if rule.op else 1, -rule.order)
                     found.append((key, Match(rule.ref, rule.precision, rank, level, entry[0], rule.reason)))
         default = self.default_rule()
@@ -325,6 +357,11 @@ class Rules:
     def to_dict(self) -> dict:
         """The effective configuration, echoed into the report."""
         return {"files": list(self.files), "settings": dict(self.settings), "rules": [r.to_dict() for r in self.rules]}
+
+
+def default_scope(pattern: str, reason: str = "") -> str:
+    """``"self"`` for a rule whose pattern or reason names a norm, else ``"subtree"`` (module doc)."""
+    return "self" if _NORM.search(pattern) or _NORM_WORD.search(reason) else "subtree"
 
 
 def _check_op_name(pattern: str, known_ops: frozenset, where: str) -> None:

@@ -16,10 +16,9 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from converter.ir.meta import HALF_NAMES, TensorSpec
-from converter.passes.place.stage import alias_root, cast_cost, castable_inputs
+from converter.ir.meta import HALF_NAMES, META_DECISION, META_INFO, META_VALUE, TensorSpec
+from converter.passes.place.graph import alias_root, cast_cost, castable_inputs
 from converter.passes.place.solver import PlacementProblem, Tensor, solve_mincut
-from converter.ir.meta import META_DECISION, META_INFO, META_VALUE
 
 __all__ = ["place_mincut", "build_problem"]
 
@@ -103,11 +102,15 @@ def build_problem(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, opt_l
     return PlacementProblem(fixed=fixed, free=tuple(free), promote=tuple(promote), tensors=tuple(tensors))
 
 
-def place_mincut(gm: torch.fx.GraphModule, *, target: str, keep_io_types: bool = True, opt_level: str = "O1") -> None:
+def place_mincut(gm: torch.fx.GraphModule, *, target: str, keep_io_types: bool = True, opt_level: str = "O1",
+                 invariant: bool = True) -> None:
+    """Label every follow/promote node by min-cut; ``invariant``: keep the no-extra-rounding
+    invariant (:mod:`converter.passes.place.solver`), else fewest bytes only ("mincut-bytes")."""
     problem = build_problem(gm, keep_io_types=keep_io_types, opt_level=opt_level)
     if not problem.free and not problem.promote:
         return
-    result = solve_mincut(problem, alternatives=True)
+    result = solve_mincut(problem, alternatives=True, invariant=invariant)
+    mode = "min-cut" if invariant else "min-cut (bytes only)"
     for node in gm.graph.nodes:
         decision = node.meta.get(META_DECISION)
         if decision is None or decision.precision not in ("follow", "promote"):
@@ -117,4 +120,6 @@ def place_mincut(gm: torch.fx.GraphModule, *, target: str, keep_io_types: bool =
         extra = result.alternative_cost.get(node.name)
         alt = f"; the alternative costs +{extra} bytes" if extra is not None else ""
         tie = " (a tie, broken towards half)" if extra == 0 and label == "half" else ""
-        node.meta[META_DECISION] = decision.noted("place", f"min-cut chose {precision}{alt}{tie}", precision=precision)
+        pinned = " (kept fp32: its value reaches an fp32 or promote op unrounded)" if node.name in result.pinned else ""
+        node.meta[META_DECISION] = decision.noted("place", f"{mode} chose {precision}{alt}{tie}{pinned}",
+                                                  precision=precision)

@@ -54,6 +54,45 @@ Min-cut encoding (source side ``s`` = half, sink side ``t`` = fp32)
   fp32 and ``q`` half);
 * "infinite" is an exact finite integer: the sum of all finite capacities + 1.
 
+The no-extra-rounding invariant (``invariant=True``, the default)
+-----------------------------------------------------------------
+*Reference*: casting per consumer, as ``torch.autocast`` does.  There every
+free/promote node computes in the widest label of its producers
+(:func:`reference_labels`: ``fp32`` as soon as one producer is ``fp32``, type
+promotion), and a cast to half happens only at the input of a fixed half node.
+Placement may move a cast away from that reference only where this changes no
+value read by a *guarded* consumer: a fixed ``fp32`` node (an fp32-decided op,
+an explicit cast, the fp32 graph-output sink) or a ``promote`` node.  Moving an
+up-cast earlier is allowed (a follow op then computes in fp32 on exactly
+up-cast half values: a guarded consumer reads the same value or a more precise
+one, never an extra rounding); moving a down-cast earlier past a follow node
+whose reference label is ``fp32`` rounds that node's output, and is allowed only
+when the rounded value reaches fixed half nodes alone.
+
+Semantics (:func:`satisfies_invariant`, used by :func:`solve_exhaustive`): a
+free/promote node is *extra-rounded* when it is half while its reference label
+is fp32, or when one of its free/promote producers is extra-rounded (rounding
+propagates through follow/promote nodes, whatever their label, and stops at
+fixed nodes: a fixed half node rounds its inputs anyway).  A labelling keeps the
+invariant when no guarded consumer reads an extra-rounded producer and no
+promote node is extra-rounded itself.
+
+Encoding (a hard constraint, never a penalty): let ``Z`` be the free/promote
+nodes whose reference label is fp32 (those downstream of a fixed fp32 node
+through free/promote nodes) and ``R`` the free nodes from which a guarded
+consumer is reachable through free nodes only.  A labelling keeps the invariant
+if and only if every node of ``Z ∩ R`` and every promote node of ``Z`` is fp32:
+an extra-rounded guarded read needs a path ``s -> f1 -> ... -> g`` through free
+nodes from a node ``s ∈ Z`` labelled half to the first guarded node ``g``, so
+``s ∈ Z ∩ R``; conversely such an ``s`` labelled half is extra-rounded and
+reaches ``g``.  These nodes are fixed to fp32 before solving (equivalently, an
+infinite edge ``v -> t`` each), so the min-cut optimises exactly over the
+labellings that keep the invariant; the tie-break and the region
+decomposition are unchanged.  ``invariant=False`` ("mincut-bytes") drops the
+constraint and minimises bytes alone: a follow node between an fp32 producer and
+both a half and a guarded consumer (LayerNorm -> dropout -> {linear, residual
+add}) may then be put in half, which rounds the fp32 residual stream.
+
 Decomposition
 -------------
 First, promote nodes fed by a fixed fp32 node, and transitively the promote
@@ -79,7 +118,8 @@ For min-cut regions it is computed exactly from the max-flow residual network
 edge, the extra flow is augmented on a journaled copy of the residual network
 and rolled back, so no region is re-solved.  A half node that no residual path
 from ``s`` reaches costs nothing to flip.  A promote node that cannot be half
-(an fp32 producer forces it) has no entry.  In regions of more than 64 nodes
+(an fp32 producer forces it) has no entry, nor has a node the invariant fixes
+to fp32.  In regions of more than 64 nodes
 each flip may scan at most ``alternative_budget`` residual edges: a flip whose
 effect spreads through the region (e.g. one that would flip a whole residual
 stream) then gets no entry rather than costing quadratic time.
@@ -119,6 +159,8 @@ __all__ = [
     "solve_greedy_tf",
     "total_cost",
     "is_feasible",
+    "reference_labels",
+    "satisfies_invariant",
 ]
 
 HALF = "half"
@@ -215,13 +257,15 @@ class PlacementResult:
     (absent when the flip is infeasible, over the alternative budget, or
     alternatives were not requested).  ``regions``: number of independent
     regions solved (isolated nodes count as one each; promote nodes forced to
-    fp32 are labelled without a region).
+    fp32 are labelled without a region).  ``pinned``: the nodes that the
+    no-extra-rounding invariant alone keeps fp32 (labelled without a region).
     """
 
     labels: Mapping[str, str]
     cost: int
     alternative_cost: Mapping[str, int] = field(default_factory=dict)
     regions: int = 0
+    pinned: frozenset[str] = frozenset()
 
 
 # --------------------------------------------------------------------------- #
@@ -271,6 +315,85 @@ def is_feasible(problem: PlacementProblem, labels: Mapping[str, str]) -> bool:
     return True
 
 
+def _producers(problem: PlacementProblem) -> dict[str, set[str]]:
+    """Consumer -> the producers of the tensors it reads (self-reads ignored)."""
+    out: dict[str, set[str]] = {}
+    for tensor in problem.tensors:
+        for c in tensor.consumers:
+            if c != tensor.producer:
+                out.setdefault(c, set()).add(tensor.producer)
+    return out
+
+
+def reference_labels(problem: PlacementProblem) -> dict[str, str]:
+    """Labels under per-consumer casting (autocast): fixed nodes keep theirs, a
+    free/promote node is fp32 when one of its producers is (type promotion)."""
+    labels = dict(problem.fixed)
+    labels.update(dict.fromkeys(itertools.chain(problem.free, problem.promote), HALF))
+    consumers: dict[str, set[str]] = {}
+    for tensor in problem.tensors:
+        for c in tensor.consumers:
+            if c != tensor.producer and c not in problem.fixed:
+                consumers.setdefault(tensor.producer, set()).add(c)
+    stack = [n for n, label in problem.fixed.items() if label == FP32]
+    while stack:
+        for c in consumers.get(stack.pop(), ()):
+            if labels[c] == HALF:
+                labels[c] = FP32
+                stack.append(c)
+    return labels
+
+
+def satisfies_invariant(problem: PlacementProblem, labels: Mapping[str, str]) -> bool:
+    """True when ``labels`` keeps the no-extra-rounding invariant (module doc):
+    no fixed fp32 or promote node reads a value that a half label rounded where
+    per-consumer casting keeps it fp32.  Direct simulation, for tests and the
+    exhaustive solver."""
+    full = _full_labels(problem, labels)
+    ref = reference_labels(problem)
+    producers = _producers(problem)
+    choosable = set(problem.free) | set(problem.promote)
+    rounded = {n for n in choosable if full[n] == HALF and ref[n] == FP32}
+    changed = True
+    while changed:  # rounding propagates through free/promote nodes (monotone fixpoint)
+        changed = False
+        for n in choosable - rounded:
+            if producers.get(n, set()) & rounded:
+                rounded.add(n)
+                changed = True
+    guarded = {n for n, label in problem.fixed.items() if label == FP32} | set(problem.promote)
+    return not any(producers.get(g, set()) & rounded for g in guarded) and not (rounded & set(problem.promote))
+
+
+def _invariant_forced(problem: PlacementProblem) -> set[str]:
+    """The nodes the invariant fixes to fp32: ``Z ∩ R`` and the promote nodes of
+    ``Z`` (module doc).  Linear."""
+    ref = reference_labels(problem)
+    free = set(problem.free)
+    promote = set(problem.promote)
+    fixed = problem.fixed
+    reached: set[str] = set()  # R: free nodes reaching a guarded consumer through free nodes
+    stack: list[str] = []
+    fed_by: dict[str, list[str]] = {}  # free consumer -> its free producers
+    for tensor in problem.tensors:
+        p = tensor.producer
+        if p not in free:
+            continue
+        for c in tensor.consumers:
+            if c == p:
+                continue
+            if c in promote or fixed.get(c) == FP32:
+                stack.append(p)
+            elif c in free:
+                fed_by.setdefault(c, []).append(p)
+    while stack:
+        v = stack.pop()
+        if v not in reached:
+            reached.add(v)
+            stack.extend(fed_by.get(v, ()))
+    return {n for n in reached | promote if ref[n] == FP32}
+
+
 # --------------------------------------------------------------------------- #
 # Compilation into regions
 # --------------------------------------------------------------------------- #
@@ -283,9 +406,10 @@ class _Region(NamedTuple):
 @dataclass(frozen=True)
 class _Compiled:
     nodes: tuple[str, ...]  # free/promote nodes left to solve
-    forced: tuple[str, ...]  # promote nodes forced to fp32 by an fp32 input
+    forced: tuple[str, ...]  # nodes forced to fp32 (promote by an fp32 input; the invariant)
     constant: int
     regions: tuple[_Region, ...]
+    pinned: frozenset[str] = frozenset()  # fixed to fp32 by the invariant alone
 
 
 def _forced_fp32(problem: PlacementProblem) -> set[str]:
@@ -313,12 +437,18 @@ def _forced_fp32(problem: PlacementProblem) -> set[str]:
     return forced
 
 
-def _compile(problem: PlacementProblem) -> _Compiled:
-    """Fix forced promote nodes, fold constants, link the remaining free/promote
-    nodes and split them into regions (linear)."""
+def _compile(problem: PlacementProblem, *, invariant: bool) -> _Compiled:
+    """Fix forced promote nodes (and, with ``invariant``, the nodes the
+    no-extra-rounding invariant pins), fold constants, link the remaining
+    free/promote nodes and split them into regions (linear)."""
     forced_names = _forced_fp32(problem) if problem.promote else set()
-    nodes = tuple(problem.free) + tuple(q for q in problem.promote if q not in forced_names)
-    n_free = len(problem.free)
+    pinned: frozenset[str] = frozenset()
+    if invariant:
+        pinned = frozenset(_invariant_forced(problem) - forced_names)
+        forced_names |= pinned
+    free = tuple(n for n in problem.free if n not in forced_names)
+    nodes = free + tuple(q for q in problem.promote if q not in forced_names)
+    n_free = len(free)
     # One lookup per endpoint: index >= 0 for nodes to solve, else a fixed label.
     code = {n: _PROD_HALF if label == HALF else _PROD_FP32 for n, label in problem.fixed.items()}
     code.update(dict.fromkeys(forced_names, _PROD_FP32))
@@ -428,8 +558,8 @@ def _compile(problem: PlacementProblem) -> _Compiled:
     regions = tuple(
         _Region(tuple(mem), tuple(rt), tuple(rc)) for mem, rt, rc in zip(members, r_terms, r_cons)
     )
-    ordered = tuple(q for q in problem.promote if q in forced_names)
-    return _Compiled(nodes, ordered, constant, regions)
+    ordered = tuple(n for n in itertools.chain(problem.free, problem.promote) if n in forced_names)
+    return _Compiled(nodes, ordered, constant, regions, pinned)
 
 
 # --------------------------------------------------------------------------- #
@@ -442,9 +572,11 @@ def _enumerate(
     forced: Sequence[int],
     *,
     alternatives: bool,
+    accept: Callable[[int], bool] | None = None,
 ) -> tuple[list[bool], int, dict[int, int]]:
     """Return (fp32 flag per local node, cost, {local node: alternative delta})
-    by trying all 2**k labellings (bit i of a labelling set = node i is fp32)."""
+    by trying all 2**k labellings (bit i of a labelling set = node i is fp32);
+    ``accept(mask)`` filters labellings further (the invariant, brute force)."""
     compiled = []
     for prod, cost, cons, fixed_half, fixed_fp32 in terms:
         cmask = 0
@@ -469,6 +601,9 @@ def _enumerate(
     scale = k + 1
     for m in range(1 << k):
         if forced_mask & ~m or any(m & pm and not m & qb for pm, qb in needs):
+            costs.append(-1)
+            continue
+        if accept is not None and not accept(m):
             costs.append(-1)
             continue
         cost = 0
@@ -725,9 +860,14 @@ def solve_mincut(
     small_region: int = 6,
     flow_func: Callable | None = None,
     alternative_budget: int | None = 2048,
+    invariant: bool = True,
 ) -> PlacementResult:
     """Exact minimum-cast labelling, region by region (see the module doc).
 
+    ``invariant``: keep the no-extra-rounding invariant (a hard constraint; the
+    optimum is taken over the labellings that keep it).  ``False`` minimises
+    cast bytes alone ("mincut-bytes"), which may round values that per-consumer
+    casting keeps in fp32.
     ``alternatives``: compute ``alternative_cost``.  ``small_region``: regions
     with at most this many free/promote nodes are enumerated exactly instead of
     building a flow network (0 forces min-cut everywhere).  ``flow_func``: a
@@ -742,7 +882,7 @@ def solve_mincut(
         raise ValueError(f"alternative_budget must be >= 0 or None, got {alternative_budget}")
     budget = alternative_budget
     func = preflow_push if flow_func is None else flow_func
-    compiled = _compile(problem)
+    compiled = _compile(problem, invariant=invariant)
     nodes = compiled.nodes
     labels: dict[str, str] = dict.fromkeys(compiled.forced, FP32)
     alt_cost: dict[str, int] = {}
@@ -775,12 +915,65 @@ def solve_mincut(
         cost=total,
         alternative_cost=MappingProxyType({n: alt_cost[n] for n in nodes if n in alt_cost}),
         regions=len(compiled.regions),
+        pinned=compiled.pinned,
     )
 
 
-def solve_exhaustive(problem: PlacementProblem, *, max_nodes: int = 20) -> PlacementResult:
+def _rounding_checker(problem: PlacementProblem, nodes: Sequence[str]) -> Callable[[int], bool]:
+    """:func:`satisfies_invariant` on bit masks (bit i set = ``nodes[i]`` is fp32):
+    the same simulation, written for speed, independent of the min-cut encoding."""
+    index = {n: i for i, n in enumerate(nodes)}
+    ref = reference_labels(problem)
+    producers = _producers(problem)
+    reference_fp32 = sum(1 << i for i, n in enumerate(nodes) if ref[n] == FP32)
+    feeds = {n: sum(1 << index[p] for p in producers.get(n, ()) if p in index) for n in nodes}
+    order: list[str] = []  # topological order of the choosable nodes (Kahn; cycles keep going round)
+    indegree = {n: sum(1 for p in producers.get(n, ()) if p in index) for n in nodes}
+    ready = [n for n in nodes if indegree[n] == 0]
+    consumers: dict[str, list[str]] = {}
+    for n in nodes:
+        for p in producers.get(n, ()):
+            if p in index:
+                consumers.setdefault(p, []).append(n)
+    while ready:
+        n = ready.pop()
+        order.append(n)
+        for c in consumers.get(n, ()):
+            indegree[c] -= 1
+            if indegree[c] == 0:
+                ready.append(c)
+    steps = [(feeds[n], 1 << index[n]) for n in order]
+    cyclic = len(order) < len(nodes)
+    if cyclic:
+        steps = [(feeds[n], 1 << index[n]) for n in nodes]
+    promote_mask = sum(1 << index[q] for q in problem.promote)
+    guards = [feeds.get(g, 0) for g in problem.promote]
+    guards += [sum(1 << index[p] for p in producers.get(g, ()) if p in index)
+               for g, label in problem.fixed.items() if label == FP32]
+    guards = [g for g in guards if g]
+    full = (1 << len(nodes)) - 1
+
+    def accept(mask: int) -> bool:
+        rounded = reference_fp32 & ~mask & full
+        while True:
+            before = rounded
+            for pm, bit in steps:
+                if pm & rounded:
+                    rounded |= bit
+            if not cyclic or rounded == before:
+                break
+        return not (rounded & promote_mask) and not any(g & rounded for g in guards)
+
+    return accept
+
+
+def solve_exhaustive(
+    problem: PlacementProblem, *, max_nodes: int = 20, invariant: bool = True
+) -> PlacementResult:
     """Brute force over all labellings of all free/promote nodes (tests only).
 
+    ``invariant``: only labellings that :func:`satisfies_invariant` (simulated on
+    each labelling, not the min-cut encoding) compete.
     No decomposition and no constant folding: every tensor is compiled as is.
     Ties break towards fewer fp32 nodes, then the lowest enumeration index.
     ``regions`` is 1 (the whole problem) or 0 when there is nothing to label.
@@ -816,7 +1009,10 @@ def solve_exhaustive(problem: PlacementProblem, *, max_nodes: int = 20) -> Place
             else:
                 fixed_fp32 = True
         terms.append((prod, tensor.cost, tuple(sorted(cons)), fixed_half, fixed_fp32))
-    fp32, cost, alt = _enumerate(len(nodes), terms, constraints, sorted(forced), alternatives=True)
+    accept = _rounding_checker(problem, nodes) if invariant else None
+    fp32, cost, alt = _enumerate(
+        len(nodes), terms, constraints, sorted(forced), alternatives=True, accept=accept
+    )
     labels = {n: FP32 if f else HALF for n, f in zip(nodes, fp32)}
     return PlacementResult(
         labels=MappingProxyType(labels),

@@ -1,0 +1,124 @@
+"""Train/eval modes of a captured graph (part of *capture*).
+
+A graph records the mode it was traced in as literal arguments: ``aten.dropout(x, 0.1, True)``,
+``aten.batch_norm(..., training=True, ...)``, ``scaled_dot_product_attention(..., dropout_p=0.1)``
+and BatchNorm's ``num_batches_tracked.add_(1)``. Capture therefore traces the model in **train
+mode**, where every mode-dependent op is present with its train-mode arguments, and
+:func:`make_mode_aware` replaces those literals by the graph module's own ``self.training``
+(a ``get_attr`` of ``training``; FX writes it as ``self.training`` in the generated code):
+
+=======================================  =====================================================
+train-mode literal                       becomes
+=======================================  =====================================================
+dropout / feature / alpha dropout        ``train=self.training``
+``F.dropout(..., training=True)`` (FX)   ``training=self.training``
+``batch_norm(..., training=True, ...)``  ``training=self.training`` (running stats update and
+                                         are used exactly as in ``nn.BatchNorm``)
+RNN ``train=True`` (LSTM/GRU dropout)    ``train=self.training``
+``sdpa(..., dropout_p=p)``, p > 0        ``dropout_p=p * self.training`` (``0.0`` in eval)
+``num_batches_tracked.add_(1)``          ``add_(self.training)`` (adds 0 in eval)
+=======================================  =====================================================
+
+Only ``True`` flags (and non-zero probabilities) are rewritten: a submodule that was in eval mode
+inside a model in train mode (a frozen BatchNorm) stays in eval mode. ``.train()``/``.eval()`` on
+the converted module then behave as on the original. Capture checks the mode it did not trace
+(eval) against the original model on the example inputs; a model whose Python code branches on
+``self.training`` in some other way fails that check and is captured in its own mode instead,
+with its mode frozen and the reason in the report (``report.extra["modes"]``).
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, Optional
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from converter.ir.meta import META_MODE_FLAG
+
+__all__ = ["make_mode_aware", "MODE_ATTR"]
+
+#: the GraphModule attribute the rewritten arguments read
+MODE_ATTR = "training"
+
+_aten = torch.ops.aten
+_FLAG_ARGS: dict[Any, tuple[int, str]] = {}
+for _name in ("dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout"):
+    if hasattr(_aten, _name):
+        _FLAG_ARGS[getattr(_aten, _name).default] = (2, "train")
+_FLAG_ARGS[_aten.batch_norm.default] = (5, "training")
+for _name in ("lstm", "gru", "rnn_tanh", "rnn_relu"):
+    _FLAG_ARGS[getattr(_aten, _name).input] = (6, "train")
+for _fn in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout):
+    _FLAG_ARGS[_fn] = (2, "training")
+_FLAG_ARGS[F.batch_norm] = (5, "training")
+_SDPA = (_aten.scaled_dot_product_attention.default, F.scaled_dot_product_attention)
+
+
+def make_mode_aware(gm: torch.fx.GraphModule) -> list[str]:
+    """Rewrite the train-mode literals of ``gm`` (traced in train mode) to read ``self.training``.
+
+    Returns the names of the nodes changed. ``gm.training`` is left as it is.
+    """
+    graph = gm.graph
+    mode: Optional[torch.fx.Node] = None
+    changed: list[str] = []
+
+    def mode_node() -> torch.fx.Node:
+        nonlocal mode
+        if mode is None:
+            first = next(n for n in graph.nodes if n.op != "placeholder")
+            with graph.inserting_before(first):
+                # create_node, not graph.get_attr: the target is a bool attribute, not a tensor or module
+                mode = graph.create_node("get_attr", MODE_ATTR, name="training")
+            mode.meta[META_MODE_FLAG] = True
+        return mode
+
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target in _FLAG_ARGS:
+            index, name = _FLAG_ARGS[node.target]
+            if _get(node, index, name) is True:
+                _set(node, index, name, mode_node())
+                changed.append(node.name)
+        elif node.target in _SDPA:
+            p = _get(node, 4, "dropout_p")
+            if isinstance(p, float) and p > 0:
+                with graph.inserting_before(node):
+                    scaled = graph.call_function(operator.mul, (p, mode_node()))
+                scaled.meta[META_MODE_FLAG] = True
+                _set(node, 4, "dropout_p", scaled)
+                changed.append(node.name)
+        elif _is_batch_counter(gm, node):
+            node.args = (node.args[0], mode_node())
+            changed.append(node.name)
+    if changed:
+        gm.recompile()
+    return changed
+
+
+def _get(node: torch.fx.Node, index: int, name: str) -> Any:
+    if name in node.kwargs:
+        return node.kwargs[name]
+    return node.args[index] if len(node.args) > index else None
+
+
+def _set(node: torch.fx.Node, index: int, name: str, value: Any) -> None:
+    if name in node.kwargs:
+        node.update_kwarg(name, value)
+    else:
+        node.update_arg(index, value)
+
+
+def _is_batch_counter(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    """BatchNorm's ``num_batches_tracked.add_(1)`` (export only; FX keeps BatchNorm a module)."""
+    if node.target is not _aten.add_.Tensor or len(node.args) != 2 or node.args[1] != 1:
+        return False
+    target = node.args[0]
+    return (
+        isinstance(target, torch.fx.Node)
+        and target.op == "get_attr"
+        and str(target.target).rsplit(".", 1)[-1] == "num_batches_tracked"
+    )

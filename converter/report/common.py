@@ -1,0 +1,187 @@
+"""What every rendering of the audit shares: the fields a renderer reads, colours, number formats, groupings.
+
+The renderers (:mod:`~converter.report.markdown`, :mod:`~converter.report.html`, :mod:`~converter.report.terminal`,
+:mod:`~converter.report.plots`) read a report through :class:`ReportView`, the fields of
+:class:`converter.report.build.Report` they use, and never import :mod:`converter.report.build`: ``Report.to_markdown``
+and ``Report.to_html`` call them, so the dependency points one way only (build -> renderers).
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Callable, Optional, Protocol
+
+from converter.ir.meta import HALF_NAMES, note_text
+from converter.numerics.common import from_json_float
+
+__all__ = [
+    "ReportView", "COLORS", "ORDER", "precision_class", "half_count", "fmt_bytes", "fmt_flops", "fmt_db", "db_sort_key",
+    "fmt_pct", "fmt_err", "fmt_ratio", "short_rule", "node_reason", "tuned_for", "calibration_rows", "module_groups",
+    "module_bytes", "split_casts",
+]
+
+#: precision -> colour, shared by the HTML strip, the plots and the badges
+COLORS = {"bf16": "#2f9e66", "fp16": "#2b7bb9", "fp32": "#e3903a", "other": "#9aa3ad", "cast": "#d1453b", "weight_cast": "#5b6470"}
+#: the order precisions are stacked in, in the strip legend and the plots
+ORDER = ("bf16", "fp16", "fp32", "other")
+
+
+class ReportView(Protocol):
+    """The parts of :class:`converter.report.build.Report` that the renderers read (see docs/report.md)."""
+
+    precision: str
+    tracer: str
+    summary: dict
+    nodes: list[dict]
+    casts: list[dict]
+    rules: dict
+    extra: dict
+    model: str
+    ops: list[dict]
+    modules: list[dict]
+    memory: dict
+    numerics: dict
+    calibration: dict
+
+    @property
+    def line(self) -> str: ...
+
+    def to_json(self, **kwargs: Any) -> str: ...
+
+
+def precision_class(precision: str) -> str:
+    """The colour class of a precision: bf16, fp16, fp32, or ``other`` (fp64, integer, bool outputs)."""
+    return precision if precision in ("bf16", "fp16", "fp32") else "other"
+
+
+def half_count(report: ReportView) -> int:
+    return sum(report.summary["by_precision"].get(p, 0) for p in HALF_NAMES)
+
+
+def fmt_bytes(n: Optional[float]) -> str:
+    if n is None:
+        return "—"
+    n = float(n)
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt_flops(n: Optional[float]) -> str:
+    if not n:
+        return "0"
+    n = float(n)
+    for unit, size in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} FLOP"
+
+
+def fmt_db(x: Any) -> str:
+    """An SQNR (a float, or report.json's ``"inf"``/``"-inf"``/``"nan"``): +inf and None (no error
+    measured: e.g. a local SQNR where no input dtype changes) read "exact"."""
+    value = from_json_float(x)
+    if value is None or value == math.inf:
+        return "exact"
+    return f"{value:.1f} dB"
+
+
+def db_sort_key(x: Any) -> float:
+    """A finite number for the HTML table's sort (exact sorts above every measured SQNR)."""
+    value = from_json_float(x)
+    return 999.0 if value is None or value == math.inf else (-999.0 if not math.isfinite(value) else value)
+
+
+def fmt_pct(x: Optional[float]) -> str:
+    return "—" if x is None else f"{100 * x:.1f}%"
+
+
+def fmt_err(x: Any) -> str:
+    return "—" if x is None else f"{x:.3g}"
+
+
+def fmt_ratio(x: Optional[float]) -> str:
+    return "—" if x is None else f"{x:.2f}×"
+
+
+def short_rule(rule: str) -> str:
+    """``default.toml:[module_type].*RMSNorm`` -> ``[module_type] *RMSNorm`` (the file is in the tooltip)."""
+    m = re.match(r"^(.*?):\[(\w+)\]\.?(.*)$", rule)
+    if not m:
+        return rule
+    return f"[{m.group(2)}] {m.group(3)}".strip()
+
+
+def node_reason(row: dict) -> str:
+    """A node's reason with its stage notes (``placement: ...``), for the one-line table cells."""
+    return "; ".join([row["reason"], *(note_text(stage, text) for stage, text in row.get("notes", ()))])
+
+
+def tuned_for(report: ReportView, escape: Callable[[str], str]) -> str:
+    """The conversion's target device and what its lowerings changed (:mod:`converter.passes.lower`)."""
+    device = report.extra.get("device")
+    if not device:
+        return "portable (no device named: nothing device-specific)"
+    lowered = report.extra.get("lowered") or []
+    what = escape(", ".join(lowered)) if lowered else "nothing to lower"
+    return f"{escape(str(device))} · lowered: {what}"
+
+
+def calibration_rows(report: ReportView) -> tuple[list[tuple[str, str]], list[dict]]:
+    """The calibration section: (fact, value) pairs and the nodes re-decided because they would overflow."""
+    cal = report.calibration
+    facts = [("batches", str(cal.get("batches", "—"))), ("margin", f"{cal.get('margin', '—')} ({cal.get('margin_source', '')})"),
+             ("overflow fallback", str(cal.get("overflow_fallback", "—")))]
+    scale = cal.get("loss_scale") or {}
+    if scale:
+        facts.append(("recommended initial loss scale", str(scale.get("recommended_initial_scale")) + (f" ({scale['why']})" if scale.get("why") else "")))
+    nonfinite = cal.get("nonfinite_in_fp32") or []
+    if nonfinite:
+        facts.append(("non-finite values already in fp32", ", ".join(n["name"] for n in nonfinite)))
+    return facts, list(cal.get("risky_nodes") or [])
+
+
+def split_casts(report: ReportView) -> tuple[list[dict], list[dict]]:
+    """(activation casts, O1 weight casts), each in graph order."""
+    return [c for c in report.casts if not c["on_weight"]], [c for c in report.casts if c["on_weight"]]
+
+
+def _runs(nodes: list[dict], depth: int) -> list[tuple[str, list[dict]]]:
+    """Consecutive runs of nodes whose module paths agree on their first ``depth`` parts."""
+    out: list[tuple[str, list[dict]]] = []
+    for row in nodes:
+        key = ".".join(row["module"].split(".")[:depth]) if row["module"] else ""
+        if out and out[-1][0] == key:
+            out[-1][1].append(row)
+        else:
+            out.append((key, [row]))
+    return out
+
+
+def module_groups(report: ReportView) -> list[tuple[str, list[dict]]]:
+    """Consecutive runs of nodes by module prefix, at a depth where no run holds over half the graph."""
+    nodes = report.nodes
+    if not nodes:
+        return []
+    max_depth = max(len(r["module"].split(".")) if r["module"] else 0 for r in nodes)
+    chosen = _runs(nodes, 1)
+    for depth in range(1, max(1, max_depth) + 1):
+        candidate = _runs(nodes, depth)
+        if len(candidate) > 150 and depth > 1:
+            break
+        chosen = candidate
+        biggest = max(len(rows) for _, rows in candidate)
+        if biggest <= 0.5 * len(nodes):
+            break
+    return chosen
+
+
+def module_bytes(report: ReportView) -> list[tuple[str, dict]]:
+    """Output bytes per precision for each module group (same grouping as the strip), largest first."""
+    totals: dict[str, dict] = {}
+    for name, rows in module_groups(report):
+        entry = totals.setdefault(name or "(top level)", {p: 0 for p in ORDER})
+        for row in rows:
+            entry[precision_class(row["precision"])] += row["out_bytes"]
+    return sorted(totals.items(), key=lambda kv: -sum(kv[1].values()))
