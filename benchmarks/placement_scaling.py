@@ -146,7 +146,8 @@ def main() -> None:
             )
             result = solve_mincut(problem, flow_func=flow)
             greedy = solve_greedy_tf(problem)
-            biggest = max((len(r.nodes) for r in _compile(problem).regions), default=0)
+            regions = _compile(problem, invariant=True).regions
+            biggest = max((len(r.nodes) for r in regions), default=0)
             print(
                 f"{variant:13} {n_nodes:7d} {result.regions:8d} {biggest:8d} "
                 f"{with_alt * 1e3:7.1f}ms {with_alt / n_nodes * 1e6:8.2f} "

@@ -9,15 +9,6 @@ Public API (docs/architecture.md; the names are a stable contract)::
 """
 from __future__ import annotations
 
-from converter.api import Conversion, PassError, audit, convert, normalize_precision
-from converter.ir.errors import MpconvertError
-from converter.ir.precision import PrecisionError
-from converter.numerics.options import CalibrationOptions
-from converter.passes.capture import CaptureError
-from converter.passes.decide import BannedOpError
-from converter.report.build import Report
-from converter.rules.loader import Rules, RulesError, load_rules
-
 from converter._version import __version__
 
 __all__ = [
@@ -43,19 +34,40 @@ __all__ = [
     "__version__",
 ]
 
+#: where each public name lives. Everything is imported on first use (PEP 562), so that
+#: ``mpconvert explain OUT_DIR NODE`` and ``--help`` answer without importing torch, and converting
+#: a model does not pay for the training wrapper.
+_LAZY = {
+    "convert": "converter.api",
+    "audit": "converter.api",
+    "Conversion": "converter.api",
+    "PassError": "converter.api",
+    "normalize_precision": "converter.api",
+    "CalibrationOptions": "converter.numerics.options",
+    "MpconvertError": "converter.ir.errors",
+    "PrecisionError": "converter.ir.precision",
+    "CaptureError": "converter.passes.capture",
+    "BannedOpError": "converter.passes.decide",
+    "Report": "converter.report.build",
+    "Rules": "converter.rules.loader",
+    "RulesError": "converter.rules.loader",
+    "load_rules": "converter.rules.loader",
+    "ToleranceNotMet": "converter.numerics.search",
+    "LossScaler": "converter.train.scaler",
+    "MixedPrecisionTrainer": "converter.train.trainer",
+    "SpikeGuard": "converter.train.trainer",
+    "TrainingStalledError": "converter.train.trainer",
+}
+
 
 def __getattr__(name: str):
-    # The training wrapper is imported lazily: converting a model should not pay for it.
-    if name == "LossScaler":
-        from converter.train.scaler import LossScaler
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'converter' has no attribute {name!r}")
+    import importlib
 
-        return LossScaler
-    if name == "ToleranceNotMet":
-        from converter.numerics.search import ToleranceNotMet
+    return getattr(importlib.import_module(module), name)
 
-        return ToleranceNotMet
-    if name in ("MixedPrecisionTrainer", "SpikeGuard", "TrainingStalledError"):
-        from converter.train import trainer
 
-        return getattr(trainer, name)
-    raise AttributeError(f"module 'converter' has no attribute {name!r}")
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

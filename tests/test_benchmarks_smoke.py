@@ -1,7 +1,7 @@
 """Smoke test of the benchmark suite: the measurement helpers are exact on toy models, and
 ``benchmarks/run.py --quick`` runs end to end and writes valid JSON and Markdown.
 
-No timing assertions: performance is measured by the suite, never by tests (DESIGN §8).
+No timing assertions: performance is measured by the suite, never by tests (benchmarks/README.md).
 """
 from __future__ import annotations
 

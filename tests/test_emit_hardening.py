@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -260,13 +261,16 @@ def test_two_concurrent_cli_runs_one_wins(tmp_path):
     assert _leftovers(tmp_path, "shared") == ["shared"]
 
 
+# the CLI sends everything printed during a command to stderr (and hides it), so the script
+# signals "a file is written" through a marker file next to itself
 _SLOW_EMIT = """
 import sys, time
+from pathlib import Path
 import converter.export.artifacts as artifacts
 _write = artifacts._write_text
 def _slow(path, text):
     _write(path, text)
-    print("WROTE", path.name, flush=True)
+    Path(__file__).with_name("wrote.marker").write_text(path.name)
     time.sleep(60)
 artifacts._write_text = _slow
 from converter.cli.main import main
@@ -282,9 +286,12 @@ def test_temp_dirs_of_killed_runs_are_cleaned_by_the_next_run(mlp_conv, tmp_path
     out = work / "o"
     proc = subprocess.Popen([sys.executable, str(script), str(SAMPLES / "mlp.py"), "--out", str(out), "-q"],
                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    marker = tmp_path / "wrote.marker"
     try:
-        line = proc.stdout.readline()
-        assert line.startswith("WROTE"), (line, proc.stderr.read() if proc.poll() is not None else "")
+        deadline = time.monotonic() + 120
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), (proc.poll(), proc.stderr.read() if proc.poll() is not None else "")
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
     finally:

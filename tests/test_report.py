@@ -1,4 +1,4 @@
-"""The audit report: report.json against DESIGN §6 on every sample, casts against a TorchDispatchMode,
+"""The audit report: report.json against docs/report.md on every sample, casts against a TorchDispatchMode,
 memory and numerics measurements, the rollups, Markdown/terminal escaping, and ``explain``."""
 from __future__ import annotations
 
@@ -53,10 +53,10 @@ def tiny():
 
 
 # ---------------------------------------------------------------------------------------------
-# report.json against DESIGN §6
+# report.json against docs/report.md
 
 _INT, _STR, _FLOAT, _BOOL = "int", "str", "float", "bool"
-#: DESIGN §6, the binding minimum: {key: type} for objects, [item] for lists
+#: docs/report.md, the binding minimum: {key: type} for objects, [item] for lists
 SCHEMA_V1 = {
     "schema": _INT,
     "precision": _STR,
@@ -197,7 +197,7 @@ def test_numerics_are_measured_against_fp32_and_autocast(sample):
     assert n["vs_fp32"]["nonfinite_mismatch"] == 0
     assert n["autocast_vs_fp32"]["sqnr_db"] > 30, n["autocast_vs_fp32"]  # +inf when exact
     if name in ("tiny_transformer", "hf_gpt2", "hf_bert"):
-        # DESIGN §8 target: SQNR >= autocast - 1 dB (a scalar loss output, as in cnn, is too noisy for this)
+        # benchmark target (benchmarks/README.md): SQNR >= autocast - 1 dB (a scalar loss output, as in cnn, is too noisy for this)
         auto = n["autocast_vs_fp32"]["sqnr_db"]
         assert n["vs_fp32"]["sqnr_db"] >= auto - 1.0, (n["vs_fp32"], n["autocast_vs_fp32"])
     per_node = n["per_node"]
@@ -234,7 +234,7 @@ def test_error_attribution_finds_the_lowered_nodes(tiny):
 
 
 def test_memory_saved_activations_at_most_autocast(tiny):
-    """DESIGN §8 target: saved activations <= autocast, both measured with saved_tensors_hooks."""
+    """Benchmark target (benchmarks/README.md): saved activations <= autocast, both measured with saved_tensors_hooks."""
     m = tiny.report.memory
     assert m["saved_activation_bytes"]["converted"] <= m["saved_activation_bytes"]["autocast"], m
     md = tiny.report.to_markdown()

@@ -1,17 +1,19 @@
-"""The ``mpconvert`` command (DESIGN §7); ``python -m converter`` runs it too.
+"""The ``mpconvert`` command (docs/cli.md); ``python -m converter`` runs it too.
 
 ::
 
-    mpconvert MODEL.py [--precision bf16|fp16] [--rules F ...] [--out DIR] [--tracer auto|fx|export]
-                       [--calibrate] [--tolerance DB] [--onnx] [--onnx-precision fp16|bf16]
-                       [--device cpu|cuda] [--force] [-q] [--json] [--debug] [--entry NAME]
-    mpconvert audit MODEL.py [...]         the report only (no model.py); writes report.json/.md/.html
-    mpconvert explain MODEL.py NODE [...]  every rule that matched NODE, and why the winner won
-    mpconvert rules check FILE...          validate rule files
+    mpconvert MODEL [--precision bf16|fp16] [--rules F]... [--out DIR] [--tracer auto|fx|export]
+                    [--device cpu|cuda] [--calibrate] [--tolerance DB] [--onnx] [--onnx-precision fp16|bf16]
+                    [--batch N] [--seq-len T] [--force] [-q] [--json] [--debug] [--entry NAME]
+    mpconvert audit MODEL [...]                the report only (no model.py); writes report.json/.md/.html
+    mpconvert explain OUT_DIR|MODEL NODE [...] every rule that matched NODE, and why the winner won
+    mpconvert rules check FILE...              validate rule files
+
+MODEL is a model file or a ``save_pretrained`` folder (with config.json).
 
 Exit status: 0 success; 1 a requested check failed (tolerance not met, ONNX verification failed,
 the emitted model does not reproduce the conversion); 2 bad input (usage, model file, rules,
-untraceable model, existing output directory): one line on stderr naming the problem and the fix,
+untraceable model, existing or unwritable output location, full disk): one line on stderr naming the problem and the fix,
 no traceback (``--debug`` shows it) and nothing written; 3 an internal error (a bug: please report
 it with the ``--debug`` output); 130 interrupted.
 
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import difflib
 import json
 import math
 import os
@@ -34,9 +35,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from converter.ir.meta import META_DECISION
-from converter.ir.errors import MpconvertError
-from converter.ir.precision import PrecisionError, half_precision
+from converter.ir.errors import MpconvertError  # torch-free: `explain OUT_DIR` must not import torch
 
 __all__ = ["main", "build_parsers", "UsageError", "EXIT_OK", "EXIT_CHECK_FAILED", "EXIT_BAD_INPUT", "EXIT_INTERNAL"]
 
@@ -50,20 +49,26 @@ PRECISION_HELP = "fp16 or bf16 (aliases: float16, half, 16-mixed, bfloat16, bf16
 
 _EPILOG = """\
 commands:
-  mpconvert MODEL.py [options]        convert; writes MODEL_mp/ (model.py, weights.pt, train.py, reports)
-  mpconvert audit MODEL.py [options]  the report only; writes MODEL_audit/ (report.json, .md, .html)
-  mpconvert explain MODEL.py NODE     every rule that matched NODE, its precedence, and the winner
-  mpconvert rules check FILE...       validate rule files (exit 2 on the first problem of each file)
+  mpconvert MODEL [options]             convert; writes MODEL_mp/ (model.py, weights.pt, train.py, reports)
+  mpconvert audit MODEL [options]       the report only; writes MODEL_audit/ (report.json, .md, .html)
+  mpconvert explain OUT_DIR|MODEL NODE  every rule that matched NODE, its precedence, and the winner
+  mpconvert rules check FILE...         validate rule files (exit 2 on the first problem of each file)
 
-the model file defines build_model() (or a module-level `model`) and example_inputs(); optionally
-calibration_inputs() for --calibrate, and loss_fn(output, batch) + train_batches() for train.py.
+MODEL is a model file defining build_model() (or a module-level `model`) and example_inputs(), and
+optionally calibration_inputs() for --calibrate, loss_fn(output, batch) + train_batches() for
+train.py (docs/model-file.md); or a save_pretrained folder with config.json (built offline with
+transformers' Auto classes; --batch and --seq-len size its example inputs). Full contract: docs/cli.md.
 
 examples:
   mpconvert samples/mlp.py                          bf16 conversion into ./mlp_mp/
   mpconvert samples/tiny_transformer.py --precision fp16 --rules llm --out tt_fp16 --force
+  mpconvert --rules llm --rules my.toml samples/mlp.py   one file per --rules; repeat it
+  mpconvert samples/tiny_transformer.py --device cpu     the model will train on the CPU: its lowerings
+  mpconvert path/to/checkpoint --batch 4 --seq-len 128   a save_pretrained folder, offline
   mpconvert samples/hf_gpt2.py --onnx               also write and verify model.onnx
   mpconvert samples/mlp.py --calibrate --tolerance 30   re-decide overflow-prone nodes; keep SQNR >= 30 dB
   mpconvert audit samples/cnn.py --json             machine-readable summary on stdout
+  mpconvert explain cnn_audit b1_conv                instant: reads cnn_audit/report.json
   mpconvert explain samples/tiny_transformer.py layers_0_attn_qkv
   mpconvert rules check rules/llm.toml my_rules.toml
   python mlp_mp/train.py --steps 5                  train the emitted model
@@ -111,22 +116,39 @@ def _common(p: argparse.ArgumentParser, *, out: bool = True, json_help: str = "p
 
 def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="bf16", metavar="P", help=PRECISION_HELP)
-    p.add_argument("--rules", nargs="+", action="extend", default=None, metavar="F",
-                   help="rule files layered over the defaults, later wins (a bare name such as `llm` is a built-in file)")
+    p.add_argument("--rules", action="append", default=None, metavar="F",
+                   help="a rule file layered over the defaults; repeat the flag for more (--rules a --rules b), later wins. "
+                        "A bare name such as `llm` is a built-in file")
     p.add_argument("--tracer", choices=("auto", "fx", "export"), default="auto",
                    help="auto tries torch.fx then torch.export (default auto)")
     p.add_argument("--entry", metavar="NAME", default=None, help="the model factory (or module-level model) to use instead of build_model/model")
+    p.add_argument("--batch", type=_positive_int, default=None, metavar="N",
+                   help="checkpoint folders only: the batch size of the example inputs made from config.json (default 2)")
+    p.add_argument("--seq-len", dest="seq_len", type=_positive_int, default=None, metavar="T",
+                   help="checkpoint folders only: the sequence length of text inputs (default 16; audio: samples)")
     p.add_argument("--opt-level", dest="opt_level", choices=("O1", "O2"), default="O1",
                    help="how parameters will be stored for training: O1 fp32 (weight casts count in placement), "
                         "O2 half where every consumer is half, with fp32 master weights in the trainer (default O1)")
-    p.add_argument("--tune-for", dest="tune_for", choices=("cpu", "cuda"), default=None,
-                   help="the device the model will train on: enables its lowerings (cpu: bf16 attention as "
-                        "matmul/softmax/matmul, 2-4x faster than the CPU flash kernel). Default: a portable graph")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="the device the model will train on. It enables that device's lowerings (cpu: bf16 attention as "
+                        "matmul/softmax/matmul, 2-4x faster than the CPU flash kernel), and model.py is also checked there "
+                        "when it is available. Default: a portable graph, checked on cpu")
+    p.add_argument("--tune-for", dest="tune_for", choices=("cpu", "cuda"), default=None, help=argparse.SUPPRESS)
     p.add_argument("--no-measure", dest="no_measure", action="store_true",
                    help="skip measuring memory and numerics against fp32 and torch.autocast for the report")
     p.add_argument("--static", action="store_true",
                    help="fix every input dim to the example's size (default: batch, sequence and other input dims "
                         "stay dynamic under torch.export, or as the model file's dynamic_shapes() says)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1 or value > 1_000_000:
+        raise argparse.ArgumentTypeError(f"{text!r} must be between 1 and 1000000")
+    return value
 
 
 def build_parsers(only: Optional[str] = None) -> dict[str, argparse.ArgumentParser]:
@@ -147,7 +169,8 @@ def build_parsers(only: Optional[str] = None) -> dict[str, argparse.ArgumentPars
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    convert.add_argument("model", metavar="MODEL.py", help="the model file (DESIGN §3)")
+    convert.add_argument("model", metavar="MODEL",
+                         help="the model file (docs/model-file.md), or a folder written by save_pretrained (with config.json)")
     _model_options(convert)
     convert.add_argument("--out", metavar="DIR", default=None, help="output directory (default ./MODEL_mp)")
     convert.add_argument("--calibrate", action="store_true", help="run calibration_inputs() and re-decide nodes that would overflow")
@@ -156,7 +179,6 @@ def build_parsers(only: Optional[str] = None) -> dict[str, argparse.ArgumentPars
     convert.add_argument("--onnx", action="store_true", help="also export model.onnx and verify its casts and outputs")
     convert.add_argument("--onnx-precision", type=_precision_arg, default=None, metavar="P",
                          help="precision of model.onnx (default: the conversion's; bf16 exports fp16, since ONNX Runtime's CPU provider lacks bf16)")
-    convert.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the emitted model is checked (default cpu)")
     convert.add_argument("--force", action="store_true", help="replace an existing output directory")
     convert.add_argument("--version", action="version", version=f"mpconvert {__version__}")
     _common(convert)
@@ -164,7 +186,7 @@ def build_parsers(only: Optional[str] = None) -> dict[str, argparse.ArgumentPars
     audit = _Parser(prog="mpconvert audit", description="Report what each node would run in and why, and the casts a conversion would insert, "
                     "without writing the model. "
                     "Writes report.json, report.md and report.html.")
-    audit.add_argument("model", metavar="MODEL.py")
+    audit.add_argument("model", metavar="MODEL", help="the model file, or a save_pretrained folder")
     _model_options(audit)
     audit.add_argument("--out", metavar="DIR", default=None, help="report directory (default ./MODEL_audit)")
     audit.add_argument("--force", action="store_true", help="replace an existing report directory")
@@ -172,7 +194,9 @@ def build_parsers(only: Optional[str] = None) -> dict[str, argparse.ArgumentPars
 
     explain = _Parser(prog="mpconvert explain", description="Show the decision chain of one node: every rule that matched, "
                       "its precedence level, the winner and why.")
-    explain.add_argument("model", metavar="MODEL.py")
+    explain.add_argument("model", metavar="MODEL.py|OUT_DIR",
+                         help="an output directory of convert or audit (read its report.json: instant), or a model file "
+                              "(its fresh MODEL_mp/ or MODEL_audit/ report is reused; else it is audited)")
     explain.add_argument("node", metavar="NODE", help="a node name as listed by `mpconvert audit` (report.md, report.json)")
     _model_options(explain)
     _common(explain)
@@ -201,6 +225,7 @@ class _UI:
         self.json = json_mode
         self.debug = debug
         self.lines: list[str] = []
+        self.results: list[str] = []
         self._console = None
         self._stream = None
 
@@ -242,7 +267,13 @@ class _UI:
 
     def out(self, text: str) -> None:
         if not self.json:
+            self.results.append(text)
+
+    def flush_out(self) -> None:
+        """Print the results on the real stdout (after the user's code has stopped running)."""
+        for text in self.results:
             print(text, file=sys.stdout, flush=True)
+        self.results.clear()
 
     def warn(self, text: str) -> None:
         if not self.quiet and not self.json:
@@ -250,7 +281,7 @@ class _UI:
 
     def emit_json(self, payload: dict) -> None:
         if self.json:
-            print(json.dumps(payload, indent=2, default=str), file=sys.stdout, flush=True)
+            self.results.append(json.dumps(payload, indent=2, default=str))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,6 +290,8 @@ class _UI:
 
 def _precision_arg(value: str) -> str:
     """argparse ``type=``: the canonical half precision, or the shared one-line message."""
+    from converter.ir.precision import PrecisionError, half_precision
+
     try:
         return half_precision(value)
     except PrecisionError as exc:
@@ -266,6 +299,8 @@ def _precision_arg(value: str) -> str:
 
 
 def _precision(value: str) -> str:
+    from converter.ir.precision import PrecisionError, half_precision
+
     try:
         return half_precision(value)
     except PrecisionError as exc:
@@ -290,10 +325,60 @@ def _load_rules(files: Optional[Sequence[str]]):
         raise UsageError(f"{exc.filename or 'a rules file'}: cannot read it ({exc.strerror or exc}); check the path and permissions") from exc
 
 
-def _load_model(path: str, entry: Optional[str]):
+def _load_model(ns, ui: "_UI"):
+    """The model file (or ``save_pretrained`` folder) named on the command line, with example inputs.
+
+    Whatever the user's code prints while it is imported and built goes to stderr (see
+    :func:`_stdout_to_stderr`), so it can never corrupt ``--json`` output.
+    """
+    from converter.cli.outdir import OutputLocationError, check_text
+
+    try:
+        check_text(ns.model, "the model path")
+    except OutputLocationError as exc:
+        raise UsageError(str(exc)) from None
+    path = Path(ns.model)
+    if path.is_dir() and (path / "config.json").is_file():
+        from converter.cli.hfmodel import load_pretrained_folder
+
+        return load_pretrained_folder(path, batch=ns.batch, seq_len=ns.seq_len)
+    if ns.batch is not None or ns.seq_len is not None:
+        ui.warn("--batch and --seq-len apply to checkpoint folders only; a model file's example_inputs() sets its sizes")
     from converter.cli.modelfile import load_model_file
 
-    return load_model_file(path, entry=entry)
+    return load_model_file(path, entry=ns.entry)
+
+
+def _model_file_for_emit(ns) -> Optional[str]:
+    """The model file train.py takes loss_fn/train_batches from (none for a checkpoint folder)."""
+    path = Path(ns.model)
+    return None if path.is_dir() else str(path)
+
+
+def _output_dir(ns, suffix: str) -> Path:
+    """``--out`` (default ./MODEL_mp or ./MODEL_audit), checked before any work is done."""
+    from converter.cli.outdir import OutputLocationError, check_output_location
+    from converter.export.emit import check_output_dir
+
+    out = Path(ns.out) if ns.out else _default_out(ns.model, suffix)
+    try:
+        check_output_location(out, force=ns.force)
+    except OutputLocationError as exc:
+        raise UsageError(str(exc)) from None
+    check_output_dir(out, force=ns.force)
+    return out
+
+
+@contextlib.contextmanager
+def _writing(out: Path):
+    """A full disk or an unwritable location while writing ``out`` is bad input (exit 2), not a bug."""
+    from converter.cli.outdir import OutputLocationError, writing
+
+    try:
+        with writing(out):
+            yield
+    except OutputLocationError as exc:
+        raise UsageError(str(exc)) from exc
 
 
 def _dynamic_shapes(mf):
@@ -330,7 +415,7 @@ def _convert(ns, ui: _UI, mf, precision: str, rules, *, calibration=None, calibr
         try:
             conv = convert(mf.model, mf.example_inputs, precision=precision, rules=rules, tracer=ns.tracer,
                            calibration=calibration, calibration_options=calibration_options,
-                           opt_level=getattr(ns, "opt_level", "O1"), device=getattr(ns, "tune_for", None),
+                           opt_level=getattr(ns, "opt_level", "O1"), device=ns.device,
                            dynamic=not getattr(ns, "static", False), dynamic_shapes=_dynamic_shapes(mf))
         except CaptureError as exc:
             raise UsageError(_capture_message(exc, type(mf.model).__name__, mf.name, ns.tracer)) from exc
@@ -343,35 +428,48 @@ def _convert(ns, ui: _UI, mf, precision: str, rules, *, calibration=None, calibr
 
 
 def _default_out(model: str, suffix: str) -> Path:
-    return Path.cwd() / f"{Path(model).stem}{suffix}"
+    path = Path(model)
+    stem = path.resolve().name if path.is_dir() else path.stem
+    return Path.cwd() / f"{stem}{suffix}"
 
 
 # ---------------------------------------------------------------------------------------------
 # commands
 
 
-def _cmd_convert(ns, ui: _UI) -> int:
-    from converter.export.emit import check_output_dir, emit
-
-    precision = _precision(ns.precision)
+def _check_convert_options(ns) -> Optional[Any]:
+    """Option checks that need no model; returns the parsed ``--tolerance``."""
     tolerance = _tolerance(ns.tolerance) if ns.tolerance is not None else None
     if ns.onnx_precision and not ns.onnx:
         raise UsageError("--onnx-precision needs --onnx; add --onnx or drop --onnx-precision")
-    if ns.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise UsageError("--device cuda was given but CUDA is not available on this machine; use --device cpu (the default)")
     if ns.onnx:
         import importlib.util
 
         missing = [m for m in ("onnx", "onnxruntime") if importlib.util.find_spec(m) is None]
         if missing:
             raise UsageError(f"--onnx is not available: {', '.join(missing)} cannot be imported; pip install 'mpconvert[onnx]' or drop --onnx")
+    return tolerance
+
+
+def _check_device(ns, ui: _UI) -> str:
+    """Where model.py is checked: the training device when this machine has it, else cpu (with a note)."""
+    if ns.device != "cuda":
+        return "cpu"
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    ui.warn("--device cuda: CUDA is not available here, so the graph is lowered for cuda but model.py is checked on cpu only")
+    return "cpu"
+
+
+def _cmd_convert(ns, ui: _UI) -> int:
+    precision = _precision(ns.precision)
+    tolerance = _check_convert_options(ns)
     rules = _load_rules(ns.rules)
-    out = Path(ns.out) if ns.out else _default_out(ns.model, "_mp")
-    check_output_dir(out, force=ns.force)
-    mf = _load_model(ns.model, ns.entry)
+    out = _output_dir(ns, "_mp")
+    check_device = _check_device(ns, ui)
+    mf = _load_model(ns, ui)
 
     calibration = None
     options = None
@@ -391,15 +489,26 @@ def _cmd_convert(ns, ui: _UI) -> int:
 
         options = CalibrationOptions(progress=not (ui.quiet or ui.json), loss_fn=mf.loss_fn, tolerance=tolerance)
 
+    conv = _convert_checked(ns, ui, mf, precision, rules, calibration, options)
+    return _write_conversion(ns, ui, conv, out, check_device)
+
+
+def _convert_checked(ns, ui: _UI, mf, precision: str, rules, calibration, options):
+    """:func:`_convert`, with a calibration tolerance that is not met turned into exit 1."""
     from converter.numerics.calibrate import ToleranceNotMet
 
     try:
-        conv = _convert(ns, ui, mf, precision, rules, calibration=calibration, calibration_options=options)
+        return _convert(ns, ui, mf, precision, rules, calibration=calibration, calibration_options=options)
     except ToleranceNotMet as exc:
         raise _CheckFailed(
             f"{_one_line(exc)}; nothing written. Relax --tolerance, add rules that keep more ops in fp32, or use bf16",
             {"best_sqnr": exc.best_sqnr},
         ) from exc
+
+
+def _write_conversion(ns, ui: _UI, conv, out: Path, check_device: str) -> int:
+    """Emit the artifacts (and model.onnx), then print the result; returns the exit status."""
+    from converter.export.emit import emit
 
     notes: list[str] = []
     onnx_result: dict = {}
@@ -415,41 +524,23 @@ def _cmd_convert(ns, ui: _UI) -> int:
             onnx_result["error"] = f"ONNX export failed: {type(exc).__name__}: {_one_line(exc)}"
 
     with ui.status(f"Writing {out}" + (" and exporting model.onnx…" if ns.onnx else "…")):
-        emit(conv, out, force=ns.force, model_file=str(Path(ns.model)), device=ns.device, extra=export_into, messages=notes)
-
+        with _writing(out):
+            emit(conv, out, force=ns.force, model_file=_model_file_for_emit(ns), device=check_device, extra=export_into, messages=notes)
     for note in notes:
         if note.startswith("model.py reproduces") or note.startswith("model.py runs on"):
-            if ns.device != "cpu" and not (ui.quiet or ui.json):
+            if check_device != "cpu" and not (ui.quiet or ui.json):
                 ui.err(f"mpconvert: {note}")
             continue
         ui.warn(note)
     payload = {
-        "ok": True,
-        "command": "convert",
-        "exit_code": EXIT_OK,
-        "model": str(Path(ns.model)),
-        "out": str(out),
-        "precision": conv.precision,
-        "tracer": conv.tracer,
-        "line": conv.report.line,
-        "summary": conv.report.summary,
-        "files": sorted(p.name for p in out.iterdir()),
-        "checks": notes,
+        "ok": True, "command": "convert", "exit_code": EXIT_OK, "model": str(Path(ns.model)), "out": str(out),
+        "precision": conv.precision, "tracer": conv.tracer, "device": ns.device, "line": conv.report.line,
+        "summary": conv.report.summary, "files": sorted(p.name for p in out.iterdir()), "checks": notes,
         "timings": conv.timings,
     }
-    code = EXIT_OK
-    failure = None
-    if ns.onnx:
-        result = onnx_result.get("result")
-        if result is not None:
-            payload["onnx"] = result.to_dict() if hasattr(result, "to_dict") else {"ok": bool(result.ok), "summary": result.summary}
-            if not result.ok:
-                failure = f"ONNX verification failed: {_one_line(result.summary)}"
-        else:
-            payload["onnx"] = {"ok": False, "error": onnx_result.get("error", "ONNX export did not run")}
-            failure = onnx_result.get("error", "ONNX export did not run")
+    failure = _onnx_failure(ns, onnx_result, payload)
+    code = EXIT_CHECK_FAILED if failure else EXIT_OK
     if failure:
-        code = EXIT_CHECK_FAILED
         payload.update(ok=False, exit_code=code, error=failure)
     if ui.json:
         ui.emit_json(payload)
@@ -465,62 +556,94 @@ def _cmd_convert(ns, ui: _UI) -> int:
     return code
 
 
+def _onnx_failure(ns, onnx_result: dict, payload: dict) -> Optional[str]:
+    """Put the ONNX result into ``payload``; return the failure message, if the check failed."""
+    if not ns.onnx:
+        return None
+    result = onnx_result.get("result")
+    if result is None:
+        payload["onnx"] = {"ok": False, "error": onnx_result.get("error", "ONNX export did not run")}
+        return onnx_result.get("error", "ONNX export did not run")
+    payload["onnx"] = result.to_dict() if hasattr(result, "to_dict") else {"ok": bool(result.ok), "summary": result.summary}
+    return None if result.ok else f"ONNX verification failed: {_one_line(result.summary)}"
+
+
 def _tolerance(text: str) -> Any:
     """``--tolerance``: an SQNR in dB (``30``), or ``sqnr=30`` / ``rtol=1e-2,atol=1e-3``."""
     fix = "give an SQNR in dB such as 30, or rtol=1e-2,atol=1e-3"
-    try:
-        value = float(text)
-    except ValueError:
-        parts: dict[str, float] = {}
-        for item in str(text).split(","):
-            key, sep, number = item.partition("=")
-            key = key.strip().lower()
-            try:
-                parts[key] = float(number)
-            except ValueError:
-                raise UsageError(f"--tolerance {text!r} is not understood; {fix}") from None
-            if not sep or key not in ("sqnr", "rtol", "atol") or not math.isfinite(parts[key]):
-                raise UsageError(f"--tolerance {text!r} is not understood; {fix}")
-        if "sqnr" in parts and len(parts) > 1:
-            raise UsageError(f"--tolerance {text!r} mixes sqnr with rtol/atol; {fix}")
-        return parts
+    value = _float_or_none(text)
+    if value is None:
+        return _tolerance_parts(text, fix)
     if not math.isfinite(value):
         raise UsageError(f"--tolerance must be a finite SQNR in dB, got {text!r}; {fix}")
     return value
 
 
+def _float_or_none(text: str) -> Optional[float]:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def _tolerance_parts(text: str, fix: str) -> dict[str, float]:
+    """``sqnr=30`` or ``rtol=1e-2,atol=1e-3``: finite numbers for known keys."""
+    parts: dict[str, float] = {}
+    for item in str(text).split(","):
+        key, sep, number = item.partition("=")
+        key = key.strip().lower()
+        value = _float_or_none(number)
+        if value is None or not sep or key not in ("sqnr", "rtol", "atol") or not math.isfinite(value):
+            raise UsageError(f"--tolerance {text!r} is not understood; {fix}")
+        parts[key] = value
+    if "sqnr" in parts and len(parts) > 1:
+        raise UsageError(f"--tolerance {text!r} mixes sqnr with rtol/atol; {fix}")
+    return parts
+
+
 def _cmd_audit(ns, ui: _UI) -> int:
-    from converter.export.emit import check_output_dir, emit_reports
+    from converter.api import audit
+    from converter.export.emit import emit_reports
+    from converter.passes.capture import CaptureError
 
     precision = _precision(ns.precision)
     rules = _load_rules(ns.rules)
-    out = Path(ns.out) if ns.out else _default_out(ns.model, "_audit")
-    check_output_dir(out, force=ns.force)
-    mf = _load_model(ns.model, ns.entry)
-    from converter.api import audit
-    from converter.passes.capture import CaptureError
-
+    out = _output_dir(ns, "_audit")
+    mf = _load_model(ns, ui)
     with ui.status(f"Auditing {mf.name} ({precision})…"):
         try:
             report = audit(mf.model, mf.example_inputs, precision=precision, rules=rules, tracer=ns.tracer,
-                           device=getattr(ns, "tune_for", None), dynamic=not getattr(ns, "static", False),
-                           dynamic_shapes=_dynamic_shapes(mf))
+                           device=ns.device, dynamic=not getattr(ns, "static", False), dynamic_shapes=_dynamic_shapes(mf))
         except CaptureError as exc:
             raise UsageError(_capture_message(exc, type(mf.model).__name__, mf.name, ns.tracer)) from exc
     notes: list[str] = []
-    emit_reports(report, out, force=ns.force, messages=notes)
+    with _writing(out):
+        emit_reports(report, out, force=ns.force, messages=notes)
     for note in notes:
         ui.warn(note)
+    line = _audit_line(report.summary, report.precision)
     if ui.json:
         ui.emit_json({"ok": True, "command": "audit", "exit_code": EXIT_OK, "model": str(Path(ns.model)), "out": str(out),
-                      "precision": report.precision, "tracer": report.tracer, "line": report.line, "summary": report.summary,
+                      "precision": report.precision, "tracer": report.tracer, "line": line, "summary": report.summary,
                       "files": sorted(p.name for p in out.iterdir())})
         return EXIT_OK
     if not ui.quiet:
         _print_table(report, ui)
-        ui.out(report.line)
+        ui.out(line)
     ui.out(str(out))
     return EXIT_OK
+
+
+def _audit_line(summary: dict, precision: str) -> str:
+    """The audit's one-line result: what would run in half, and what it would cost in casts."""
+    by = summary.get("by_precision", {})
+    half = by.get("fp16", 0) + by.get("bf16", 0)
+    return (
+        f"Audit ({precision}): {half}/{summary['compute_nodes']} compute nodes "
+        f"({100 * summary['half_flop_fraction']:.1f}% of FLOPs) would run in half, {by.get('fp32', 0)} stay fp32; "
+        f"{summary['casts']} casts, {summary['cast_bytes'] / 2**20:.2f} MiB per forward; "
+        f"{len(summary.get('unmatched_ops', []))} unmatched op types; nothing was converted"
+    )
 
 
 def _print_table(report, ui: _UI) -> None:
@@ -530,38 +653,74 @@ def _print_table(report, ui: _UI) -> None:
 
 
 def _cmd_explain(ns, ui: _UI) -> int:
-    precision = _precision(ns.precision)
-    rules = _load_rules(ns.rules)
-    mf = _load_model(ns.model, ns.entry)
-    conv = _convert(ns, ui, mf, precision, rules, measure=False)
-    nodes = {n.name: n for n in conv.module.graph.nodes}
-    node = nodes.get(ns.node)
-    if node is None or META_DECISION not in node.meta:
-        decided = [n for n, v in nodes.items() if META_DECISION in v.meta]
-        close = difflib.get_close_matches(ns.node, decided, n=3, cutoff=0.5)
-        hint = f"did you mean {', '.join(repr(c) for c in close)}? " if close else ""
-        what = "has no decision (it is an input, a weight, an inserted cast or a non-float node)" if node is not None else "is not a node of the converted graph"
-        raise UsageError(f"{ns.node!r} {what}; {hint}list the node names with `mpconvert audit {ns.model}` (report.md)")
-    text = _explain_text(conv, ns.node)
+    """Answer from a saved report.json when one fits (instant, no torch); else audit the model in memory."""
+    from converter.cli.explain import ReportNotUsable, fresh_report, read_report, report_dir_of
+
+    target = Path(ns.model)
+    directory = report_dir_of(target)
+    if directory is None and target.is_dir() and not (target / "config.json").is_file():
+        raise UsageError(f"{target} has no report.json; pass an output directory of mpconvert or mpconvert audit, "
+                         "a model file, or a save_pretrained folder")
+    path = directory / "report.json" if directory is not None else fresh_report(ns, cwd=Path.cwd())
+    try:
+        report = read_report(path) if path is not None else None
+    except ReportNotUsable as exc:
+        raise UsageError(str(exc)) from None
+    if report is None:
+        report = _audit_for_explain(ns, ui)
+        source = "a fresh audit (no saved report fits; `mpconvert audit` saves one for instant answers)"
+    else:
+        source = str(path)
+    nodes, casts = report["nodes"], report.get("casts", [])
+    _check_node(ns, nodes, casts, source)
+    from converter.report.explain import explain_rows
+
+    text = explain_rows(nodes, casts, ns.node)
     if ui.json:
-        decision = node.meta[META_DECISION]
-        ui.emit_json({
-            "ok": True, "command": "explain", "exit_code": EXIT_OK, "node": ns.node,
-            "precision": decision.precision, "requested": decision.requested, "rule": str(decision.rule), "reason": decision.reason,
-            "notes": [[stage, note] for stage, note in decision.notes],
-            "matches": [{"rule": str(m.rule), "precision": m.precision, "level": m.level, "level_name": m.level_name,
-                         "scope": m.scope, "reason": m.reason} for m in decision.matches],
-            "text": text,
-        })
+        row = next((r for r in nodes if r["name"] == ns.node), {})
+        ui.emit_json({"ok": True, "command": "explain", "exit_code": EXIT_OK, "node": ns.node, "source": source,
+                      **{key: row.get(key) for key in ("precision", "requested", "rule", "reason", "notes", "matches")}, "text": text})
         return EXIT_OK
-    print(text)
+    ui.out(text)
+    if not ui.quiet:
+        ui.err(f"mpconvert: explained from {source}")
     return EXIT_OK
 
 
-def _explain_text(conv, node_name: str) -> str:
-    from converter.report.render import explain
+def _check_node(ns, nodes: list, casts: list, source: str) -> None:
+    """An unknown node name is bad input: name the closest ones."""
+    from converter.report.explain import closest_names
 
-    return explain(conv, node_name)
+    if any(r["name"] == ns.node for r in nodes) or any(c["name"] == ns.node for c in casts):
+        return
+    close = closest_names(ns.node, nodes, casts, n=3)
+    hint = f"did you mean {', '.join(repr(c) for c in close)}? " if close else ""
+    raise UsageError(f"{ns.node!r} is not a compute node or cast of {ns.model} (read from {source}; {len(nodes)} compute nodes); "
+                     f"{hint}{_where_names(ns.model)}")
+
+
+def _where_names(target: str) -> str:
+    path = Path(target)
+    if path.is_dir() and (path / "report.json").is_file():
+        return f"{path / 'report.md'} lists the node names"
+    return f"`mpconvert audit {target}` lists the node names (report.md)"
+
+
+def _audit_for_explain(ns, ui: _UI) -> dict:
+    """Audit the model in memory (nothing written) and return the report's dict."""
+    from converter.api import audit
+    from converter.passes.capture import CaptureError
+
+    precision = _precision(ns.precision)
+    rules = _load_rules(ns.rules)
+    mf = _load_model(ns, ui)
+    with ui.status(f"Auditing {mf.name} ({precision})…"):
+        try:
+            report = audit(mf.model, mf.example_inputs, precision=precision, rules=rules, tracer=ns.tracer,
+                           device=ns.device, dynamic=not ns.static, dynamic_shapes=_dynamic_shapes(mf))
+        except CaptureError as exc:
+            raise UsageError(_capture_message(exc, type(mf.model).__name__, mf.name, ns.tracer)) from exc
+    return {"nodes": report.nodes, "casts": report.casts}
 
 
 def _cmd_rules_check(ns, ui: _UI) -> int:
@@ -617,6 +776,77 @@ def _split_command(argv: list[str]) -> tuple[str, list[str]]:
             raise UsageError("unknown rules command; use `mpconvert rules check FILE...`")
         return "rules check", argv[2:]
     return "convert", argv
+
+
+_POSITIONALS = {"convert": 1, "audit": 1, "explain": 2, "rules check": None}
+
+
+def _value_options(parser: argparse.ArgumentParser) -> set[str]:
+    """The option strings of ``parser`` that take a value (``--out DIR``), as opposed to flags."""
+    return {opt for action in parser._actions if action.nargs != 0 for opt in action.option_strings}
+
+
+def _legacy_rules(argv: list[str], parser: argparse.ArgumentParser, command: str) -> tuple[list[str], list[str]]:
+    """Rewrite the old ``--rules A B`` spelling (several files after one flag) to ``--rules A --rules B``.
+
+    Only positional words beyond what the command takes, right after a ``--rules`` value, are read
+    as more rule files, so ``mpconvert --rules llm MODEL.py`` keeps MODEL.py as the model. Returns
+    the rewritten argv and the deprecation messages.
+    """
+    wanted = _POSITIONALS.get(command)
+    if wanted is None or "--rules" not in argv:
+        return argv, []
+    takes_value = _value_options(parser)
+    positions: list[int] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":
+            positions.extend(range(i + 1, len(argv)))
+            break
+        if token.startswith("-") and token != "-":
+            i += 2 if token in takes_value else 1
+            continue
+        positions.append(i)
+        i += 1
+    surplus = len(positions) - wanted
+    extra: set[int] = set()
+    for i, token in enumerate(argv[:-1]):
+        if token != "--rules" or surplus <= 0:
+            continue
+        j = i + 2
+        while surplus > 0 and j in positions:
+            extra.add(j)
+            surplus -= 1
+            j += 1
+    if not extra:
+        return argv, []
+    out: list[str] = []
+    for i, token in enumerate(argv):
+        out.extend(["--rules", token] if i in extra else [token])
+    moved = " ".join(argv[i] for i in sorted(extra))
+    return out, [f"`--rules F1 F2 ...` is deprecated (read {moved} as rule files); repeat the flag instead: --rules F1 --rules F2"]
+
+
+def _check_no_nul(ns) -> None:
+    """No file system or Python name accepts a NUL byte: refuse it in any argument, naming the option."""
+    for key, value in vars(ns).items():
+        values = value if isinstance(value, list) else [value]
+        if any(isinstance(v, str) and "\x00" in v for v in values):
+            what = {"model": "the model path", "node": "the node name", "files": "a rules file name"}.get(key, f"--{key.replace('_', '-')}")
+            raise UsageError(f"{what} contains a NUL byte; remove it")
+
+
+def _deprecations(ns) -> list[str]:
+    """Map deprecated options onto their replacements; returns the messages."""
+    notes = []
+    tune_for = getattr(ns, "tune_for", None)
+    if tune_for is not None:
+        if ns.device is not None and ns.device != tune_for:
+            raise UsageError(f"--tune-for {tune_for} contradicts --device {ns.device}; drop --tune-for (it is now --device)")
+        ns.device = tune_for
+        notes.append(f"--tune-for is deprecated; use --device {tune_for} (the device the model will train on)")
+    return notes
 
 
 def _error_line(message: str) -> str:
@@ -685,6 +915,34 @@ def _captured_stderr(enabled: bool):
         captured.append(text)
 
 
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """While a command runs, stdout (the Python object and file descriptor 1) goes to stderr.
+
+    stdout carries only mpconvert's results (the summary, the path, the ``--json`` object), which
+    are queued on the UI and printed afterwards; whatever the user's model file, torch or the
+    tracers print can never corrupt them.
+    """
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    saved_fd = None
+    try:
+        saved_fd = os.dup(1)
+        os.dup2(2, 1)
+    except OSError:  # no usable fd 1: Python-level redirection only
+        saved_fd = None
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        if saved_fd is not None:
+            with contextlib.suppress(OSError):
+                os.dup2(saved_fd, 1)
+                os.close(saved_fd)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run ``mpconvert`` with ``argv`` (default ``sys.argv[1:]``); return the exit status."""
     as_script = argv is None
@@ -703,14 +961,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         try:
             command, rest = _split_command(args)
             parser = build_parsers(command)[command]
+            rest, notes = _legacy_rules(rest, parser, command)
             try:
                 ns = parser.parse_args(rest)
             except SystemExit as exc:  # --help / --version
                 return int(exc.code or 0)
             ui.quiet, ui.json, ui.debug = ns.quiet, ns.json, ns.debug
-            if not (ui.quiet or ui.json):
-                ui.console  # bind rich to the real stderr before it is captured
-            with _captured_stderr(not ns.debug) as captured:
+            _check_no_nul(ns)
+            for note in notes + _deprecations(ns):
+                ui.warn(note)
+            if not (ui.quiet or ui.json) and command in ("convert", "audit"):
+                _ = ui.console  # bind rich to the real stderr before it is captured (explain never needs rich)
+            with _captured_stderr(not ns.debug) as captured, _stdout_to_stderr():
                 try:
                     code = _COMMANDS[command](ns, ui)
                 except KeyboardInterrupt as exc:
@@ -732,6 +994,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         finally:
             ui.close()
     ui.flush_err()
+    ui.flush_out()
     for code_, message, exc, payload in failure:
         if debug and exc is not None:
             traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)

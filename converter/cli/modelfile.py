@@ -1,4 +1,4 @@
-"""Import a model file (DESIGN §3) and find the model and its inputs, with precise errors.
+"""Import a model file (docs/model-file.md) and find the model and its inputs, with precise errors.
 
 A model file is a Python file that defines:
 

@@ -1,4 +1,4 @@
-"""Write the output directory (DESIGN §7) atomically, and never clobber what is not ours.
+"""Write the output directory (docs/cli.md) atomically, and never clobber what is not ours.
 
 ::
 

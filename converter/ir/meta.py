@@ -22,6 +22,8 @@ from typing import Literal, Optional, get_args
 
 import torch
 
+from converter.ir.notes import NOTE_LABELS, NoteStage, note_text
+
 __all__ = [
     "Precision",
     "HalfPrecision",
@@ -80,10 +82,7 @@ NodeKind = Literal["compute", "fixed", "alias", "passive", "cast"]
 NODE_KINDS: tuple[str, ...] = get_args(NodeKind)
 #: ``RuleRef.table``: a rule table, or where a non-rule decision came from
 RuleTable = Literal["node", "module", "module_type", "op", "default", "builtin", "placement", "calibration"]
-#: the stage that added a note to a decision (``Decision.notes``)
-NoteStage = Literal["lower", "place"]
-#: how a note is labelled when shown (``explain``, the report's reason column)
-NOTE_LABELS: dict[str, str] = {"lower": "lowered", "place": "placement"}
+# NoteStage, NOTE_LABELS and note_text live in the torch-free converter.ir.notes (imported above)
 
 # ---------------------------------------------------------------------------------------------
 # the meta contract: every key, its type, who writes it and who reads it
@@ -127,7 +126,7 @@ CONTRACT: tuple[MetaKey, ...] = (
             ("decide", "place", "calibrate", "search", "measure", "report", "export", "train", "api", "simplify"),
             "what capture learned: op, module, kind, outputs (lower and rewrite describe the nodes they make)"),
     MetaKey(META_DECISION, "node", "Decision", ("decide", "lower", "place", "calibrate"),
-            ("rewrite", "search", "measure", "report", "export", "api", "cli"),
+            ("rewrite", "search", "measure", "report", "export", "api"),
             "the node's precision and its provenance; later stages amend it with Decision.noted"),
     MetaKey(META_CAST, "node", "CastRecord", ("rewrite",), ("measure", "report", "export", "train", "api", "simplify"),
             "on every cast node: what it converts and which rule made it necessary"),
@@ -292,11 +291,6 @@ class Decision:
     def full_reason(self) -> str:
         """``reason`` followed by every labelled note, ``; ``-separated: the one-line form for tables."""
         return "; ".join((self.reason, *(note_text(stage, text) for stage, text in self.notes)))
-
-
-def note_text(stage: str, text: str) -> str:
-    """One note as shown: ``placement: min-cut chose bf16``."""
-    return f"{NOTE_LABELS.get(stage, stage)}: {text}"
 
 
 @dataclass(frozen=True)

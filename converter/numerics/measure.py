@@ -1,7 +1,7 @@
 """Measurements for the audit report: casts, saved activations and numerics on the example inputs.
 
 The report's static numbers come from ``node.meta``; this module checks them by running the model
-(DESIGN §8, "how to measure"):
+(benchmarks/README.md, "how to measure"):
 
 * **casts** — :class:`CastCounter`, a ``TorchDispatchMode`` that counts the ``aten._to_copy`` calls
   that change one floating dtype into another, with their bytes (numel · (src + dst itemsize)).

@@ -1,17 +1,19 @@
-"""``explain``: the decision chain of one node, read from the report's structured rows (never parsed from text)."""
+"""``explain``: the decision chain of one node, read from the report's structured rows (never parsed from text).
+
+:func:`explain_rows` works on the ``nodes`` and ``casts`` rows alone, so ``mpconvert explain OUT_DIR
+NODE`` answers from a saved report.json. This module imports torch and the report builder only
+when :func:`explain` is given a conversion or a GraphModule: reading a saved report stays
+torch-free (well under a second).
+"""
 from __future__ import annotations
 
 import difflib
-from typing import Any
+from typing import Any, Sequence
 
-import torch.fx
-
-from converter.ir.meta import GM_GRAPH, note_text
-from converter.report.build import Report, build_report
-from converter.report.common import fmt_db
+from converter.ir.notes import note_text
 from converter.rules.precedence import OVERRIDE_LEVEL, SCOPED_LEVELS, describe, rank
 
-__all__ = ["explain"]
+__all__ = ["explain", "explain_rows", "closest_names"]
 
 
 def explain(conv_or_gm: Any, node_name: str) -> str:
@@ -21,12 +23,17 @@ def explain(conv_or_gm: Any, node_name: str) -> str:
     Raises ``ValueError`` naming the closest node names when ``node_name`` is unknown.
     """
     report = _as_report(conv_or_gm)
-    rows = {r["name"]: r for r in report.nodes}
-    casts = {c["name"]: c for c in report.casts}
-    if node_name in casts and node_name not in rows:
-        return _explain_cast(node_name, casts[node_name])
+    return explain_rows(report.nodes, report.casts, node_name)
+
+
+def explain_rows(nodes: Sequence[dict], casts: Sequence[dict], node_name: str) -> str:
+    """:func:`explain` on report.json's ``nodes`` and ``casts`` rows (no torch needed)."""
+    rows = {r["name"]: r for r in nodes}
+    by_name = {c["name"]: c for c in casts}
+    if node_name in by_name and node_name not in rows:
+        return _explain_cast(node_name, by_name[node_name])
     if node_name not in rows:
-        close = difflib.get_close_matches(node_name, list(rows) + list(casts), n=5, cutoff=0.5)
+        close = difflib.get_close_matches(node_name, list(rows) + list(by_name), n=5, cutoff=0.5)
         hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
         raise ValueError(f"no compute node named {node_name!r} in the graph ({len(rows)} compute nodes){hint}")
     r = rows[node_name]
@@ -40,11 +47,21 @@ def explain(conv_or_gm: Any, node_name: str) -> str:
     lines.append("  (within a level the innermost module wins, then the rule read last: a later file overrides an earlier one)")
     lines.append("")
     lines += _match_lines(r)
-    lines += _outcome_lines(r, report)
+    lines += _outcome_lines(r, casts)
     return "\n".join(lines)
 
 
-def _as_report(target: Any) -> Report:
+def closest_names(name: str, nodes: Sequence[dict], casts: Sequence[dict] = (), *, n: int = 5) -> list[str]:
+    """The node (and cast) names closest to ``name``, best first (difflib ratio >= 0.5)."""
+    return difflib.get_close_matches(name, [r["name"] for r in nodes] + [c["name"] for c in casts], n=n, cutoff=0.5)
+
+
+def _as_report(target: Any):
+    import torch.fx
+
+    from converter.ir.meta import GM_GRAPH
+    from converter.report.build import Report, build_report
+
     if isinstance(target, Report):
         return target
     module = getattr(target, "module", None)
@@ -88,21 +105,21 @@ def _match_lines(r: dict) -> list[str]:
     return lines
 
 
-def _outcome_lines(r: dict, report: Report) -> list[str]:
+def _outcome_lines(r: dict, casts: Sequence[dict]) -> list[str]:
     """The reason, the later stages' notes, the casts around the node and what was measured on it."""
     notes = r.get("notes", [])
     lines = ["", f"  why: {r['reason']}"]
     lines += [f"  {note_text(stage, text)}" for stage, text in notes]
     if r["requested"] in ("follow", "promote") and not any(stage == "place" for stage, _ in notes):
         lines.append(f"  placement: {r['requested']} resolved to {r['precision']}")
-    into = [c for c in report.casts if r["name"] in c["consumers"]]
-    out_of = [c for c in report.casts if c["src"] == r["name"]]
+    into = [c for c in casts if r["name"] in c["consumers"]]
+    out_of = [c for c in casts if c["src"] == r["name"]]
     if into:
         lines.append("  casts into this node: " + ", ".join(f"{c['name']} ({c['src_dtype']}->{c['dtype']}, {c['bytes']:,} B)" for c in into))
     if out_of:
         lines.append("  casts of its output: " + ", ".join(f"{c['name']} ({c['src_dtype']}->{c['dtype']}, {c['bytes']:,} B)" for c in out_of))
     if "sqnr_db" in r:
-        lines.append(f"  measured: cumulative SQNR {fmt_db(r['sqnr_db'])}, local SQNR {fmt_db(r.get('local_sqnr_db'))}")
+        lines.append(f"  measured: cumulative SQNR {_fmt_db(r['sqnr_db'])}, local SQNR {_fmt_db(r.get('local_sqnr_db'))}")
     return lines
 
 
@@ -119,3 +136,14 @@ def _why(win: dict, other: dict) -> str:
     if win["file"] != other["file"]:
         return f"same level; {win['file']} is layered after {other['file']}"
     return "same level and scope; the entry read last wins"
+
+
+def _fmt_db(x: Any) -> str:
+    """An SQNR as report.json stores it: a number, or "inf"/"-inf"/"nan" (the convention of
+    converter.numerics.common.json_float, read here without importing torch); None and +inf read
+    "exact", like converter.report.common.fmt_db."""
+    if x is None or x == "inf" or (isinstance(x, float) and x == float("inf")):
+        return "exact"
+    if isinstance(x, str):
+        return f"{x} dB"
+    return f"{x:.1f} dB"

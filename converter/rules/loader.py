@@ -55,16 +55,18 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import fnmatch
+import math
 import re
-import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
+import tomllib
+
+from converter.ir.errors import MpconvertError
 from converter.ir.meta import BUILTIN, Match, RuleRef
 from converter.ir.ops import known_op_names
-from converter.ir.errors import MpconvertError
 from converter.rules.precedence import MATCH_TABLES
 from converter.rules.precedence import rank as level_rank
 
@@ -93,8 +95,10 @@ _NORM = re.compile("norm", re.IGNORECASE)
 _NORM_WORD = re.compile(r"\bnorm(s|ali[sz]ation)?\b", re.IGNORECASE)  # "norm", "normalisation" in a reason
 _SETTINGS = {
     "overflow_fallback": ("bf16", "fp32"),
-    "overflow_margin": None,  # a float > 0
+    "overflow_margin": None,  # a finite number in (0, _MAX_MARGIN]
 }
+#: the largest overflow margin: beyond fp16's largest finite value every nonzero value "overflows"
+_MAX_MARGIN = 65504.0
 _GLOB_CHARS = re.compile(r"[*?\[]")
 
 
@@ -237,8 +241,8 @@ class Rules:
                     allowed = _SETTINGS[key]
                     if allowed is not None and value not in allowed:
                         raise RulesError(f"{where('settings', key)}: must be one of {', '.join(allowed)}, got {value!r}")
-                    if allowed is None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
-                        raise RulesError(f"{where('settings', key)}: must be a positive number, got {value!r}")
+                    if allowed is None:
+                        _check_number(value, where("settings", key))
                     settings[key] = value
                 continue
             if top == "default":
@@ -253,6 +257,7 @@ class Rules:
             for pattern, value in body.items():
                 if not isinstance(pattern, str) or not pattern:
                     raise RulesError(f"{file}: [{top}] has an empty pattern")
+                _check_pattern(pattern, where(top, pattern))
                 ops = None
                 why = value.get("reason", "") if isinstance(value, Mapping) else ""
                 scope = default_scope(pattern, why if isinstance(why, str) else "")
@@ -270,6 +275,7 @@ class Rules:
                 precision, reason, message = _entry(value, file, top, pattern, where)
                 for op_pattern, op_value in (ops or {}).items():
                     key = f"{pattern}.ops.{op_pattern}"
+                    _check_pattern(op_pattern, where(top, key))
                     op_precision, op_reason, op_message = _entry(op_value, file, top, key, where)
                     _check_op_name(op_pattern, known_ops, where(top, key))
                     if op_precision == "banned" and not op_message:
@@ -287,16 +293,21 @@ class Rules:
     @classmethod
     def from_file(cls, path: Union[str, Path], *, start: int = 0) -> "Rules":
         path = Path(path)
+        if "\x00" in str(path):
+            raise RulesError(f"{str(path)!r}: the rules file name contains a NUL byte; pass a real file name")
         if not path.is_file():
             raise RulesError(f"{path}: rules file not found; pass an existing .toml file (built-in files are in {rules_dir()})")
         try:
-            text = path.read_text(encoding="utf-8")
+            text = path.read_text(encoding="utf-8-sig")  # a UTF-8 byte-order mark is accepted and dropped
         except UnicodeDecodeError as exc:
             raise RulesError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); save the rules file as UTF-8") from None
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise RulesError(f"{path}: TOML syntax error: {exc}; fix the syntax (see https://toml.io)") from None
+        except RecursionError:
+            raise RulesError(f"{path}: the TOML nests too deeply for the parser; a rule file needs at most 3 levels "
+                             "([table], key, { precision = ... })") from None
         label = path.name if path.resolve().parent == rules_dir().resolve() else str(path)
         return cls.from_dict(data, file=label, text=text, start=start)
 
@@ -364,6 +375,36 @@ def default_scope(pattern: str, reason: str = "") -> str:
     return "self" if _NORM.search(pattern) or _NORM_WORD.search(reason) else "subtree"
 
 
+def _check_number(value: object, where: str) -> None:
+    """A numeric setting: a finite number in (0, _MAX_MARGIN] (NaN, inf and booleans are refused)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RulesError(f"{where}: must be a number, got {value!r}")
+    if not math.isfinite(value) or not 0 < value <= _MAX_MARGIN:
+        raise RulesError(f"{where}: must be a finite number above 0 and at most {_MAX_MARGIN:g}, got {value!r}; e.g. 2.0")
+
+
+def _check_pattern(pattern: str, where: str) -> None:
+    """Patterns are names or fnmatch globs: no NUL bytes, no unclosed ``[`` (fnmatch would read it
+    as a literal bracket, so the rule would silently match nothing)."""
+    if "\x00" in pattern:
+        raise RulesError(f"{where.replace(chr(0), '?')}: the pattern {pattern!r} contains a NUL byte; remove it")
+    i = 0
+    while i < len(pattern):
+        if pattern[i] != "[":
+            i += 1
+            continue
+        j = i + 1
+        if pattern[j:j + 1] == "!":
+            j += 1
+        if pattern[j:j + 1] == "]":
+            j += 1
+        close = pattern.find("]", j)
+        if close < 0:
+            raise RulesError(f"{where}: unclosed '[' at position {i} of the glob {pattern!r}; close it with ']' "
+                             "or write '[[]' for a literal '['")
+        i = close + 1
+
+
 def _check_op_name(pattern: str, known_ops: frozenset, where: str) -> None:
     if not _GLOB_CHARS.search(pattern):
         if pattern not in known_ops:
@@ -414,6 +455,8 @@ def default_rules_path() -> Path:
 
 
 def _builtin_or_path(item: Union[str, Path]) -> Path:
+    if "\x00" in str(item):
+        raise RulesError(f"{str(item)!r}: the rules file name contains a NUL byte; pass a real file name")
     path = Path(item)
     if not path.exists() and path.suffix == "" and (rules_dir() / f"{item}.toml").is_file():
         return rules_dir() / f"{item}.toml"  # "llm" -> the built-in rules/llm.toml

@@ -1,4 +1,4 @@
-"""Optimal cast placement for ``follow`` and ``promote`` nodes (DESIGN.md §2 "place").
+"""Optimal cast placement for ``follow`` and ``promote`` nodes (docs/architecture.md, "Placement").
 
 The problem is pure (no torch): nodes carry a label in ``{"half", "fp32"}``.
 
@@ -140,7 +140,7 @@ import itertools
 import math
 import operator
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import NamedTuple
@@ -437,6 +437,37 @@ def _forced_fp32(problem: PlacementProblem) -> set[str]:
     return forced
 
 
+class _DisjointSets:
+    """Union-find over ``0..n-1`` (path halving; the first root wins a union)."""
+
+    __slots__ = ("parent",)
+
+    def __init__(self, n: int) -> None:
+        self.parent = list(range(n))
+
+    def find(self, x: int) -> int:
+        parent = self.parent
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    def union(self, a: int, b: int) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.parent[rb] = ra
+
+
+class _Linked(NamedTuple):
+    """Global-index terms and promote constraints, the folded constant, and the
+    union-find whose classes are the regions."""
+
+    terms: list[tuple[int, int, tuple[int, ...], bool, bool]]
+    constraints: list[tuple[int, int]]
+    constant: int
+    sets: _DisjointSets
+
+
 def _compile(problem: PlacementProblem, *, invariant: bool) -> _Compiled:
     """Fix forced promote nodes (and, with ``invariant``, the nodes the
     no-extra-rounding invariant pins), fold constants, link the remaining
@@ -448,94 +479,108 @@ def _compile(problem: PlacementProblem, *, invariant: bool) -> _Compiled:
         forced_names |= pinned
     free = tuple(n for n in problem.free if n not in forced_names)
     nodes = free + tuple(q for q in problem.promote if q not in forced_names)
-    n_free = len(free)
     # One lookup per endpoint: index >= 0 for nodes to solve, else a fixed label.
     code = {n: _PROD_HALF if label == HALF else _PROD_FP32 for n, label in problem.fixed.items()}
     code.update(dict.fromkeys(forced_names, _PROD_FP32))
     code.update((node, i) for i, node in enumerate(nodes))
-    parent = list(range(len(nodes)))
+    linked = _link_tensors(problem.tensors, code, n_nodes=len(nodes), n_free=len(free))
+    regions = _split_regions(len(nodes), linked)
+    ordered = tuple(n for n in itertools.chain(problem.free, problem.promote) if n in forced_names)
+    return _Compiled(nodes, ordered, linked.constant, regions, pinned)
 
-    def find(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
 
-    def union(a: int, b: int) -> None:
-        ra, rb = find(a), find(b)
-        if ra != rb:
-            parent[rb] = ra
-
-    terms: list[tuple[int, int, tuple[int, ...], bool, bool]] = []
-    constraints: list[tuple[int, int]] = []
+def _link_tensors(
+    tensors: Sequence[Tensor], code: Mapping[str, int], *, n_nodes: int, n_free: int
+) -> _Linked:
+    """Compile every tensor into a term over global indices (``code``: index
+    ``>= 0`` for nodes to solve, ``< n_free`` for free ones, else a fixed-label
+    marker), fold the terms that fixed nodes alone decide into a constant, and
+    union the nodes each term or promote constraint links."""
+    linked = _Linked([], [], 0, _DisjointSets(n_nodes))
+    single = _link_single
     constant = 0
-    for tensor in problem.tensors:
+    for tensor in tensors:
         producer = tensor.producer
-        pc = code[producer]
-        cost = tensor.cost
         consumers = tensor.consumers
         if len(consumers) == 1:  # fast path for the common case
             consumer = consumers[0]
-            if consumer == producer:
-                continue
-            cc = code[consumer]
-            if cc >= 0:
-                if pc >= 0:
-                    if cc >= n_free:  # promote consumer: widest-input constraint
-                        constraints.append((pc, cc))
-                    if cost:
-                        terms.append((pc, cost, (cc,), False, False))
-                    if cost or cc >= n_free:
-                        union(pc, cc)
-                elif cost:
-                    terms.append((pc, cost, (cc,), False, False))
-            elif cost:
-                if pc >= 0:
-                    terms.append((pc, cost, (), cc == _PROD_HALF, cc == _PROD_FP32))
-                elif pc != cc:
-                    constant += cost
+            if consumer != producer:
+                constant += single(code[producer], code[consumer], tensor.cost, n_free, linked)
             continue
-        cons: set[int] = set()
-        fixed_half = fixed_fp32 = False
-        for consumer in consumers:
-            if consumer == producer:
-                continue
-            cc = code[consumer]
-            if cc >= 0:
-                cons.add(cc)
-                if cc >= n_free and pc >= 0:  # promote consumer: widest-input constraint
-                    constraints.append((pc, cc))  # (fixed fp32 producers were folded)
-                    union(pc, cc)
-            elif cc == _PROD_HALF:
-                fixed_half = True
-            else:
-                fixed_fp32 = True
-        if cost == 0:
-            continue
-        if pc < 0:
-            if fixed_fp32 if pc == _PROD_HALF else fixed_half:
-                constant += cost  # a fixed consumer already needs the cast
-                continue
-            if not cons:
-                continue
-            fixed_half = fixed_fp32 = False  # same label as the producer: irrelevant
-        else:
-            if fixed_half and fixed_fp32:
-                constant += cost  # someone always differs from the producer
-                continue
-            if not cons and not fixed_half and not fixed_fp32:
-                continue
-        ordered = tuple(sorted(cons))
-        anchor = ordered[0] if pc < 0 else pc
-        for cc in ordered:
-            union(anchor, cc)
-        terms.append((pc, cost, ordered, fixed_half, fixed_fp32))
+        constant += _link_shared(tensor, code, n_free, linked)
+    return linked._replace(constant=constant)
 
-    # Regions in order of their first node; local indices in global order.
+
+def _link_single(pc: int, cc: int, cost: int, n_free: int, linked: _Linked) -> int:
+    """One tensor with a single consumer (codes ``pc`` -> ``cc``, distinct
+    nodes); returns the cost folded into the constant."""
+    if cc >= 0:
+        if pc >= 0:
+            if cc >= n_free:  # promote consumer: widest-input constraint
+                linked.constraints.append((pc, cc))
+            if cost:
+                linked.terms.append((pc, cost, (cc,), False, False))
+            if cost or cc >= n_free:
+                linked.sets.union(pc, cc)
+        elif cost:
+            linked.terms.append((pc, cost, (cc,), False, False))
+    elif cost:
+        if pc >= 0:
+            linked.terms.append((pc, cost, (), cc == _PROD_HALF, cc == _PROD_FP32))
+        elif pc != cc:
+            return cost
+    return 0
+
+
+def _link_shared(tensor: Tensor, code: Mapping[str, int], n_free: int, linked: _Linked) -> int:
+    """One tensor read by several consumers, who share one cast per target
+    dtype; returns the cost folded into the constant."""
+    producer = tensor.producer
+    pc = code[producer]
+    cost = tensor.cost
+    cons: set[int] = set()
+    fixed_half = fixed_fp32 = False
+    for consumer in tensor.consumers:
+        if consumer == producer:
+            continue
+        cc = code[consumer]
+        if cc >= 0:
+            cons.add(cc)
+            if cc >= n_free and pc >= 0:  # promote consumer: widest-input constraint
+                linked.constraints.append((pc, cc))  # (fixed fp32 producers were folded)
+                linked.sets.union(pc, cc)
+        elif cc == _PROD_HALF:
+            fixed_half = True
+        else:
+            fixed_fp32 = True
+    if cost == 0:
+        return 0
+    if pc < 0:
+        if fixed_fp32 if pc == _PROD_HALF else fixed_half:
+            return cost  # a fixed consumer already needs the cast
+        if not cons:
+            return 0
+        fixed_half = fixed_fp32 = False  # same label as the producer: irrelevant
+    else:
+        if fixed_half and fixed_fp32:
+            return cost  # someone always differs from the producer
+        if not cons and not fixed_half and not fixed_fp32:
+            return 0
+    ordered = tuple(sorted(cons))
+    anchor = ordered[0] if pc < 0 else pc
+    for cc in ordered:
+        linked.sets.union(anchor, cc)
+    linked.terms.append((pc, cost, ordered, fixed_half, fixed_fp32))
+    return 0
+
+
+def _split_regions(n_nodes: int, linked: _Linked) -> tuple[_Region, ...]:
+    """Regions in order of their first node; local indices in global order."""
+    find = linked.sets.find
     region_of: dict[int, int] = {}
     members: list[list[int]] = []
-    local = [0] * len(nodes)
-    for i in range(len(nodes)):
+    local = [0] * n_nodes
+    for i in range(n_nodes):
         root = find(i)
         rid = region_of.get(root)
         if rid is None:
@@ -544,7 +589,7 @@ def _compile(problem: PlacementProblem, *, invariant: bool) -> _Compiled:
         local[i] = len(members[rid])
         members[rid].append(i)
     r_terms: list[list] = [[] for _ in members]
-    for pc, cost, cons, fixed_half, fixed_fp32 in terms:
+    for pc, cost, cons, fixed_half, fixed_fp32 in linked.terms:
         if pc >= 0:
             rid = region_of[find(pc)]
             pc = local[pc]
@@ -553,13 +598,11 @@ def _compile(problem: PlacementProblem, *, invariant: bool) -> _Compiled:
         lcons = (local[cons[0]],) if len(cons) == 1 else tuple(local[j] for j in cons)
         r_terms[rid].append((pc, cost, lcons, fixed_half, fixed_fp32))
     r_cons: list[list] = [[] for _ in members]
-    for pc, q in constraints:
+    for pc, q in linked.constraints:
         r_cons[region_of[find(q)]].append((local[pc], local[q]))
-    regions = tuple(
+    return tuple(
         _Region(tuple(mem), tuple(rt), tuple(rc)) for mem, rt, rc in zip(members, r_terms, r_cons)
     )
-    ordered = tuple(n for n in itertools.chain(problem.free, problem.promote) if n in forced_names)
-    return _Compiled(nodes, ordered, constant, regions, pinned)
 
 
 # --------------------------------------------------------------------------- #
@@ -1022,23 +1065,28 @@ def solve_exhaustive(
     )
 
 
-def solve_greedy_tf(problem: PlacementProblem, *, bf16: bool = False) -> PlacementResult:
-    """TF grappler-style greedy painting (baseline for tests and benchmarks).
+class _TfGraph(NamedTuple):
+    """The producer -> consumer graph that :func:`solve_greedy_tf` paints."""
 
-    Mapping: fixed half = allow, fixed fp32 = deny, free = clear, promote =
-    infer; edges run producer -> consumer for every tensor (whatever its cost).
-    Passes as in ``auto_mixed_precision.cc``: (2) deny spreads forward through
-    clear/infer nodes that are upstream of a deny or infer node, (3) clear and
-    infer nodes between two allow nodes become allow, (4, ``bf16`` only) an
-    infer node with an allow input and no deny input becomes allow, (5) allow
-    spreads both ways through clear nodes.  Everything not allow is fp32, then
-    promote constraints are repaired by spreading fp32 forward through promote
-    nodes.  No optimality guarantee; ``alternative_cost`` is empty and
-    ``regions`` is 1 (the graph is painted as a whole) or 0.
-    """
-    fixed = problem.fixed
-    free = set(problem.free)
-    promote = set(problem.promote)
+    succ: dict[str, set[str]]
+    pred: dict[str, set[str]]
+    order: list[str]  # fixed, then free, then promote nodes
+    position: dict[str, int]
+
+    def outs(self, x: str) -> Iterable[str]:
+        return self.succ.get(x, ())
+
+    def ins(self, x: str) -> Iterable[str]:
+        return self.pred.get(x, ())
+
+    def both(self, x: str) -> set[str]:
+        return set(self.succ.get(x, ())) | set(self.pred.get(x, ()))
+
+    def in_order(self, nodes: Iterable[str]) -> list[str]:
+        return sorted(nodes, key=self.position.__getitem__)
+
+
+def _tf_graph(problem: PlacementProblem) -> _TfGraph:
     succ: dict[str, set[str]] = {}
     pred: dict[str, set[str]] = {}
     for tensor in problem.tensors:
@@ -1046,44 +1094,59 @@ def solve_greedy_tf(problem: PlacementProblem, *, bf16: bool = False) -> Placeme
             if c != tensor.producer:
                 succ.setdefault(tensor.producer, set()).add(c)
                 pred.setdefault(c, set()).add(tensor.producer)
-    order = list(fixed) + list(problem.free) + list(problem.promote)
-    position = {n: i for i, n in enumerate(order)}
-    allow = {n for n in order if fixed.get(n) == HALF}
-    deny_roots = [n for n in order if fixed.get(n) == FP32]
-    deny = set(deny_roots)
+    order = list(problem.fixed) + list(problem.free) + list(problem.promote)
+    return _TfGraph(succ, pred, order, {n: i for i, n in enumerate(order)})
 
-    def dfs(roots, step, enter, visit) -> None:
-        for root in roots:
-            stack = [root]
-            seen = {root}
-            while stack:
-                x = stack.pop()
-                visit(x)
-                for y in sorted(step(x)):
-                    if y not in seen and enter(y):
-                        seen.add(y)
-                        stack.append(y)
 
-    def outs(x):
-        return succ.get(x, ())
-
-    def ins(x):
-        return pred.get(x, ())
-
-    # (2) deny forward through clear/infer nodes upstream of deny or infer.
-    upstream: set[str] = set()
-    roots = [n for n in order if fixed.get(n) == FP32 or n in promote]
+def _dfs(
+    roots: Iterable[str],
+    step: Callable[[str], Iterable[str]],
+    enter: Callable[[str], bool],
+    visit: Callable[[str], None],
+) -> None:
+    """Depth-first walk from each root in turn (a fresh ``seen`` per root):
+    ``visit`` every node reached, following ``step`` into nodes that ``enter``
+    accepts (neighbours in sorted order)."""
     for root in roots:
-        dfs([root], ins, lambda y: y not in upstream and y in free, upstream.add)
+        stack = [root]
+        seen = {root}
+        while stack:
+            x = stack.pop()
+            visit(x)
+            for y in sorted(step(x)):
+                if y not in seen and enter(y):
+                    seen.add(y)
+                    stack.append(y)
+
+
+def _tf_deny(problem: PlacementProblem, graph: _TfGraph) -> set[str]:
+    """Pass 2: deny spreads forward through clear/infer nodes that are upstream
+    of a deny or infer node; returns the deny set (roots included)."""
+    fixed = problem.fixed
+    free = set(problem.free)
+    promote = set(problem.promote)
+    deny_roots = [n for n in graph.order if fixed.get(n) == FP32]
+    deny = set(deny_roots)
+    upstream: set[str] = set()
+    roots = [n for n in graph.order if fixed.get(n) == FP32 or n in promote]
+    for root in roots:
+        _dfs([root], graph.ins, lambda y: y not in upstream and y in free, upstream.add)
     for root in deny_roots:
-        dfs([root], outs, lambda y: y not in deny and y in upstream, deny.add)
-    # (3) clear/infer between two allow nodes.
-    paintable = free | promote
+        _dfs([root], graph.outs, lambda y: y not in deny and y in upstream, deny.add)
+    return deny
+
+
+def _tf_between(
+    problem: PlacementProblem, graph: _TfGraph, allow: set[str], deny: set[str]
+) -> set[str]:
+    """Pass 3: the clear/infer nodes both downstream and upstream of allow nodes."""
+    paintable = set(problem.free) | set(problem.promote)
+    roots = graph.in_order(allow)
     downstream: set[str] = set()
-    for root in sorted(allow, key=position.__getitem__):
-        dfs(
+    for root in roots:
+        _dfs(
             [root],
-            outs,
+            graph.outs,
             lambda y: y not in downstream and y not in allow and y not in deny and y in paintable,
             downstream.add,
         )
@@ -1098,41 +1161,77 @@ def solve_greedy_tf(problem: PlacementProblem, *, bf16: bool = False) -> Placeme
     def enter_upstream(y: str) -> bool:
         return y not in upstream_allow and y not in allow and y not in deny and y in paintable
 
-    for root in sorted(allow, key=position.__getitem__):
-        dfs([root], ins, enter_upstream, mark_between)
-    allow |= between
-    # (4) bf16: infer with an allow input and no deny input.
-    if bf16:
-        for q in problem.promote:
-            if q not in deny and q not in allow:
-                inputs = ins(q)
-                if any(p in allow for p in inputs) and not any(p in deny for p in inputs):
-                    allow.add(q)
-    # (5) allow both ways through clear nodes.
+    for root in roots:
+        _dfs([root], graph.ins, enter_upstream, mark_between)
+    return between
 
-    def both(x):
-        return set(succ.get(x, ())) | set(pred.get(x, ()))
 
+def _tf_bf16_infer(
+    problem: PlacementProblem, graph: _TfGraph, allow: set[str], deny: set[str]
+) -> None:
+    """Pass 4 (bf16 only): an infer node with an allow input and no deny input
+    becomes allow (``allow`` is updated in place, in promote order)."""
+    for q in problem.promote:
+        if q not in deny and q not in allow:
+            inputs = graph.ins(q)
+            if any(p in allow for p in inputs) and not any(p in deny for p in inputs):
+                allow.add(q)
+
+
+def _tf_grow_clear(
+    problem: PlacementProblem, graph: _TfGraph, allow: set[str], deny: set[str]
+) -> set[str]:
+    """Pass 5: allow spreads both ways through clear nodes; returns the new ones."""
+    free = set(problem.free)
     grown: set[str] = set()
 
     def enter_clear(y: str) -> bool:
         return y not in allow and y not in deny and y in free and y not in grown
 
-    for root in sorted(allow, key=position.__getitem__):
-        dfs([root], both, enter_clear, grown.add)
-    allow |= grown
-    choosable = itertools.chain(problem.free, problem.promote)
-    labels = {n: HALF if n in allow else FP32 for n in choosable}
-    # Repair: a promote node with an fp32 producer is fp32.
-    full = dict(fixed)
+    for root in graph.in_order(allow):
+        _dfs([root], graph.both, enter_clear, grown.add)
+    return grown
+
+
+def _tf_repair(problem: PlacementProblem, graph: _TfGraph, labels: dict[str, str]) -> None:
+    """A promote node with an fp32 producer is fp32: spread fp32 forward through
+    promote nodes (``labels`` is updated in place)."""
+    promote = set(problem.promote)
+    full = dict(problem.fixed)
     full.update(labels)
-    queue = deque(n for n in order if full[n] == FP32)
+    queue = deque(n for n in graph.order if full[n] == FP32)
     while queue:
         x = queue.popleft()
-        for y in succ.get(x, ()):
+        for y in graph.outs(x):
             if y in promote and full[y] == HALF:
                 full[y] = labels[y] = FP32
                 queue.append(y)
+
+
+def solve_greedy_tf(problem: PlacementProblem, *, bf16: bool = False) -> PlacementResult:
+    """TF grappler-style greedy painting (baseline for tests and benchmarks).
+
+    Mapping: fixed half = allow, fixed fp32 = deny, free = clear, promote =
+    infer; edges run producer -> consumer for every tensor (whatever its cost).
+    Passes as in ``auto_mixed_precision.cc``: (2) deny spreads forward through
+    clear/infer nodes that are upstream of a deny or infer node, (3) clear and
+    infer nodes between two allow nodes become allow, (4, ``bf16`` only) an
+    infer node with an allow input and no deny input becomes allow, (5) allow
+    spreads both ways through clear nodes.  Everything not allow is fp32, then
+    promote constraints are repaired by spreading fp32 forward through promote
+    nodes.  No optimality guarantee; ``alternative_cost`` is empty and
+    ``regions`` is 1 (the graph is painted as a whole) or 0.
+    """
+    graph = _tf_graph(problem)
+    allow = {n for n in graph.order if problem.fixed.get(n) == HALF}
+    deny = _tf_deny(problem, graph)
+    allow |= _tf_between(problem, graph, allow, deny)
+    if bf16:
+        _tf_bf16_infer(problem, graph, allow, deny)
+    allow |= _tf_grow_clear(problem, graph, allow, deny)
+    choosable = itertools.chain(problem.free, problem.promote)
+    labels = {n: HALF if n in allow else FP32 for n in choosable}
+    _tf_repair(problem, graph, labels)
     nodes = tuple(problem.free) + tuple(problem.promote)
     return PlacementResult(
         labels=MappingProxyType(labels),

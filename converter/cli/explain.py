@@ -1,0 +1,89 @@
+"""``mpconvert explain``: answer from a saved report.json whenever one fits, without importing torch.
+
+* ``explain OUT_DIR NODE``: OUT_DIR is what ``mpconvert`` or ``mpconvert audit`` wrote; its
+  report.json has, for every node, every rule that matched (``nodes[i].matches``), so the answer
+  takes milliseconds.
+* ``explain MODEL.py NODE``: the default output directories of that model (``./MODEL_mp`` and
+  ``./MODEL_audit``) are reused when their report.json is *fresh*: newer than the model file and
+  every rule file given, and made with the same precision, rule files, device, opt level and
+  tracer. Otherwise the caller audits the model (nothing is written).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from converter.ir.errors import MpconvertError
+
+__all__ = ["ReportNotUsable", "read_report", "fresh_report", "report_dir_of"]
+
+
+class ReportNotUsable(MpconvertError, ValueError):
+    """report.json is missing or malformed; the message is one line."""
+
+
+def report_dir_of(target: Path) -> Optional[Path]:
+    """``target`` itself when it is an output directory (it holds report.json), else None."""
+    return target if target.is_dir() and (target / "report.json").is_file() else None
+
+
+def read_report(path: Path) -> dict:
+    """Parse report.json and check it has the rows explain reads."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ReportNotUsable(f"{path}: cannot read it as JSON ({exc}); rerun mpconvert or mpconvert audit to write it again") from None
+    if not isinstance(data, dict) or not isinstance(data.get("nodes"), list) or not isinstance(data.get("casts", []), list):
+        raise ReportNotUsable(f"{path}: not an mpconvert report (no 'nodes' list); pass an output directory of mpconvert or mpconvert audit")
+    for row in data["nodes"]:
+        if not isinstance(row, dict) or "name" not in row or "matches" not in row:
+            raise ReportNotUsable(f"{path}: its nodes carry no matched rules (written by an older mpconvert); "
+                                  "rerun mpconvert audit to write it again")
+    return data
+
+
+def _newest_input(model: Path, rules: list[str]) -> float:
+    """The latest modification time among the model (a file, or a folder's files) and the rule files."""
+    paths = [model]
+    if model.is_dir():
+        paths = [p for p in model.iterdir() if p.is_file()]
+    paths += [Path(r) for r in rules if Path(r).is_file()]
+    return max((p.stat().st_mtime for p in paths if p.exists()), default=0.0)
+
+
+def _matches_options(data: dict, ns) -> bool:
+    """Was the report made with the options of this command line? (Conservative: any doubt is no.)"""
+    rules = list(ns.rules or ())
+    files = (data.get("rules") or {}).get("files") or []
+    if [Path(str(f)).stem for f in files] != ["default"] + [Path(r).stem for r in rules]:
+        return False
+    return (
+        data.get("precision") == ns.precision
+        and data.get("device") == ns.device
+        and data.get("opt_level", "O1") == ns.opt_level
+        and ns.tracer in ("auto", data.get("tracer"))
+        and ns.entry is None
+    )
+
+
+def fresh_report(ns, *, cwd: Path) -> Optional[Path]:
+    """The newest fresh report.json among the model's default output directories, if any."""
+    model = Path(ns.model)
+    stem = model.resolve().name if model.is_dir() else model.stem
+    newest_input = _newest_input(model, list(ns.rules or ()))
+    found: list[tuple[float, Path]] = []
+    for suffix in ("_mp", "_audit"):
+        path = cwd / f"{stem}{suffix}" / "report.json"
+        if not path.is_file():
+            continue
+        mtime = path.stat().st_mtime
+        if mtime < newest_input:
+            continue
+        try:
+            data = read_report(path)
+        except ReportNotUsable:
+            continue
+        if _matches_options(data, ns):
+            found.append((mtime, path))
+    return max(found)[1] if found else None
