@@ -77,7 +77,7 @@ def search_comparison(tt, rules) -> list[dict]:
                 kept = None
             theirs = HalfEmulator(gm, batches, tolerance=tol)
             order = [n for n in theirs.order if n in theirs.base]
-            blocked, attempts = bisect_graph_order(lambda keep: theirs.evaluate_keep(keep, memo=False), order)
+            blocked, attempts = bisect_graph_order(lambda keep, em=theirs: em.evaluate_keep(keep, memo=False), order)
             rows.append({"precision": precision, "candidates": len(order), "all_half_sqnr_db": base, "tolerance_db": tol,
                          # + the ranking pass: 2 + 2 x 1 projection forward-equivalents
                          "ranked_evaluations": ours.runs + 4, "ranked_kept": None if kept is None else len(kept),

@@ -31,9 +31,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import converter  # noqa: E402
+from converter.ir.graphmodule import materialize  # noqa: E402
 from converter.passes.capture import capture  # noqa: E402
 from converter.passes.decide import decide  # noqa: E402
-from converter.ir.graphmodule import materialize  # noqa: E402
 from converter.passes.place.stage import place  # noqa: E402
 from converter.passes.rewrite import rewrite  # noqa: E402
 

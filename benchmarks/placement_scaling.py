@@ -60,7 +60,7 @@ def build(n_nodes: int, *, variant: str, seed: int = 0) -> PlacementProblem:
     for i in range(layers):
         b, s, d = 8, rng.choice((128, 256)), rng.choice((512, 768))
         act, heads_act, scores = b * s * d, b * s * d, b * 8 * s * s
-        n = lambda name: f"{name}{i}"  # noqa: E731
+        n = lambda name, i=i: f"{name}{i}"  # noqa: E731
         fixed.update(
             {
                 n("ln1_"): FP32, n("q"): HALF, n("k"): HALF, n("v"): HALF, n("qk"): HALF,
@@ -140,9 +140,9 @@ def main() -> None:
             problem = build(size, variant=variant)
             n_nodes = len(problem.fixed) + len(problem.free) + len(problem.promote)
             flow = getattr(nx.algorithms.flow, args.flow)
-            with_alt = _time(lambda: solve_mincut(problem, flow_func=flow), args.repeat)
+            with_alt = _time(lambda p=problem, f=flow: solve_mincut(p, flow_func=f), args.repeat)
             no_alt = _time(
-                lambda: solve_mincut(problem, alternatives=False, flow_func=flow), args.repeat
+                lambda p=problem, f=flow: solve_mincut(p, alternatives=False, flow_func=f), args.repeat
             )
             result = solve_mincut(problem, flow_func=flow)
             greedy = solve_greedy_tf(problem)

@@ -510,7 +510,7 @@ def run_model(spec: ModelSpec, *, device: torch.device, half: torch.dtype, optim
         result["variants"][name].update(measure_memory(v, device))
 
     ac = result["variants"]["autocast"]
-    for name, entry in result["variants"].items():
+    for entry in result["variants"].values():
         entry["step_vs_autocast"] = entry["step_ms"] / ac["step_ms"]
         entry["step_vs_fp32"] = entry["step_ms"] / result["variants"]["fp32"]["step_ms"]
         entry["step_vs_floor"] = entry["step_ms"] / result["variants"]["floor"]["step_ms"]

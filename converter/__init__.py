@@ -3,6 +3,7 @@
 Public API (docs/architecture.md; the names are a stable contract)::
 
     conv = converter.convert(model, example_inputs, precision="bf16")
+    model = converter.apply(model, example_inputs, precision="bf16")   # in place: the user's own object
     report = converter.audit(model, example_inputs)
     scaler = converter.LossScaler()
     trainer = converter.MixedPrecisionTrainer(conv.module, optimizer, precision="fp16")
@@ -14,6 +15,11 @@ from converter._version import __version__
 __all__ = [
     "convert",
     "audit",
+    "apply",
+    "conversion_of",
+    "restore",
+    "FallbackWarning",
+    "InPlaceError",
     "Conversion",
     "CalibrationOptions",
     "Report",
@@ -43,6 +49,11 @@ _LAZY = {
     "Conversion": "converter.api",
     "PassError": "converter.api",
     "normalize_precision": "converter.api",
+    "apply": "converter.inplace",
+    "conversion_of": "converter.inplace",
+    "restore": "converter.inplace",
+    "FallbackWarning": "converter.inplace",
+    "InPlaceError": "converter.inplace",
     "CalibrationOptions": "converter.numerics.options",
     "MpconvertError": "converter.ir.errors",
     "PrecisionError": "converter.ir.precision",

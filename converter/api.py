@@ -8,8 +8,8 @@
     conv.decisions       # node name -> Decision (precision, rule, reason)
     conv.save("out/")    # the artifacts of DESIGN §7
 
-Stages (one module each, talking only through ``node.meta``): capture → decide → place → rewrite
-→ report. When a stage fails, the error names it and the stages that ran before it.
+Stages (one module each, talking only through ``node.meta``): capture → decide → lower → place
+→ rewrite → fp32_math → report. When a stage fails, the error names it and the stages that ran before it.
 """
 from __future__ import annotations
 
@@ -22,24 +22,20 @@ from typing import Any, Iterable, Mapping, Optional, Union
 import torch
 import torch.fx
 
-from converter.passes.capture import Captured, capture
-from converter.passes.decide import decide
-from converter.ir.graphmodule import materialize
-from converter.passes.lower import lower
 from converter.ir.errors import EXIT_CHECK_FAILED, EXIT_INTERNAL, MpconvertError
+from converter.ir.graphmodule import materialize
 from converter.ir.meta import GM_GRAPH, HALF_NAMES, META_CAST, META_DECISION, META_INFO, Decision, GraphMeta
 from converter.ir.precision import ALIASES, half_precision
-from converter.passes.place.stage import place
-from converter.report.build import Report, build_report
-from converter.passes.rewrite import rewrite
-from converter.passes.simplify import fold_counts, simplify
-from converter.rules.loader import Rules, load_rules
-from converter.ir.meta import Decision, GraphMeta
 from converter.numerics.options import CalibrationOptions
 from converter.numerics.redecide import PlaceSettings
-from converter.passes.capture import Captured, CaptureError, capture
-from converter.passes.decide import BannedOpError, decide
-from converter.rules.loader import Rules, RulesError, load_rules
+from converter.passes.capture import Captured, capture
+from converter.passes.decide import decide
+from converter.passes.fp32_math import DEFAULT_FP32_MATH, fp32_math
+from converter.passes.lower import lower
+from converter.passes.rewrite import rewrite
+from converter.passes.simplify import fold_counts, simplify
+from converter.report.build import Report, build_report
+from converter.rules.loader import Rules, load_rules
 
 __all__ = ["convert", "audit", "Conversion", "PassError", "Fp16OverflowError", "normalize_precision", "PRECISION_ALIASES"]
 
@@ -215,8 +211,8 @@ def _run_stage(name: str, done: list[str], fn, *args, **kwargs):
 def _pipeline(model, example_inputs, *, settings: PlaceSettings, rules, tracer, calibration=None,
               calibration_options: Optional[CalibrationOptions] = None, device=None, codegen=True,
               dynamic: bool = True, dynamic_shapes: Any = None, simplify_graph: bool = True):
-    """capture → decide → lower → place → (calibrate) → rewrite → simplify → (codegen), placing with
-    ``settings``; ``simplify_graph=False`` keeps the no-op nodes (benchmarks/graph_step.py times both)."""
+    """capture → decide → lower → place → (calibrate) → rewrite → simplify → fp32_math → (codegen), placing
+    with ``settings``; ``simplify_graph=False`` keeps the no-op nodes (benchmarks/graph_step.py times both)."""
     target = settings.target
     rule_set = load_rules(rules)
     done: list[str] = []
@@ -242,6 +238,9 @@ def _pipeline(model, example_inputs, *, settings: PlaceSettings, rules, tracer, 
     _run_stage("rewrite", done, rewrite, gm, keep_io_types=settings.keep_io_types)
     if simplify_graph:
         gm.meta[GM_GRAPH].extra.update(simplified=_run_stage("simplify", done, simplify, gm))
+    math_setting = rule_set.setting("fp32_math", DEFAULT_FP32_MATH)
+    regions = _run_stage("fp32_math", done, fp32_math, gm, setting=math_setting)
+    gm.meta[GM_GRAPH].extra.update(fp32_math=math_setting, fp32_math_regions=regions)
     t2 = time.perf_counter()
     timings["pass_s"] = t2 - t1
     if codegen:

@@ -1,7 +1,7 @@
 """A small CNN with BatchNorm, pooling and a cross-entropy loss computed inside the model."""
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 
 class Block(nn.Module):

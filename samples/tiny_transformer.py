@@ -7,8 +7,8 @@ softmax(QKᵀ/√d)·V, a SiLU-gated MLP, and an LM head.
 import math
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 
 class RMSNorm(nn.Module):

@@ -5,10 +5,10 @@ import textwrap
 
 import pytest
 import torch
+from helpers import CastCounter, DtypeRecorder, first_tensor, load_sample, split_inputs, sqnr
 from torch import nn
 
 import converter
-from helpers import CastCounter, DtypeRecorder, first_tensor, load_sample, split_inputs, sqnr
 
 HALF_OPS = ("addmm", "mm", "bmm", "convolution", "_scaled_dot_product_flash_attention_for_cpu", "baddbmm")
 FP32_OPS = ("_softmax", "_log_softmax", "native_layer_norm", "native_batch_norm", "_native_batch_norm_legit",

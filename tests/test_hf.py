@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import DtypeRecorder, first_tensor, load_sample, sqnr
 
 import converter
-from helpers import DtypeRecorder, first_tensor, load_sample, sqnr
 
 transformers = pytest.importorskip("transformers")
 

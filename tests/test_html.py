@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import load_sample
 from torch import nn
 
 import converter
-from helpers import load_sample
 from converter.numerics.measure import measure
 from converter.report.render import to_html, write_reports
 

@@ -16,7 +16,7 @@ from torch import nn
 
 import converter
 from converter.passes.lower import lower
-from tests.helpers import CastCounter, DtypeRecorder, first_tensor, load_sample, sqnr, split_inputs
+from tests.helpers import CastCounter, DtypeRecorder, first_tensor, load_sample, split_inputs, sqnr
 
 SDPA_KERNELS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math",
                 "scaled_dot_product_attention")

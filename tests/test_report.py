@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import load_sample
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import converter
-from helpers import load_sample
 from converter.numerics.measure import measure
 from converter.report.render import explain, md_escape, print_report, to_markdown, write_reports
 

@@ -48,6 +48,7 @@ from converter.export.source_text import (
     render_template,
 )
 from converter.ir.meta import GM_PARAM_DTYPES, META_CAST, META_DECISION, META_INFO
+from converter.passes.fp32_math import RUNTIME_HELPERS, runtime_source
 
 __all__ = ["ModelSource", "generate_model_source", "WEIGHTS_FILE"]
 
@@ -366,7 +367,14 @@ def _forward_source(gm: torch.fx.GraphModule, prepared: _Graph, original: Option
     _check_defaults(body)
     body = _annotate_lines(body, {n.name: n for n in gm.graph.nodes}, (original, gm))
     used = {name: obj for name, obj in python.globals.items() if re.search(rf"\b{re.escape(name)}\b", body)}
-    imports = [line for line in _import_lines(used, warnings) if line != "import torch"]
+    # the fp32 math scope calls: model.py carries their (torch-only) source instead of an import
+    runtime = {name: obj for name, obj in used.items() if obj in RUNTIME_HELPERS}
+    for name, obj in runtime.items():
+        body = re.sub(rf"\b{re.escape(name)}\b", obj.__name__, body)
+    imports = [line for line in _import_lines({k: v for k, v in used.items() if k not in runtime}, warnings) if line != "import torch"]
+    if runtime:
+        imports += ["", "", '# fp32 math scopes around fp32 matmul/conv runs (mpconvert docs/rules.md, "fp32 math")',
+                    *runtime_source().splitlines(), ""]
     forward = "\n".join("    " + line if line else "" for line in body.rstrip().splitlines())
     return forward, imports, io_note
 

@@ -68,10 +68,9 @@ from typing import Any, Mapping, NamedTuple, Optional, Sequence
 import torch
 import torch.fx
 
-from converter.ir.meta import DTYPES, GM_PARAM_DTYPES, TensorSpec, name_of
-from converter.ir.ops import CAST_OPS
-from converter.ir.meta import GM_PARAM_DTYPES, META_CAST, META_DECISION, META_INFO, META_VALUE
 from converter.ir.errors import EXIT_CHECK_FAILED, MpconvertError
+from converter.ir.meta import DTYPES, GM_PARAM_DTYPES, META_CAST, META_DECISION, META_INFO, META_VALUE, TensorSpec, name_of
+from converter.ir.ops import CAST_OPS
 from converter.numerics.common import output_tensors, to_json
 
 __all__ = [

@@ -11,6 +11,8 @@ The main ones:
   amend it and say why in :attr:`Decision.notes`; *calibrate* (and the accuracy search through
   it) replaces it with a new rule and reason, keeping the old rule in ``matches``.
 * ``node.meta[META_CAST]`` — :class:`CastRecord`, on every cast node that *rewrite* inserted.
+* ``node.meta[META_MATH]`` — :class:`MathRecord`, written by *fp32_math*: the math an fp32
+  matmul/conv node runs with, and on the scope calls that pass inserted.
 
 The report, the emitted artifacts and the ONNX check read these records and nothing else.
 """
@@ -29,6 +31,7 @@ __all__ = [
     "HalfPrecision",
     "DecisionPrecision",
     "RequestedPrecision",
+    "FP32Math",
     "NodeKind",
     "RuleTable",
     "NoteStage",
@@ -43,6 +46,7 @@ __all__ = [
     "META_LOWERED",
     "META_SOURCE",
     "META_TRAINER",
+    "META_MATH",
     "META_REGION",
     "META_MODE_FLAG",
     "GM_GRAPH",
@@ -60,6 +64,7 @@ __all__ = [
     "Match",
     "Decision",
     "CastRecord",
+    "MathRecord",
     "GraphMeta",
     "BUILTIN",
     "dtype_of",
@@ -76,7 +81,10 @@ HalfPrecision = Literal["fp16", "bf16"]
 DecisionPrecision = Literal["fp32", "fp16", "bf16", "fp64", "follow", "promote", "alias"]
 #: ``Decision.requested``: what the winning rule said (``half`` = the target dtype), or
 #: ``fixed``/``alias`` for nodes no rule decides
-RequestedPrecision = Literal["fp32", "fp16", "bf16", "fp64", "half", "follow", "promote", "banned", "fixed", "alias"]
+RequestedPrecision = Literal["fp32", "fp16", "bf16", "fp64", "half", "tf32", "follow", "promote", "banned", "fixed", "alias"]
+#: the math an fp32 matmul/conv runs with: IEEE fp32, reduced (TF32 on CUDA, bf16 in oneDNN), or
+#: whatever the global flags say at run time (``[settings] fp32_math``, the ``tf32`` precision)
+FP32Math = Literal["ieee", "tf32", "inherit"]
 #: ``NodeInfo.kind`` (see :class:`NodeInfo`)
 NodeKind = Literal["compute", "fixed", "alias", "passive", "cast"]
 NODE_KINDS: tuple[str, ...] = get_args(NodeKind)
@@ -95,6 +103,7 @@ META_STATS = "mp_stats"
 META_LOWERED = "mp_lowered"
 META_SOURCE = "mp_source"
 META_TRAINER = "mp_trainer"
+META_MATH = "mp_math"
 META_REGION = "mp_region"
 META_MODE_FLAG = "mp_mode_flag"
 GM_GRAPH = "mp_graph"
@@ -123,10 +132,11 @@ class MetaKey:
 
 CONTRACT: tuple[MetaKey, ...] = (
     MetaKey(META_INFO, "node", "NodeInfo", ("capture", "lower", "rewrite"),
-            ("decide", "place", "calibrate", "search", "measure", "report", "export", "train", "api", "simplify"),
+            ("decide", "place", "calibrate", "search", "measure", "fp32_math", "report", "export", "train", "api",
+             "simplify"),
             "what capture learned: op, module, kind, outputs (lower and rewrite describe the nodes they make)"),
     MetaKey(META_DECISION, "node", "Decision", ("decide", "lower", "place", "calibrate"),
-            ("rewrite", "search", "measure", "report", "export", "api"),
+            ("rewrite", "fp32_math", "search", "measure", "report", "export", "api"),
             "the node's precision and its provenance; later stages amend it with Decision.noted"),
     MetaKey(META_CAST, "node", "CastRecord", ("rewrite",), ("measure", "report", "export", "train", "api", "simplify"),
             "on every cast node: what it converts and which rule made it necessary"),
@@ -141,12 +151,15 @@ CONTRACT: tuple[MetaKey, ...] = (
             "file:line of the model code that made the node (FX tracer; read back by capture)"),
     MetaKey(META_TRAINER, "node", "str", ("train",), (),
             "marks a node the trainer inserted (e.g. embedding_grad_shrink)"),
+    MetaKey(META_MATH, "node", "MathRecord", ("fp32_math",), ("report",),
+            "the fp32 math a matmul/conv node runs with (ieee/tf32/inherit); on the scope calls fp32_math inserted"),
     MetaKey(META_REGION, "node", "tuple[str, ...]", ("regions", "rewrite"), ("rewrite",),
             "the no_grad/autocast regions (outermost first) capture inlined the node from; casts are not shared across"),
     MetaKey(META_MODE_FLAG, "node", "bool", ("modes",), ("lower",),
             "marks the node reading self.training (or p * self.training) that capture put in a mode-dependent op"),
     MetaKey(GM_GRAPH, "graph", "GraphMeta", ("api",), ("report",),
-            "graph-level facts: tracer, precision, capture errors, rule files, lower's list in extra"),
+            "graph-level facts: tracer, precision, capture errors, rule files; in extra: lower's list, "
+            "the fp32_math setting and region count"),
     MetaKey(GM_PARAM_DTYPES, "graph", "dict[str, torch.dtype]", ("rewrite",), ("report", "export", "train"),
             "fqn -> the dtype each parameter may be stored in (O2); the emitted model.py sets it too"),
     MetaKey(GM_CALIBRATION, "graph", "dict", ("calibrate",), ("report",),
@@ -311,6 +324,21 @@ class CastRecord:
     def bytes(self) -> int:
         """Bytes read plus bytes written per forward."""
         return self.numel * (itemsize(DTYPES[self.dtype]) + itemsize(DTYPES[self.src_dtype]))
+
+
+@dataclass(frozen=True)
+class MathRecord:
+    """The fp32 math of one matmul/conv node (or, with ``scope``, a scope call *fp32_math* inserted).
+
+    ``enforced``: the converted graph sets ``mode`` around the node whatever the global flags are;
+    ``mode == "inherit"`` is never enforced. ``region`` numbers the bracketed run (-1: none).
+    """
+
+    mode: FP32Math
+    enforced: bool
+    reason: str
+    region: int = -1
+    scope: Literal["", "enter", "exit"] = ""
 
 
 @dataclass(frozen=True)

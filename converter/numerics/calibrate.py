@@ -37,7 +37,16 @@ from typing import Iterable, Mapping, Optional
 import torch
 import torch.fx
 
-from converter.ir.meta import Decision, GM_CALIBRATION, HALF_NAMES, META_INFO, META_STATS, Match, RuleRef
+from converter.ir.meta import (
+    GM_CALIBRATION,
+    HALF_NAMES,
+    META_DECISION,
+    META_INFO,
+    META_STATS,
+    Decision,
+    Match,
+    RuleRef,
+)
 from converter.numerics.common import json_float
 from converter.numerics.options import CalibrationOptions
 from converter.numerics.redecide import PlaceSettings, fresh_decisions, replace_decisions, setting_source
@@ -45,8 +54,6 @@ from converter.numerics.search import ToleranceNotMet, accuracy_search
 from converter.numerics.stats import FP16_MAX, Calibration, NodeStats, collect_statistics
 from converter.passes.place.stage import castable_inputs
 from converter.rules.loader import Rules
-from converter.ir.meta import GM_CALIBRATION, META_DECISION, META_INFO, META_STATS, META_VALUE
-from converter.ir.errors import EXIT_CHECK_FAILED, MpconvertError
 from converter.rules.precedence import OVERRIDE_LEVEL, rank
 
 __all__ = [

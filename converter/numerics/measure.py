@@ -43,8 +43,7 @@ import torch.fx
 from torch.fx.node import map_arg
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from converter.ir.meta import DTYPES
-from converter.ir.meta import META_CAST, META_DECISION, META_INFO
+from converter.ir.meta import DTYPES, META_CAST, META_DECISION, META_INFO
 from converter.numerics.common import output_tensors, preserved_state, sqnr_db
 
 __all__ = [

@@ -13,7 +13,7 @@ import tomllib
 import torch
 import torch.fx
 
-from converter.ir.meta import Decision, META_DECISION
+from converter.ir.meta import META_DECISION, Decision
 from converter.passes.decide import decide
 from converter.passes.place.stage import place
 from converter.rules.loader import Rules, rules_dir

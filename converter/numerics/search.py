@@ -46,14 +46,13 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-from converter.ir.meta import DTYPES, Decision, HALF_NAMES, META_DECISION, Match, RuleRef
-from converter.ir.ops import castable_arg_positions, map_castable_args
-from converter.ir.meta import META_DECISION, META_INFO
 from converter.ir.errors import EXIT_CHECK_FAILED, EXIT_INTERNAL, MpconvertError
-from converter.rules.precedence import OVERRIDE_LEVEL, rank
+from converter.ir.meta import DTYPES, HALF_NAMES, META_DECISION, META_INFO, Decision, Match, RuleRef
+from converter.ir.ops import castable_arg_positions, map_castable_args
 from converter.numerics.common import copy_graph, floating_outputs, json_float, preserved_state, progress_bar, sqnr_db
 from converter.numerics.redecide import PlaceSettings, fresh_decisions, replace_decisions
 from converter.passes.place.stage import castable_inputs
+from converter.rules.precedence import OVERRIDE_LEVEL, rank
 
 __all__ = [
     "ToleranceNotMet",

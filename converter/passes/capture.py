@@ -201,6 +201,7 @@ def _trace_export(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Sh
         if name in vars(gm):
             delattr(gm, name)
     inline_regions(gm)
+    _drop_metadata_asserts(gm)
     for node in gm.graph.nodes:
         if "val" in node.meta:
             node.meta[META_VALUE] = _spec_of(node.meta["val"])
@@ -212,6 +213,16 @@ def _trace_export(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Sh
             if dims:
                 shapes.dims[name] = dims
     return gm
+
+
+def _drop_metadata_asserts(gm: torch.fx.GraphModule) -> None:
+    """Erase torch.export's ``_assert_tensor_metadata`` checks (recorded before each ``.to()``): they
+    pin the fp32 model's dtypes and the capture device, which conversion and ``.to(device)`` change."""
+    target = torch.ops.aten._assert_tensor_metadata.default
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is target and not node.users:
+            gm.graph.erase_node(node)
+    gm.recompile()
 
 
 def _input_names(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tuple, kwargs: dict) -> list[str]:

@@ -68,7 +68,8 @@ def decide(gm: torch.fx.GraphModule, rules: Rules, *, precision: str) -> None:
         if ban is not None and (win.level_name != PRECEDENCE[0] or win.precision == "banned"):  # a node rule may lift a ban
             message = rules.rule_for(ban).message
             raise BannedOpError(f"node {node.name!r} (op {info.op}) is banned by {ban.rule}: {message}")
-        resolved = precision if win.precision == "half" else win.precision
+        # tf32 is fp32 storage (placement and rewrite treat it as fp32); fp32_math scopes its math
+        resolved = precision if win.precision == "half" else "fp32" if win.precision == "tf32" else win.precision
         reason = decision_reason(win.level_name, win.rule.pattern, win.rule.file, win.reason, win.scope)
         if win.level_name == DEFAULT_LEVEL:
             reason = f"no rule matches op {info.op!r}: {win.rule.file} default is {win.precision}"

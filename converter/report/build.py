@@ -15,7 +15,11 @@
 * ``memory`` — parameter bytes in O1 (fp32, cast in the graph) and O2 (stored as
   ``gm.meta["mp_param_dtypes"]`` says);
 * ``calibration`` — ``gm.meta["mp_calibration"]`` as the calibrate stage left it (risky nodes,
-  loss-scale advice), when it ran.
+  loss-scale advice), when it ran;
+* ``fp32_math`` — the rules' ``fp32_math`` setting, the process-wide fp32 math flags at conversion
+  time, how many fp32 matmul/conv nodes run with each math (``nodes[i]["fp32_math"]``), and a
+  warning when fp32-pinned nodes would silently run in reduced precision
+  (:mod:`converter.passes.fp32_math`).
 
 Measured numbers (saved activations, SQNR, per-node error, cast counts at run time) come from
 :func:`converter.numerics.measure.measure` and are attached with :meth:`Report.add_measurements`.
@@ -36,17 +40,20 @@ import torch.fx
 
 from converter.ir.meta import (
     GM_CALIBRATION,
+    GM_GRAPH,
     GM_PARAM_DTYPES,
     HALF_NAMES,
     META_CAST,
     META_DECISION,
     META_INFO,
+    META_MATH,
     CastRecord,
     Decision,
     NodeInfo,
     itemsize,
 )
 from converter.numerics.common import to_json
+from converter.passes.fp32_math import DEFAULT_FP32_MATH, global_math_settings, reduced_globals
 from converter.report.flops import node_flops
 from converter.report.html import to_html
 from converter.report.markdown import to_markdown
@@ -82,6 +89,7 @@ class Report:
     numerics: dict = field(default_factory=dict)
     measured_casts: dict = field(default_factory=dict)
     calibration: dict = field(default_factory=dict)
+    fp32_math: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         out = {
@@ -99,6 +107,7 @@ class Report:
             "numerics": self.numerics,
             "measured_casts": self.measured_casts,
             "calibration": self.calibration,
+            "fp32_math": self.fp32_math,
             "rules": self.rules,
         }
         for key, value in self.extra.items():
@@ -220,6 +229,7 @@ def _node_row(index: int, node: torch.fx.Node, info: NodeInfo, decision: Decisio
         "out_shape": [list(t.shape) for t in info.outputs],
         "unmatched": decision.unmatched,
         "matches": _match_rows(decision),
+        "fp32_math": node.meta[META_MATH].mode if META_MATH in node.meta else None,
     }
 
 
@@ -340,6 +350,43 @@ def _dtype(name: str) -> torch.dtype:
 # ---------------------------------------------------------------------------------------------
 
 
+def _fp32_math(gm: torch.fx.GraphModule, nodes: list[dict]) -> dict:
+    """The fp32 math section: setting, global flags now, per-math counts, and the silent-reduction warning."""
+    graph_meta = gm.meta.get(GM_GRAPH)
+    extra = graph_meta.extra if graph_meta is not None else {}
+    counts = {"ieee": 0, "tf32": 0, "inherit": 0}
+    inherit = {False: [], True: []}  # conv? -> node names running with the global math
+    for row in nodes:
+        mode = row.get("fp32_math")
+        if mode is None:
+            continue
+        counts[mode] += 1
+        if mode == "inherit":
+            inherit[row["op"].startswith("conv")].append(row["name"])
+    warnings = []
+    for conv, names in inherit.items():
+        flags = reduced_globals(conv=conv) if names else []
+        if flags:
+            what = "convolution" if conv else "matmul"
+            warnings.append(
+                f"{len(names)} fp32-pinned {what} node(s) ({', '.join(names[:5])}{' …' if len(names) > 5 else ''}) will run in "
+                f"reduced precision: fp32_math = 'inherit' and the global flags say {', '.join(flags)}; "
+                "set [settings] fp32_math = \"ieee\" to run them in IEEE fp32")
+    flags = reduced_globals(conv=False) + reduced_globals(conv=True)
+    notes = []
+    if flags and counts["ieee"]:
+        notes.append(f"the global fp32 math is reduced ({', '.join(flags)}): the {counts['ieee']} IEEE-enforced node(s) run "
+                     "their forward in IEEE fp32, but their backward matmuls run under the global flags at backward time")
+    return {
+        "setting": extra.get("fp32_math", DEFAULT_FP32_MATH),
+        "regions": extra.get("fp32_math_regions", 0),
+        "global": global_math_settings(),
+        "nodes": counts,
+        "warnings": warnings,
+        "notes": notes,
+    }
+
+
 #: a module rule that pins more than this share of the model's FLOPs to fp32 is reported
 MODULE_RULE_FP32_SHARE = 0.25
 
@@ -395,6 +442,7 @@ def build_report(gm: torch.fx.GraphModule, *, precision: str, tracer: str, rules
     act = [c for c in casts if not c["on_weight"]]
     weight = [c for c in casts if c["on_weight"]]
     unmatched = sorted({r["op"] for r in nodes if r["unmatched"]})
+    fp32_math = _fp32_math(gm, nodes)
     summary = {
         "nodes": len(gm.graph.nodes),
         "compute_nodes": len(nodes),
@@ -409,7 +457,8 @@ def build_report(gm: torch.fx.GraphModule, *, precision: str, tracer: str, rules
         "unmatched_ops": unmatched,
         "unmatched_nodes": sum(1 for r in nodes if r["unmatched"]),
         "out_bytes": sum(r["out_bytes"] for r in nodes),
-        "warnings": _module_rule_warnings(nodes, total_flops),
+        "warnings": _module_rule_warnings(nodes, total_flops)
+        + [{"kind": "fp32_math_reduced", "message": text} for text in fp32_math["warnings"]],
     }
     return Report(
         precision=precision,
@@ -424,4 +473,5 @@ def build_report(gm: torch.fx.GraphModule, *, precision: str, tracer: str, rules
         modules=_module_tree(stacks, casts, cast_module),
         memory=_memory(gm, casts),
         calibration=dict(gm.meta.get(GM_CALIBRATION) or {}),
+        fp32_math=fp32_math,
     )

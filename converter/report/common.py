@@ -17,7 +17,7 @@ from converter.numerics.common import from_json_float
 __all__ = [
     "ReportView", "COLORS", "ORDER", "precision_class", "half_count", "fmt_bytes", "fmt_flops", "fmt_db", "db_sort_key",
     "fmt_pct", "fmt_err", "fmt_ratio", "short_rule", "node_reason", "tuned_for", "calibration_rows", "module_groups",
-    "module_bytes", "split_casts",
+    "module_bytes", "split_casts", "fp32_math_facts", "FP32_MATH_NOTE",
 ]
 
 #: precision -> colour, shared by the HTML strip, the plots and the badges
@@ -42,6 +42,7 @@ class ReportView(Protocol):
     memory: dict
     numerics: dict
     calibration: dict
+    fp32_math: dict
 
     @property
     def line(self) -> str: ...
@@ -185,3 +186,20 @@ def module_bytes(report: ReportView) -> list[tuple[str, dict]]:
         for row in rows:
             entry[precision_class(row["precision"])] += row["out_bytes"]
     return sorted(totals.items(), key=lambda kv: -sum(kv[1].values()))
+
+
+#: what the fp32 math section says about its three values (markdown and HTML)
+FP32_MATH_NOTE = ("The math fp32 matmul/conv nodes run with (ieee: enforced IEEE fp32; tf32: enforced reduced fp32 math, "
+                  "TF32 on CUDA and bf16 in oneDNN; inherit: the global flags at run time), and the global flags at "
+                  "conversion time (docs/rules.md, \"fp32 math\").")
+
+
+def fp32_math_facts(report: ReportView) -> tuple[list[tuple[str, str]], list[str], list[str]]:
+    """(rows of setting / node counts / global flags, warnings, notes) of the fp32 math section."""
+    fm = report.fp32_math or {}
+    counts = fm.get("nodes", {})
+    rows = [("fp32_math setting", str(fm.get("setting", ""))),
+            ("fp32 matmul/conv nodes", " · ".join(f"{k} {v}" for k, v in counts.items()) or "none"),
+            ("scoped regions", str(fm.get("regions", 0)))]
+    rows += [(f"global {k}", str(v)) for k, v in (fm.get("global") or {}).items()]
+    return rows, list(fm.get("warnings", [])), list(fm.get("notes", []))

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from converter.report.common import (
     COLORS,
+    FP32_MATH_NOTE,
     ORDER,
     ReportView,
     calibration_rows,
@@ -27,6 +28,7 @@ from converter.report.common import (
     fmt_flops,
     fmt_pct,
     fmt_ratio,
+    fp32_math_facts,
     half_count,
     module_groups,
     node_reason,
@@ -251,7 +253,8 @@ def _nodes_html(report: ReportView) -> str:
             f'<td class="mono">{_e(r["op"])}</td>',
             f'<td class="mono">{_e(r["module"])}</td>',
             f'<td>{_e(r["module_type"])}</td>',
-            f'<td data-v="{_e(r["precision"])}">{_badge(r["precision"])}{unmatched if r["unmatched"] else ""}</td>',
+            f'<td data-v="{_e(r["precision"])}">{_badge(r["precision"])}{unmatched if r["unmatched"] else ""}'
+            + (f' <span class="mono" title="fp32 math">{_e(r["fp32_math"])}</span>' if r.get("fp32_math") else "") + "</td>",
             f'<td class="mono nw" title="{_e(r["rule"])}">{_e(short_rule(r["rule"]))}</td>',
             f'<td class=n data-v="{r["flops"]}">{_e(fmt_flops(r["flops"]))}</td>',
             f'<td class=n data-v="{r["out_bytes"]}">{_e(fmt_bytes(r["out_bytes"]))}</td>',
@@ -318,6 +321,14 @@ def _memory_html(report: ReportView) -> str:
     note = (f"<p class=note>{_e(m.get('saved_method', ''))}</p>" if saved else
             "<p class=note>Saved activations not measured: run <span class=mono>converter.numerics.measure.measure(conv)</span>.</p>")
     return f"<table><tbody>{body}</tbody></table>{note}"
+
+
+def _fp32_math_html(report: ReportView) -> str:
+    rows, warnings, notes = fp32_math_facts(report)
+    table = "".join(f'<tr><td>{_e(k)}</td><td class="mono">{_e(v)}</td></tr>' for k, v in rows)
+    warn = "".join(f"<p class=note><span class=bad>warning</span> {_e(w)}</p>" for w in warnings)
+    note = "".join(f"<p class=note>{_e(n)}</p>" for n in notes)
+    return f"<p class=note>{_e(FP32_MATH_NOTE)}</p>{warn}{note}<table><tbody>{table}</tbody></table>"
 
 
 def _numerics_html(report: ReportView) -> str:
@@ -412,6 +423,7 @@ def _sections(report: ReportView) -> list[tuple[str, str, str]]:
         ("plots", "FLOPs and bytes", plots_html(report)),
         ("numerics", "Numerics", _numerics_html(report)),
         ("memory", "Memory", _memory_html(report)),
+        *([("fp32math", "fp32 math", _fp32_math_html(report))] if report.fp32_math else []),
         *([("calibration", "Calibration", _calibration_html(report))] if report.calibration else []),
         ("ops", "Ops", _ops_html(report)),
         ("unmatched", f"Unmatched ops ({len(s['unmatched_ops'])})", _unmatched_html(report)),

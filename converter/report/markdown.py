@@ -5,6 +5,7 @@ import re
 from typing import Any, Iterable
 
 from converter.report.common import (
+    FP32_MATH_NOTE,
     ReportView,
     calibration_rows,
     fmt_bytes,
@@ -13,6 +14,7 @@ from converter.report.common import (
     fmt_flops,
     fmt_pct,
     fmt_ratio,
+    fp32_math_facts,
     node_reason,
     split_casts,
     tuned_for,
@@ -38,7 +40,7 @@ def md_escape(value: Any) -> str:
 def to_markdown(report: ReportView) -> str:
     """report.md: the summary line, memory, numerics, ops, modules, casts and every node."""
     out: list[str] = []
-    for section in (_header, _summary, _memory, _numerics, _calibration, _ops, _unmatched, _modules, _casts, _nodes):
+    for section in (_header, _summary, _fp32_math, _memory, _numerics, _calibration, _ops, _unmatched, _modules, _casts, _nodes):
         out.extend(section(report))
     return "\n".join(out)
 
@@ -70,6 +72,16 @@ def _summary(report: ReportView) -> list[str]:
         ["unmatched ops", md_escape(", ".join(s["unmatched_ops"])) or "none"],
         ["tuned for", tuned_for(report, md_escape)],
     ]), ""]
+
+
+def _fp32_math(report: ReportView) -> list[str]:
+    if not report.fp32_math:
+        return []
+    rows, warnings, notes = fp32_math_facts(report)
+    out = ["## fp32 math", "", FP32_MATH_NOTE, "", _table(["", "value"], ([md_escape(k), md_escape(v)] for k, v in rows)), ""]
+    out += [f"> **Warning:** {md_escape(w)}" for w in warnings] + ([""] if warnings else [])
+    out += [f"> Note: {md_escape(n)}" for n in notes] + ([""] if notes else [])
+    return out
 
 
 def _memory(report: ReportView) -> list[str]:
@@ -187,7 +199,8 @@ def _nodes(report: ReportView) -> list[str]:
 
     def row(r: dict) -> list:
         cells = [r["index"], md_escape(r["name"]), md_escape(r["op"]), md_escape(r["module"]), md_escape(r["module_type"]),
-                 r["precision"] + (" (unmatched)" if r["unmatched"] else ""), md_escape(r["rule"]), r["flops"], r["out_bytes"]]
+                 r["precision"] + (f" ({r['fp32_math']} math)" if r.get("fp32_math") else "")
+                 + (" (unmatched)" if r["unmatched"] else ""), md_escape(r["rule"]), r["flops"], r["out_bytes"]]
         if measured:
             cells += [fmt_db(r.get("sqnr_db")), fmt_db(r.get("local_sqnr_db"))] if "sqnr_db" in r else ["—", "—"]
         return cells + [md_escape(r["source"]), md_escape(node_reason(r))]

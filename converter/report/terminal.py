@@ -33,6 +33,8 @@ def print_report(report: ReportView, console: Optional[Any] = None, *, nodes: bo
             console.print(table)
     if s["unmatched_ops"]:
         console.print(Text(f"Unmatched ops (kept fp32, add rules for them): {', '.join(s['unmatched_ops'])}", style="yellow"))
+    for warning in (report.fp32_math or {}).get("warnings", []):
+        console.print(Text(f"fp32 math: {warning}", style="yellow"))
 
 
 def _facts_table(report: ReportView):

@@ -25,10 +25,13 @@ A rule file has up to four match tables, an optional ``[default]`` and optional 
 
     [settings]
     overflow_fallback = "bf16" # what calibration re-decides an fp16-overflowing node to
+    fp32_math = "ieee"         # the math of fp32 matmul/conv nodes: ieee | tf32 | inherit
 
 Precision values: ``half`` (the target of the conversion, fp16 or bf16), ``fp16``, ``bf16``,
-``fp32``, ``follow`` (the precision of its inputs, chosen by placement), ``promote`` (the widest
-floating input) and ``banned`` (an error carrying ``message``).
+``fp32`` (IEEE fp32 math unless ``fp32_math`` says otherwise), ``tf32`` (fp32 storage; a
+matmul/conv may use the backend's reduced fp32 math: TF32 on CUDA, bf16 in oneDNN on CPU),
+``follow`` (the precision of its inputs, chosen by placement), ``promote`` (the widest floating
+input) and ``banned`` (an error carrying ``message``). See :mod:`converter.passes.fp32_math`.
 
 **Precedence**, highest first: ``node`` > ``module`` (path) > ``module_type`` > ``op`` > ``default``.
 A module rule may carry an ``ops`` table: per-op precisions for ops inside that module's scope;
@@ -84,7 +87,7 @@ __all__ = [
     "resolve_rules",
 ]
 
-PRECISIONS = ("half", "fp16", "bf16", "fp32", "follow", "promote", "banned")
+PRECISIONS = ("half", "fp16", "bf16", "fp32", "tf32", "follow", "promote", "banned")
 #: match tables, highest precedence first (see :mod:`converter.rules.precedence`)
 LEVELS = MATCH_TABLES
 _TOP_KEYS = ("meta", "settings", "default") + LEVELS
@@ -96,6 +99,7 @@ _NORM_WORD = re.compile(r"\bnorm(s|ali[sz]ation)?\b", re.IGNORECASE)  # "norm", 
 _SETTINGS = {
     "overflow_fallback": ("bf16", "fp32"),
     "overflow_margin": None,  # a finite number in (0, _MAX_MARGIN]
+    "fp32_math": ("ieee", "tf32", "inherit"),  # see converter.passes.fp32_math
 }
 #: the largest overflow margin: beyond fp16's largest finite value every nonzero value "overflows"
 _MAX_MARGIN = 65504.0
@@ -251,7 +255,7 @@ class Rules:
                         raise RulesError(f"{where('default', key)}: unknown key{_suggest(key, _RULE_KEYS)}")
                 entry = _entry(body, file, "default", "precision", where)
                 if entry[0] in ("follow", "promote", "banned"):
-                    raise RulesError(f"{where('default', 'precision')}: the default must be half, fp16, bf16 or fp32")
+                    raise RulesError(f"{where('default', 'precision')}: the default must be half, fp16, bf16, fp32 or tf32")
                 rules.append(Rule("default", "*", entry[0], entry[1], entry[2], file, start + len(rules)))
                 continue
             for pattern, value in body.items():

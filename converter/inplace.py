@@ -1,0 +1,307 @@
+"""Convert in place: ``converter.apply`` returns the user's own model, mixed precision.
+
+::
+
+    model = converter.apply(model, example_inputs, precision="bf16")   # same object, same class
+    model(**batch)                       # runs the converted graph
+    converter.conversion_of(model)       # the Conversion: .report, .decisions, .save(...)
+    converter.restore(model)             # back to the class's own forward
+
+:func:`apply` runs :func:`converter.convert` and then replaces the *instance's* ``forward`` by a
+:class:`ConvertedForward`, a callable that runs the converted GraphModule. The GraphModule holds
+the model's own ``Parameter`` and buffer objects (nothing is copied), so ``state_dict`` (same keys),
+``save_pretrained``/``from_pretrained``, ``load_state_dict``, optimizers built before or after,
+``.train()``/``.eval()`` and ``.to(...)`` keep working: before each call the graph is pointed at the
+model's current tensors (``.to()`` replaces buffers), follows the model's train/eval flags, and, when
+the model moved to another device, runs a copy of the graph whose device constants name that device.
+
+A call the graph was not captured for (other keyword arguments, other non-tensor values, other
+dtypes or ranks, another size of a static dimension, a Cache object, the other train/eval mode of a
+graph frozen in one mode) runs the model's original fp32 forward instead, with a
+:class:`FallbackWarning` that names the difference (once per difference). ``generate()`` works this way:
+its calls pass ``return_dict`` (and ``past_key_values`` with a cache), so decoding runs the original forward.
+
+The converted forward runs with autocast off: the graph already carries its casts, and an outer
+``torch.autocast`` (HF ``Trainer(bf16=True)``, Lightning ``precision="bf16-mixed"``) would override
+the decisions the report records. Loss scaling for fp16 and O2 master weights are not part of the
+model: they need :class:`converter.MixedPrecisionTrainer` (see docs/training.md).
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+import warnings
+from typing import Any, Optional
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from converter.api import Conversion, convert
+from converter.ir.errors import MpconvertError
+
+__all__ = ["apply", "conversion_of", "converted_forward", "restore", "ConvertedForward", "FallbackWarning",
+           "InPlaceError"]
+
+
+class InPlaceError(MpconvertError, ValueError):
+    """The converted graph cannot run on the model's own tensors."""
+
+
+class FallbackWarning(MpconvertError, UserWarning):
+    """A call that the converted graph was not captured for ran the model's original forward
+    (a warning; it derives from :class:`MpconvertError` like every mpconvert exception class)."""
+
+
+def apply(model: torch.nn.Module, example_inputs: Any, **options: Any) -> torch.nn.Module:
+    """Convert ``model`` in place and return it (the same object).
+
+    ``example_inputs`` and ``options`` are those of :func:`converter.convert` (``precision``,
+    ``rules``, ``tracer``, ``calibration``, ``opt_level``, ``device``, ``dynamic`` ...). Pass the
+    arguments the training or serving code passes (for a HF model e.g. ``input_ids``,
+    ``attention_mask`` and ``labels``): calls with other arguments run the original forward.
+    Applying again re-converts from the original forward.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"apply() needs a torch.nn.Module, got {type(model).__name__}")
+    restore(model)
+    original = model.__dict__.get("forward")
+    conversion = convert(model, example_inputs, **options)
+    model.forward = ConvertedForward(model, conversion, original=original)
+    return model
+
+
+def converted_forward(model: torch.nn.Module) -> Optional["ConvertedForward"]:
+    """The :class:`ConvertedForward` of an applied model, also when another library wrapped it since
+    (accelerate/HF Trainer wrap ``forward`` in autocast and keep it as ``_original_forward``)."""
+    for start in (model.__dict__.get("forward"), model.__dict__.get("_original_forward")):
+        seen = 0
+        while start is not None and seen < 16:
+            if isinstance(start, ConvertedForward):
+                return start if start.model is model else None
+            start = getattr(start, "__wrapped__", None)
+            seen += 1
+    return None
+
+
+def conversion_of(model: torch.nn.Module) -> Optional[Conversion]:
+    """The :class:`~converter.api.Conversion` behind an applied model (None: not applied)."""
+    forward = converted_forward(model)
+    return forward.conversion if forward is not None else None
+
+
+def restore(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo :func:`apply`: the model's forward is its own again (weights as trained). Returns ``model``."""
+    forward = model.__dict__.get("forward")
+    if isinstance(forward, ConvertedForward):
+        del model.__dict__["forward"]
+        if forward.instance_forward is not None:
+            model.forward = forward.instance_forward
+    elif converted_forward(model) is not None:
+        raise InPlaceError(f"cannot restore {type(model).__name__}: another library wrapped its converted forward since "
+                         "apply(); restore it before wrapping (e.g. before accelerate.prepare or Trainer)")
+    return model
+
+
+def _named_arguments(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict:
+    """Every forward argument by name, defaults applied, ``**kwargs`` flattened into the rest."""
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    named = {}
+    for name, value in bound.arguments.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            if value:
+                named[name] = tuple(value)
+        else:
+            named[name] = value
+    return named
+
+
+def _advertised(signature: inspect.Signature, example: dict) -> inspect.Signature:
+    """The forward's signature without ``**kwargs`` when the example passed nothing through it: the
+    graph takes only what it was captured with, and callers that look for ``**kwargs`` (HF Trainer's
+    ``num_items_in_batch``) then do not pass arguments that would make every call fall back."""
+    named = set(signature.parameters)
+    keep = [p for p in signature.parameters.values()
+            if p.kind is not inspect.Parameter.VAR_KEYWORD or any(name not in named for name in example)]
+    return signature.replace(parameters=keep)
+
+
+def _same_constant(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if type(a) is not type(b) or not isinstance(a, (bool, int, float, str, bytes, torch.dtype, torch.device)):
+        return False
+    return a == b
+
+
+class _Graphs:
+    """The converted graph, and copies of it for other devices (sharing every tensor)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, device: torch.device):
+        self.home = device
+        self.by_device = {device: gm}
+
+    def get(self, device: torch.device) -> torch.fx.GraphModule:
+        if device not in self.by_device:
+            base = self.by_device[self.home]
+            graph = copy.deepcopy(base.graph)
+            home = self.home
+
+            def move(value):
+                return device if isinstance(value, torch.device) and value == home else value
+
+            for node in graph.nodes:
+                node.args = torch.fx.node.map_aggregate(node.args, move)
+                node.kwargs = torch.fx.node.map_aggregate(node.kwargs, move)
+            moved = torch.fx.GraphModule(base, graph, type(base).__name__)
+            moved.meta.update(base.meta)
+            self.by_device[device] = moved
+        return self.by_device[device]
+
+
+class ConvertedForward:
+    """The ``forward`` that :func:`apply` puts on the model instance (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, conversion: Conversion, *, original: Any = None):
+        self.model = model
+        self.conversion = conversion
+        self.instance_forward = original  # an instance attribute forward the model had before, if any
+        self.original = original if original is not None else type(model).forward.__get__(model)
+        self._binder = inspect.signature(self.original)
+        self.__doc__ = getattr(self.original, "__doc__", None)
+        args, kwargs = conversion.example_inputs
+        self._positional = len(args)
+        self._example = _named_arguments(self._binder, args, kwargs)
+        self.__signature__ = _advertised(self._binder, self._example)
+        self._captured_keys = (tuple(self._example)[: self._positional], tuple(kwargs))
+        self._dynamic = dict(conversion.report.extra.get("dynamic_dims") or {})
+        self._all_dynamic = conversion.tracer == "fx"  # symbolic_trace records no sizes
+        modes = str(conversion.report.extra.get("modes") or "")
+        self._frozen = "train" if modes.startswith("frozen in train") else "eval" if modes.startswith("frozen in eval") else None
+        self._warned: set[str] = set()
+        #: how many calls ran the converted graph and how many the original forward
+        self.calls = {"converted": 0, "fallback": 0}
+        gm = conversion.module
+        self._graphs = _Graphs(gm, self._device() or torch.device("cpu"))
+        self._bind(gm)
+        own = {id(p) for p in model.parameters()}
+        foreign = [name for name, p in gm.named_parameters() if id(p) not in own]
+        if foreign:
+            raise InPlaceError(
+                f"cannot convert {type(model).__name__} in place: the converted graph's parameters "
+                f"{', '.join(foreign[:3])} have no counterpart of the same name in the model, so training would not "
+                "update them; use converter.convert(...).module instead")
+
+    # -- calling -----------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        why = self._mismatch(args, kwargs)
+        if why is not None:
+            return self._fallback(why, args, kwargs)
+        gm = self._graphs.get(self._device() or self._graphs.home)
+        missing = self._bind(gm)
+        if missing:
+            return self._fallback(f"a model whose structure changed since apply() (it has no {', '.join(missing[:3])}; "
+                                  "call converter.apply again)", args, kwargs)
+        self.calls["converted"] += 1
+        named = _named_arguments(self._binder, args, kwargs)
+        positional, keywords = self._captured_keys
+        call_args = tuple(named[name] for name in positional)
+        call_kwargs = {name: named[name] for name in keywords}
+        device_type = _autocast_type(self._graphs.home if self._device() is None else self._device())
+        if torch.is_autocast_enabled(device_type):
+            with torch.autocast(device_type=device_type, enabled=False):
+                return gm(*call_args, **call_kwargs)
+        return gm(*call_args, **call_kwargs)
+
+    def _fallback(self, why: str, args: tuple, kwargs: dict) -> Any:
+        if why not in self._warned:
+            self._warned.add(why)
+            warnings.warn(
+                f"mpconvert: {type(self.model).__name__}.forward was called with {why}; running the original fp32 "
+                "forward for this call (pass such inputs to converter.apply to convert them)",
+                FallbackWarning, stacklevel=3)
+        self.calls["fallback"] += 1
+        return self.original(*args, **kwargs)
+
+    def _device(self) -> Optional[torch.device]:
+        for tensor in self.model.parameters():
+            return tensor.device
+        for tensor in self.model.buffers():
+            return tensor.device
+        return None
+
+    def _bind(self, gm: torch.fx.GraphModule) -> list[str]:
+        """Point ``gm`` at the model's current parameters and buffers, and copy its train/eval flags.
+
+        Returns the graph's tensors that the model no longer has (its structure changed)."""
+        modules = dict(self.model.named_modules(remove_duplicate=False))
+        missing = []
+        for path, sub in gm.named_modules(remove_duplicate=False):
+            owner = modules.get(path)
+            if owner is None:
+                missing.extend(f"{path}.{name}" for name in sub._parameters)
+                continue
+            sub.training = owner.training
+            for table in ("_parameters", "_buffers"):
+                mine, theirs = getattr(sub, table), getattr(owner, table)
+                for name, value in mine.items():
+                    if name not in theirs:
+                        missing.append(f"{path}.{name}" if path else name)
+                    elif theirs[name] is not value:
+                        mine[name] = theirs[name]
+        gm.training = self.model.training
+        return missing
+
+    def _mismatch(self, args: tuple, kwargs: dict) -> Optional[str]:
+        """Why the captured graph cannot run this call (None: it can)."""
+        if self._frozen is not None and self.model.training != (self._frozen == "train"):
+            return f"the model in {'train' if self.model.training else 'eval'} mode (the graph is frozen in {self._frozen} mode)"
+        try:
+            named = _named_arguments(self._binder, args, kwargs)
+        except TypeError as exc:
+            return f"arguments the forward does not take ({exc})"
+        extra = sorted(set(named) - set(self._example))
+        if extra:
+            return f"argument(s) {', '.join(extra)} that the graph was not captured with"
+        missing = sorted(set(self._example) - set(named))
+        if missing:
+            return f"argument(s) {', '.join(missing)} missing"
+        for name, want in self._example.items():
+            why = self._value_mismatch(name, want, named[name])
+            if why is not None:
+                return why
+        return None
+
+    def _value_mismatch(self, name: str, want: Any, got: Any) -> Optional[str]:
+        want_leaves, want_spec = pytree.tree_flatten_with_path(want)
+        got_leaves, got_spec = pytree.tree_flatten_with_path(got)
+        if want_spec != got_spec:
+            return f"{name} of another structure ({type(got).__name__}) than the captured {type(want).__name__}"
+        for (path, w), (_, g) in zip(want_leaves, got_leaves):
+            label = name + pytree.keystr(path)
+            if isinstance(w, torch.Tensor) and isinstance(g, torch.Tensor):
+                if w.dtype != g.dtype or w.dim() != g.dim():
+                    return f"{label} as {g.dtype} of rank {g.dim()} (captured: {w.dtype} of rank {w.dim()})"
+                if self._all_dynamic:
+                    continue
+                dynamic = self._dynamic.get(label, ())  # an input it does not list is static
+                fixed = [i for i in range(w.dim()) if i not in dynamic and w.shape[i] != g.shape[i]]
+                if fixed:
+                    return f"{label} of shape {tuple(g.shape)} (dims {fixed} are static, captured {tuple(w.shape)})"
+            elif not _same_constant(w, g):
+                return f"{label}={_short_repr(g)} (captured with {_short_repr(w)})"
+        return None
+
+
+def _autocast_type(device: torch.device) -> str:
+    return device.type if device.type in ("cuda", "cpu", "xpu", "mps", "hpu") else "cpu"
+
+
+def _short_repr(value: Any) -> str:
+    text = repr(value) if not isinstance(value, torch.Tensor) else f"tensor{tuple(value.shape)}"
+    return text if len(text) <= 40 else type(value).__name__
