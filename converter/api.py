@@ -9,7 +9,8 @@
     conv.save("out/")    # the artifacts of DESIGN §7
 
 Stages (one module each, talking only through ``node.meta``): capture → decide → lower → place
-→ rewrite → fp32_math → report. When a stage fails, the error names it and the stages that ran before it.
+→ rewrite → fp32_math → check (one forward on the example inputs; a failure names the node) →
+report. When a stage fails, the error names it and the stages that ran before it.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from converter.passes.fp32_math import DEFAULT_FP32_MATH, fp32_math
 from converter.passes.lower import lower
 from converter.passes.rewrite import rewrite
 from converter.passes.simplify import fold_counts, simplify
+from converter.passes.verify import check_forward
 from converter.report.build import Report, build_report
 from converter.rules.loader import Rules, load_rules
 
@@ -246,6 +248,10 @@ def _pipeline(model, example_inputs, *, settings: PlaceSettings, rules, tracer, 
     if codegen:
         captured.gm = gm = _run_stage("codegen", done, materialize, gm)
         timings["codegen_s"] = time.perf_counter() - t2
+        t3 = time.perf_counter()
+        # never hand back a module whose example forward fails: the error names the node
+        _run_stage("check", done, check_forward, gm, captured.args, captured.kwargs)
+        timings["check_s"] = time.perf_counter() - t3
     return captured, rule_set, target, timings
 
 

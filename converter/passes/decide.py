@@ -3,19 +3,40 @@
 Writes ``node.meta["mp"]`` (:class:`~converter.meta.Decision`). ``half`` is resolved to the
 target dtype here; ``follow`` and ``promote`` are left for :mod:`converter.place`. A node that no
 rule matches stays fp32 and is marked ``unmatched`` — never lowered silently.
+
+Constants that half cannot hold: a node whose scalar *value* argument (a ``masked_fill``/``fill``
+value, a ``clamp`` bound, an added or multiplied constant, a ``full``/``where`` value) lies beyond
+the largest finite number of the half dtype it would run in stays fp32 (rule
+``<builtin>:[builtin].constant-range``; the reason names the constant and the dtype). In half,
+``masked_fill`` refuses such a value, and the arithmetic ops turn it into ±inf — which changes the
+meaning of Hugging Face's ``torch.finfo(torch.float32).min`` masks: a fully masked row gives NaN
+instead of a uniform softmax. The tensor such a node produces may hold the constant, so the
+``follow``/``promote``/alias nodes that read it stay fp32 too, up to the next node that a rule
+fixes (typically the fp32 ``softmax``), instead of casting the constant to ±inf.
 """
 from __future__ import annotations
 
+import math
+
+import torch
 import torch.fx
 
+from converter.ir.errors import MpconvertError
 from converter.ir.graphmodule import pauses_gc
-from converter.ir.meta import BUILTIN, Decision, RuleRef, name_of
+from converter.ir.meta import BUILTIN, META_DECISION, META_INFO, Decision, RuleRef, name_of
 from converter.rules.loader import Rules
 from converter.rules.precedence import DEFAULT_LEVEL, PRECEDENCE, SCOPED_LEVELS
-from converter.ir.meta import META_DECISION, META_INFO
-from converter.ir.errors import MpconvertError
 
-__all__ = ["decide", "BannedOpError", "decision_reason"]
+__all__ = ["CONSTANT_RANGE_RULE", "VALUE_SCALAR_OPS", "BannedOpError", "decide", "decision_reason", "overflowing_constant"]
+
+#: ops whose scalar arguments are values written to or combined with the tensor (not sizes or dims)
+VALUE_SCALAR_OPS = frozenset({
+    "masked_fill", "fill", "full", "full_like", "new_full", "scalar_tensor", "index_fill", "where", "clamp",
+    "clamp_min", "clamp_max", "clip", "hardtanh", "threshold", "add", "sub", "rsub", "mul", "div", "maximum",
+    "minimum", "fmax", "fmin", "lerp", "addcmul", "addcdiv", "nan_to_num",
+})
+CONSTANT_RANGE_RULE = RuleRef(BUILTIN, "builtin", "constant-range")
+_HALF_MAX = {"fp16": torch.finfo(torch.float16).max, "bf16": torch.finfo(torch.bfloat16).max}
 
 
 class BannedOpError(MpconvertError, ValueError):
@@ -28,56 +49,111 @@ def decision_reason(level: str, pattern: str, file: str, reason: str, scope: str
     return f"{base}: {reason}" if reason else base
 
 
+def _scalars(value):
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _scalars(v)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        yield value
+
+
+def overflowing_constant(node: torch.fx.Node, op: str, dtype_name: str) -> float | None:
+    """The first finite scalar value argument of ``node`` that ``dtype_name`` (fp16/bf16) cannot hold."""
+    limit = _HALF_MAX.get(dtype_name)
+    if limit is None or op not in VALUE_SCALAR_OPS:
+        return None
+    for value in _scalars((node.args, tuple(node.kwargs.values()))):
+        if math.isfinite(value) and abs(value) > limit:
+            return value
+    return None
+
+
+def _keep_for_constant(node: torch.fx.Node, decision: Decision, target: str, tainted: dict) -> Decision:
+    """Keep ``node`` in fp32 when it holds, or reads a tensor that may hold, a constant the half dtype
+    it would run in cannot represent; records in ``tainted`` the nodes whose output may hold one."""
+    movable = decision.requested in ("follow", "promote")
+    runs_in = decision.precision if decision.precision in _HALF_MAX else (target if movable else None)
+    value = overflowing_constant(node, node.meta[META_INFO].op, runs_in or target)
+    if value is not None:
+        tainted[node] = f"{node.name!r} holds the constant {value:.6g}"
+        if runs_in is None:  # fp32 or a dtype the model fixes: unchanged, but its output carries the constant
+            return decision
+        sign = "-" if value < 0 else "+"
+        return decision.replace(precision="fp32", requested="fp32", rule=CONSTANT_RANGE_RULE, reason=(
+            f"the constant {value:.6g} does not fit in {runs_in} (largest finite {_HALF_MAX[runs_in]:.6g}): kept in "
+            f"fp32 (in {runs_in} it fails or becomes {sign}inf)"))
+    source = next((tainted[a] for a in node.all_input_nodes if a in tainted), None)
+    if source is None:
+        return decision
+    if decision.requested == "alias":  # shares its producer's precision; carries the constant on
+        if node.args and node.args[0] in tainted:
+            tainted[node] = source
+        return decision
+    if not movable:
+        return decision
+    tainted[node] = source
+    return decision.replace(precision="fp32", requested="fp32", rule=CONSTANT_RANGE_RULE, reason=(
+        f"reads a tensor that may hold a constant beyond {target}'s range ({source}): kept in fp32 rather than "
+        f"cast to {target}, where it would become inf"))
+
+
 @pauses_gc
 def decide(gm: torch.fx.GraphModule, rules: Rules, *, precision: str) -> None:
     """Annotate every call node of ``gm`` with a :class:`Decision` (see module docstring)."""
+    tainted: dict[torch.fx.Node, str] = {}
     for node in gm.graph.nodes:
-        info = node.meta.get(META_INFO)
-        if info is None or node.op in ("placeholder", "get_attr", "output") or info.kind == "passive":
-            continue
-        matches = tuple(rules.matches_for(node=node.name, op=info.op, module_stack=info.module_stack))
-        if info.kind == "fixed":
-            node.meta[META_DECISION] = Decision(
-                precision=name_of(info.fixed_dtype),
-                requested="fixed",
-                rule=RuleRef(BUILTIN, "builtin", "fixed-dtype"),
-                reason=info.why,
-                matches=matches,
-            )
-            continue
-        if info.kind == "alias":
-            node.meta[META_DECISION] = Decision(
-                precision="alias",
-                requested="alias",
-                rule=RuleRef(BUILTIN, "builtin", "alias"),
-                reason=info.why,
-                matches=matches,
-            )
-            continue
-        if not matches:
-            node.meta[META_DECISION] = Decision(
-                precision="fp32",
-                requested="fp32",
-                rule=RuleRef(BUILTIN, "default"),
-                reason=f"no rule matches op {info.op!r}: kept in fp32 (never lowered silently)",
-                unmatched=True,
-            )
-            continue
-        win = matches[0]
-        ban = next((m for m in matches if m.precision == "banned"), None)
-        if ban is not None and (win.level_name != PRECEDENCE[0] or win.precision == "banned"):  # a node rule may lift a ban
-            message = rules.rule_for(ban).message
-            raise BannedOpError(f"node {node.name!r} (op {info.op}) is banned by {ban.rule}: {message}")
-        # tf32 is fp32 storage (placement and rewrite treat it as fp32); fp32_math scopes its math
-        resolved = precision if win.precision == "half" else "fp32" if win.precision == "tf32" else win.precision
-        reason = decision_reason(win.level_name, win.rule.pattern, win.rule.file, win.reason, win.scope)
-        if win.level_name == DEFAULT_LEVEL:
-            reason = f"no rule matches op {info.op!r}: {win.rule.file} default is {win.precision}"
+        _decide_node(node, rules, precision)
+        if META_DECISION in node.meta:
+            node.meta[META_DECISION] = _keep_for_constant(node, node.meta[META_DECISION], precision, tainted)
+
+
+def _decide_node(node: torch.fx.Node, rules: Rules, precision: str) -> None:
+    info = node.meta.get(META_INFO)
+    if info is None or node.op in ("placeholder", "get_attr", "output") or info.kind == "passive":
+        return
+    matches = tuple(rules.matches_for(node=node.name, op=info.op, module_stack=info.module_stack))
+    if info.kind == "fixed":
         node.meta[META_DECISION] = Decision(
-            precision=resolved,
-            requested=win.precision,
-            rule=win.rule,
-            reason=reason,
+            precision=name_of(info.fixed_dtype),
+            requested="fixed",
+            rule=RuleRef(BUILTIN, "builtin", "fixed-dtype"),
+            reason=info.why,
             matches=matches,
-            unmatched=win.level_name == DEFAULT_LEVEL,
         )
+        return
+    if info.kind == "alias":
+        node.meta[META_DECISION] = Decision(
+            precision="alias",
+            requested="alias",
+            rule=RuleRef(BUILTIN, "builtin", "alias"),
+            reason=info.why,
+            matches=matches,
+        )
+        return
+    if not matches:
+        node.meta[META_DECISION] = Decision(
+            precision="fp32",
+            requested="fp32",
+            rule=RuleRef(BUILTIN, "default"),
+            reason=f"no rule matches op {info.op!r}: kept in fp32 (never lowered silently)",
+            unmatched=True,
+        )
+        return
+    win = matches[0]
+    ban = next((m for m in matches if m.precision == "banned"), None)
+    if ban is not None and (win.level_name != PRECEDENCE[0] or win.precision == "banned"):  # a node rule may lift a ban
+        message = rules.rule_for(ban).message
+        raise BannedOpError(f"node {node.name!r} (op {info.op}) is banned by {ban.rule}: {message}")
+    # tf32 is fp32 storage (placement and rewrite treat it as fp32); fp32_math scopes its math
+    resolved = precision if win.precision == "half" else "fp32" if win.precision == "tf32" else win.precision
+    reason = decision_reason(win.level_name, win.rule.pattern, win.rule.file, win.reason, win.scope)
+    if win.level_name == DEFAULT_LEVEL:
+        reason = f"no rule matches op {info.op!r}: {win.rule.file} default is {win.precision}"
+    node.meta[META_DECISION] = Decision(
+        precision=resolved,
+        requested=win.precision,
+        rule=win.rule,
+        reason=reason,
+        matches=matches,
+        unmatched=win.level_name == DEFAULT_LEVEL,
+    )

@@ -12,6 +12,8 @@
 * Parameters stay fp32 and are cast in the graph (O1); ``gm.meta["mp_param_dtypes"]`` records the
   dtype each parameter may be stored in for O2 (half only if every consumer wants that half dtype).
 * Graph outputs get their original dtype back when ``keep_io_types``.
+* ``aten._assert_tensor_metadata`` checks that torch.export records (before a ``.to()``) are kept
+  true: their expected dtype becomes the tensor's dtype after the rewrite.
 
 Every inserted cast carries a :class:`~converter.meta.CastRecord` naming the rule that made it
 necessary.
@@ -125,9 +127,12 @@ def rewrite(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, check: Opti
         info: Optional[NodeInfo] = node.meta.get(META_INFO)
         if info is None or info.kind == "cast":
             continue
+        if node.target is _ASSERT_METADATA:
+            _retarget_metadata_assert(node, cache)
+            continue
         if node.op == "output":
             if keep_io_types:
-                def back(arg):
+                def back(arg, output=node):
                     if not isinstance(arg, torch.fx.Node):
                         return arg
                     value = arg.meta.get(META_VALUE)
@@ -136,7 +141,7 @@ def rewrite(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, check: Opti
                     now = runtime_dtype(arg, cache)
                     if now is None or now == value.dtype:
                         return arg
-                    return get_cast(arg, value.dtype, node, RuleRef(BUILTIN, "builtin", "keep_io_types"),
+                    return get_cast(arg, value.dtype, output, RuleRef(BUILTIN, "builtin", "keep_io_types"),
                                     f"graph output {arg.name!r} keeps its original {name_of(value.dtype)} (keep_io_types)")
                 node.args = map_arg(node.args, back)
             continue
@@ -171,6 +176,19 @@ def rewrite(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, check: Opti
     if check if check is not None else os.environ.get("MPCONVERT_CHECK") == "1":
         graph.lint()
     gm.recompile()
+
+
+_ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
+
+
+def _retarget_metadata_assert(node: torch.fx.Node, cache: dict) -> None:
+    """export's ``_assert_tensor_metadata(x, dtype=fp32)`` must expect the dtype ``x`` now has."""
+    src = node.args[0] if node.args else None
+    if not isinstance(src, torch.fx.Node) or node.kwargs.get("dtype") is None:
+        return
+    have = runtime_dtype(src, cache)
+    if have is not None and have != node.kwargs["dtype"]:
+        node.kwargs = {**node.kwargs, "dtype": have}
 
 
 def _share_casts_with_promotes(native: list, casts: dict, cache: dict) -> None:
