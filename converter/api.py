@@ -34,6 +34,7 @@ from converter.passes.decide import decide
 from converter.passes.fp32_math import DEFAULT_FP32_MATH, fp32_math
 from converter.passes.lower import lower
 from converter.passes.rewrite import rewrite
+from converter.passes.simplify import fold_counts, simplify
 from converter.passes.verify import check_forward
 from converter.report.build import Report, build_report
 from converter.rules.loader import Rules, load_rules
@@ -211,8 +212,9 @@ def _run_stage(name: str, done: list[str], fn, *args, **kwargs):
 
 def _pipeline(model, example_inputs, *, settings: PlaceSettings, rules, tracer, calibration=None,
               calibration_options: Optional[CalibrationOptions] = None, device=None, codegen=True,
-              dynamic: bool = True, dynamic_shapes: Any = None):
-    """capture → decide → lower → place → (calibrate) → rewrite → fp32_math → (codegen), placing with ``settings``."""
+              dynamic: bool = True, dynamic_shapes: Any = None, simplify_graph: bool = True):
+    """capture → decide → lower → place → (calibrate) → rewrite → simplify → fp32_math → (codegen), placing
+    with ``settings``; ``simplify_graph=False`` keeps the no-op nodes (benchmarks/graph_step.py times both)."""
     target = settings.target
     rule_set = load_rules(rules)
     done: list[str] = []
@@ -236,6 +238,8 @@ def _pipeline(model, example_inputs, *, settings: PlaceSettings, rules, tracer, 
         _run_stage("calibrate", done, calibrate_and_redecide, gm, calibration, rules=rule_set, settings=settings,
                    options=calibration_options or CalibrationOptions())
     _run_stage("rewrite", done, rewrite, gm, keep_io_types=settings.keep_io_types)
+    if simplify_graph:
+        gm.meta[GM_GRAPH].extra.update(simplified=_run_stage("simplify", done, simplify, gm))
     math_setting = rule_set.setting("fp32_math", DEFAULT_FP32_MATH)
     regions = _run_stage("fp32_math", done, fp32_math, gm, setting=math_setting)
     gm.meta[GM_GRAPH].extra.update(fp32_math=math_setting, fp32_math_regions=regions)
@@ -257,7 +261,8 @@ def _report(captured: Captured, rule_set: Rules, target: str, timings: dict, *, 
                         extra={"capture_errors": captured.errors, "timings": timings, "opt_level": opt_level,
                                "device": device, "lowered": list(gm.meta[GM_GRAPH].extra.get("lowered", ())),
                                "dynamic_dims": captured.dynamic_dims, "shapes": captured.shapes_note,
-                               "modes": captured.modes})
+                               "modes": captured.modes,
+                               "simplified": fold_counts(gm.meta[GM_GRAPH].extra.get("simplified", ()))})
 
 
 def convert(

@@ -118,8 +118,8 @@ class MetaKey:
     """One entry of the meta contract: where the key lives, what it holds, who writes and reads it.
 
     ``writers`` and ``readers`` name stages (``capture``, ``decide``, ``lower``, ``place``,
-    ``rewrite``, ``verify``, ``calibrate``, ``search``, ``measure``, ``report``, ``export``, ``train``,
-    ``api``, ``cli``, ``ir``); ``tests/test_ir_contract.py`` checks them against the code.
+    ``rewrite``, ``simplify``, ``verify``, ``calibrate``, ``search``, ``measure``, ``report``, ``export``,
+    ``train``, ``api``, ``cli``, ``ir``); ``tests/test_ir_contract.py`` checks them against the code.
     """
 
     key: str
@@ -132,15 +132,16 @@ class MetaKey:
 
 CONTRACT: tuple[MetaKey, ...] = (
     MetaKey(META_INFO, "node", "NodeInfo", ("capture", "lower", "rewrite"),
-            ("decide", "place", "calibrate", "search", "measure", "fp32_math", "report", "export", "train", "api", "verify"),
+            ("decide", "place", "calibrate", "search", "measure", "fp32_math", "report", "export", "train", "api",
+             "verify", "simplify"),
             "what capture learned: op, module, kind, outputs (lower and rewrite describe the nodes they make)"),
     MetaKey(META_DECISION, "node", "Decision", ("decide", "lower", "place", "calibrate"),
             ("rewrite", "fp32_math", "search", "measure", "report", "export", "api", "verify"),
             "the node's precision and its provenance; later stages amend it with Decision.noted"),
-    MetaKey(META_CAST, "node", "CastRecord", ("rewrite",), ("measure", "report", "export", "train", "api"),
+    MetaKey(META_CAST, "node", "CastRecord", ("rewrite",), ("measure", "report", "export", "train", "api", "simplify"),
             "on every cast node: what it converts and which rule made it necessary"),
     MetaKey(META_VALUE, "node", "TensorSpec | tuple | torch.dtype | str", ("capture", "lower", "rewrite"),
-            ("ir", "place", "calibrate", "report", "export"),
+            ("ir", "place", "calibrate", "report", "export", "simplify"),
             "shape propagation: a TensorSpec per tensor (tuples for containers), a dtype, or a type name"),
     MetaKey(META_STATS, "node", "converter.numerics.stats.NodeStats", ("calibrate",), (),
             "forward (and gradient) statistics over the calibration inputs"),

@@ -1,0 +1,106 @@
+"""Graph-side overhead (issue 18 item 4): the converted module with and without the simplify pass.
+
+Same model, step and clock as ``benchmarks/trainer_step.py`` (``nn.TransformerEncoder`` d128, 4
+heads, ff 256, 2 layers, B2×T16, dropout 0, bf16, SGD lr 1e-4 momentum 0.9, one torch thread,
+thread CPU clock, interleaved medians). Variants:
+
+* ``autocast`` — the original model under ``torch.autocast("cpu", dtype=bfloat16)``, plain SGD;
+* ``O1`` / ``O2`` — ``converter.convert(..., opt_level=...)`` driven by ``MixedPrecisionTrainer``
+  (``master_weights`` for O2), with the simplify pass (what ``convert`` does);
+* ``O1_raw`` / ``O2_raw`` — the same conversion with the simplify pass switched off
+  (``converter.api._pipeline(simplify_graph=False)``): the before of the before/after.
+
+Run: ``python benchmarks/graph_step.py [--rounds 200] [--device-lowering cpu|none] [--json out.json]``.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import interleaved, machine_info, summarize  # noqa: E402
+from benchmarks.trainer_step import _encoder, _sgd  # noqa: E402
+from converter.api import _pipeline  # noqa: E402
+from converter.numerics.redecide import PlaceSettings  # noqa: E402
+from converter.train.trainer import MixedPrecisionTrainer  # noqa: E402
+
+__all__ = ["build", "main"]
+
+
+def _convert(model, x, *, level: str, lowering, simplify_graph: bool) -> torch.fx.GraphModule:
+    settings = PlaceSettings(target="bf16", strategy="mincut", keep_io_types=True, opt_level=level)
+    captured, *_ = _pipeline(copy.deepcopy(model), (x,), settings=settings, rules=None, tracer="auto",
+                             device=lowering, simplify_graph=simplify_graph)
+    return captured.gm
+
+
+def build(*, lowering: str | None) -> dict:
+    """name -> step(clock) for the variants, and the node counts of each converted graph."""
+    model, x = _encoder()
+    amp = copy.deepcopy(model)
+    amp_opt = _sgd(amp.parameters())
+
+    def autocast_step(clock) -> None:
+        amp_opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = amp(x)
+        loss = out.float().pow(2).mean()
+        clock.mark("fwd")
+        loss.backward()
+        clock.mark("bwd")
+        amp_opt.step()
+        clock.mark("opt")
+
+    steps, nodes = {"autocast": autocast_step}, {}
+    for level in ("O1", "O2"):
+        for simplify_graph in (True, False):
+            name = level + ("" if simplify_graph else "_raw")
+            module = _convert(model, x, level=level, lowering=lowering, simplify_graph=simplify_graph)
+            nodes[name] = len(module.graph.nodes)
+            trainer = MixedPrecisionTrainer(module, _sgd(module.parameters()), precision="bf16",
+                                            master_weights=level == "O2")
+
+            def step(clock, module=module, trainer=trainer) -> None:
+                trainer.zero_grad()
+                loss = module(x).float().pow(2).mean()
+                clock.mark("fwd")
+                trainer.backward(loss)
+                clock.mark("bwd")
+                trainer.step()
+                clock.mark("opt")
+
+            steps[name] = step
+    return steps, nodes
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--inner", type=int, default=5)
+    parser.add_argument("--device-lowering", choices=("cpu", "none"), default="cpu")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    steps, nodes = build(lowering=None if args.device_lowering == "none" else args.device_lowering)
+    samples = interleaved(steps, rounds=args.rounds, warmup=5, inner=args.inner, clock="cpu")
+    result = {"machine": machine_info(), "lowering": args.device_lowering, "nodes": nodes,
+              "variants": {name: summarize(s) for name, s in samples.items()}}
+    base = result["variants"]["autocast"]["total_ms"]
+    print(f"{'variant':10s} {'nodes':>5s} {'step ms':>8s} {'fwd':>7s} {'bwd':>7s} {'opt':>7s} {'vs autocast':>12s}")
+    for name, entry in result["variants"].items():
+        entry["vs_autocast"] = entry["total_ms"] / base
+        print(f"{name:10s} {nodes.get(name, ''):>5} {entry['total_ms']:8.3f} {entry['fwd_ms']:7.3f} "
+              f"{entry['bwd_ms']:7.3f} {entry['opt_ms']:7.3f} {entry['vs_autocast']:11.3f}x")
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

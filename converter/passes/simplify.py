@@ -1,0 +1,210 @@
+"""simplify: fold the nodes that compute nothing, so the converted module makes fewer Python-level calls.
+
+Runs after *rewrite*, on the final graph. On a small model every node costs a Python call and an
+aten dispatch whatever its size (a few µs), so no-op nodes are a measurable part of a step
+(issue 18 item 4). A node is folded — its uses re-pointed to its input and the node erased — only
+when the graph's own facts prove it is the identity for every input the graph accepts:
+
+* ``dropout``: probability 0, or ``train=False`` (aten/functional dropout and ``nn.Dropout``
+  modules with ``p == 0``): dropout returns its input unchanged then;
+* ``view``/``reshape``/``expand`` to the shape the input already has: the target shape is all
+  literal ints (no symbolic sizes, no ``-1``) equal to the input's recorded shape, so on any other
+  input the original would have failed rather than computed something else;
+* ``contiguous`` of a tensor torch recorded (``node.meta["val"]``, static shape) as contiguous;
+* ``.to(dtype)`` / ``aten.to.dtype`` (not ``_to_copy``, which copies) of a tensor the graph itself
+  fixes to that dtype (a rewrite cast's output, or a node whose code fixes its dtype; never an
+  input or a parameter, whose dtype the caller or the O2 trainer may change); rewrite's inserted
+  casts (their :class:`~converter.ir.meta.CastRecord` says ``inserted``) are never touched.
+
+The module call path is made leaner too: a torch.export graph that calls its own ``_guards_fn``
+(the shape guards) gets ``validate_inputs = False``, which turns off the forward pre-hook that
+flattened the inputs with key paths on every call only to re-check their structure (about 0.1 ms
+a call on the small encoder, ~3 % of its training step); recorded as a ``hook`` fold.
+
+Provenance: :func:`simplify` returns one :class:`Fold` per erased node (what it was, why it was
+the identity); ``convert`` keeps them in the graph meta's ``extra["simplified"]`` and the report's
+``extra`` counts them by kind. Folded nodes are not compute nodes a rule decided on
+(dropout/view/... are precision-neutral), so no decision is lost.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.fx
+
+from converter.ir.meta import META_CAST, META_INFO, META_VALUE, TensorSpec, dtype_of
+
+__all__ = ["Fold", "simplify", "fold_counts"]
+
+_aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Fold:
+    """One erased node: its name, op, what kind of no-op it was and the fact that proved it."""
+
+    node: str
+    op: str
+    kind: str  # dropout | view | contiguous | cast | hook
+    why: str
+
+
+_DROPOUT_ATEN = {_aten.dropout.default, _aten.alpha_dropout.default, _aten.feature_dropout.default,
+                 _aten.feature_alpha_dropout.default}
+_DROPOUT_FN = {torch.nn.functional.dropout, torch.nn.functional.alpha_dropout, torch.nn.functional.dropout1d,
+               torch.nn.functional.dropout2d, torch.nn.functional.dropout3d, torch.dropout}
+_DROPOUT_MODULES = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout)
+_VIEW_ATEN = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default, _aten.expand.default}
+_VIEW_FN = {torch.reshape}
+_VIEW_METHODS = {"view", "reshape", "expand"}
+
+
+def _shape_of(node: Any) -> Optional[tuple]:
+    """The static shape recorded for ``node`` (a single tensor), else None."""
+    if not isinstance(node, torch.fx.Node):
+        return None
+    spec = node.meta.get(META_VALUE)
+    if isinstance(spec, TensorSpec) and all(type(s) is int for s in spec.shape):
+        return tuple(spec.shape)
+    return None
+
+
+def _dtype_of(node: Any) -> Optional[torch.dtype]:
+    """The dtype ``node`` produces on every call, when the graph itself fixes it: a rewrite cast's
+    target, or a node whose own code fixes its dtype (kind ``fixed``). Inputs, parameters (O2
+    stores them in half) and compute nodes (placement picks their dtype) give None."""
+    if not isinstance(node, torch.fx.Node) or node.op not in ("call_function", "call_method", "call_module"):
+        return None
+    record = node.meta.get(META_CAST)
+    if record is not None:
+        return dtype_of(record.dtype)
+    info = node.meta.get(META_INFO)
+    return info.fixed_dtype if info is not None and info.kind == "fixed" else None
+
+
+def _dropout_identity(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Optional[str]:
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        if isinstance(module, _DROPOUT_MODULES) and module.p == 0:
+            return f"{type(module).__name__} with p=0"
+        return None
+    if node.op != "call_function":
+        return None
+    if node.target in _DROPOUT_ATEN:
+        p, train = (list(node.args[1:3]) + [None, None])[:2]
+    elif node.target in _DROPOUT_FN:
+        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("training", node.kwargs.get("train", True))
+        if (len(node.args) > 3 and node.args[3]) or node.kwargs.get("inplace"):
+            return None
+    else:
+        return None
+    if isinstance(p, (int, float)) and not isinstance(p, bool) and p == 0:
+        return "dropout with p=0"
+    if train is False:
+        return "dropout with train=False"
+    return None
+
+
+def _target_shape(node: torch.fx.Node) -> Optional[tuple]:
+    rest = node.args[1:]
+    if len(rest) == 1 and isinstance(rest[0], (list, tuple)):
+        rest = tuple(rest[0])
+    if node.kwargs or not all(type(s) is int and s >= 0 for s in rest):
+        return None
+    return tuple(rest)
+
+
+def _view_identity(node: torch.fx.Node) -> Optional[str]:
+    is_view = ((node.op == "call_function" and (node.target in _VIEW_ATEN or node.target in _VIEW_FN))
+               or (node.op == "call_method" and node.target in _VIEW_METHODS))
+    if not is_view or not node.args:
+        return None
+    src = _shape_of(node.args[0])
+    target = _target_shape(node)
+    if src is not None and target == src and _shape_of(node) == src:
+        return f"{node.target if isinstance(node.target, str) else getattr(node.target, '__name__', node.target)} " \
+               f"to its input's shape {list(src)}"
+    return None
+
+
+def _contiguous_identity(node: torch.fx.Node) -> Optional[str]:
+    is_contig = ((node.op == "call_function" and node.target is _aten.contiguous.default and len(node.args) == 1)
+                 or (node.op == "call_method" and node.target == "contiguous" and len(node.args) == 1))
+    if not is_contig or node.kwargs or not isinstance(node.args[0], torch.fx.Node):
+        return None
+    val = node.args[0].meta.get("val")
+    if isinstance(val, torch.Tensor) and all(type(s) is int for s in val.shape) and val.is_contiguous():
+        return "contiguous of a contiguous tensor"
+    return None
+
+
+def _cast_identity(node: torch.fx.Node) -> Optional[str]:
+    record = node.meta.get(META_CAST)
+    if (record is not None and record.inserted) or node.kwargs or len(node.args) != 2 \
+            or not isinstance(node.args[1], torch.dtype):
+        return None
+    if not ((node.op == "call_method" and node.target == "to")
+            or (node.op == "call_function" and node.target is _aten.to.dtype)):
+        return None
+    if _dtype_of(node.args[0]) == node.args[1]:
+        return f"cast to {node.args[1]} of a tensor already in it"
+    return None
+
+
+def _why(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Optional[tuple[str, str]]:
+    for kind, check in (("dropout", lambda n: _dropout_identity(gm, n)), ("view", _view_identity),
+                        ("contiguous", _contiguous_identity), ("cast", _cast_identity)):
+        why = check(node)
+        if why is not None:
+            return kind, why
+    return None
+
+
+def simplify(gm: torch.fx.GraphModule) -> tuple[Fold, ...]:
+    """Fold the identity nodes of ``gm`` in place (see the module doc); returns what was folded.
+
+    The graph is linted and the module recompiled when anything changed; the parameter-free
+    modules only folded ``call_module`` nodes called (dropout) are deleted.
+    """
+    folds: list[Fold] = []
+    dropped_modules: set[str] = set()
+    for node in list(gm.graph.nodes):
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        found = _why(gm, node)
+        if found is None:
+            continue
+        kind, why = found
+        node.replace_all_uses_with(node.args[0])
+        if node.op == "call_module":
+            dropped_modules.add(node.target)
+        op = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+        folds.append(Fold(node=node.name, op=str(op), kind=kind, why=why))
+        gm.graph.erase_node(node)
+    if getattr(gm, "validate_inputs", False) and hasattr(gm, "_guards_fn"):
+        # torch.export's pre-hook re-flattens the inputs with key paths on every call only to
+        # compare their structure with the exported one; with a _guards_fn in the graph it checks
+        # nothing else (the guards check the shapes), and forward's own signature and pytree
+        # flatten still reject a wrong call
+        gm.validate_inputs = False
+        folds.append(Fold(node="<forward>", op="_check_input_constraints_pre_hook", kind="hook",
+                          why="torch.export's per-call input-structure check (the graph's _guards_fn still checks shapes)"))
+    if any(f.kind != "hook" for f in folds):
+        still_called = {n.target for n in gm.graph.nodes if n.op == "call_module"}
+        for target in sorted(dropped_modules - still_called):  # parameter-free dropout modules
+            gm.delete_submodule(target)
+        gm.graph.lint()
+        gm.recompile()
+    return tuple(folds)
+
+
+def fold_counts(folds: tuple[Fold, ...]) -> dict[str, int]:
+    """kind -> number of folded nodes, for the report."""
+    counts: dict[str, int] = {}
+    for fold in folds:
+        counts[fold.kind] = counts.get(fold.kind, 0) + 1
+    return counts
+

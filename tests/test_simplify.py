@@ -1,0 +1,143 @@
+"""The simplify pass (issue 18 item 4): exactly the identity nodes are folded, with provenance,
+and the folded module computes bit for bit what the unfolded one does."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import converter
+from converter.api import _pipeline
+from converter.ir.meta import GM_GRAPH, META_CAST
+from converter.numerics.redecide import PlaceSettings
+from converter.passes.simplify import Fold, fold_counts
+
+
+def _encoder(p: float, train: bool, d: int = 32):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(d, 4, 2 * d, dropout=p, batch_first=True)
+    return nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False).train(train)
+
+
+def _unsimplified(model, args, **kw):
+    settings = PlaceSettings(target="bf16", strategy="mincut", keep_io_types=True, opt_level=kw.get("opt_level", "O1"))
+    captured, *_ = _pipeline(copy.deepcopy(model), args, settings=settings, rules=None, tracer="auto",
+                             device=kw.get("device"), simplify_graph=False)
+    return captured.gm
+
+
+def _step(module, args):
+    module.zero_grad(set_to_none=True)
+    out = module(*args)
+    out.float().pow(2).mean().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in module.named_parameters()}
+
+
+def _folds(conv) -> tuple[Fold, ...]:
+    return conv.module.meta[GM_GRAPH].extra["simplified"]
+
+
+def _dropouts(gm) -> int:
+    return sum("dropout" in str(n.target) for n in gm.graph.nodes)
+
+
+@pytest.mark.parametrize("train", [True, False])
+@pytest.mark.parametrize("device", [None, "cpu"])
+def test_encoder_identity_dropouts_are_folded_and_nothing_else_changes(train, device):
+    model, args = _encoder(0.0, train), (torch.randn(2, 8, 32),)
+    conv = converter.convert(copy.deepcopy(model), args, precision="bf16", device=device)
+    raw = _unsimplified(model, args, device=device)
+    assert conv.tracer == "export"
+    folds = _folds(conv)
+    # 3 dropouts per layer (attention, feed-forward, residual) × 2 layers, and torch.export's input hook
+    assert fold_counts(folds) == {"dropout": 6, "hook": 1}, folds
+    assert conv.report.extra["simplified"] == {"dropout": 6, "hook": 1}
+    assert {f.why for f in folds if f.kind == "dropout"} == {"dropout with p=0"}
+    assert _dropouts(raw) == 6 and _dropouts(conv.module) == 0
+    assert len(raw.graph.nodes) - len(conv.module.graph.nodes) == 6
+    # every cast rewrite inserted is still there
+    assert sum(META_CAST in n.meta for n in conv.module.graph.nodes) == sum(META_CAST in n.meta for n in raw.graph.nodes)
+    assert conv.module.validate_inputs is False and raw.validate_inputs is True
+    out, grads = _step(conv.module, args)
+    ref, ref_grads = _step(raw, args)
+    assert torch.equal(out, ref)
+    assert all(torch.equal(grads[n], ref_grads[n]) for n in ref_grads)
+    # another batch and length (the batch and sequence dims are captured as dynamic): still the same
+    other = (torch.randn(3, 5, 32),)
+    assert torch.equal(_step(conv.module, other)[0], _step(raw, other)[0])
+    with pytest.raises(AssertionError, match=r"Guard failed: src.size\(\)\[2\] == 32"):  # the guards still run
+        conv.module(torch.randn(2, 8, 33))
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_dropout_with_p_above_zero_is_kept_in_either_mode(train):
+    # the graph follows train()/eval() (its dropouts read self.training), so even one captured
+    # from an eval-mode model must keep them
+    model, args = _encoder(0.1, train), (torch.randn(2, 8, 32),)
+    conv = converter.convert(model, args, precision="bf16")
+    assert fold_counts(_folds(conv)) == {"hook": 1}
+    assert sum(str(n.target) == "aten.dropout.default" for n in conv.module.graph.nodes) == 6
+
+
+class _Views(nn.Module):
+    """FX-captured: literal-shape views, dropout modules and functions, explicit casts."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.drop = nn.Dropout(0.0)
+        self.drop_kept = nn.Dropout(0.2)
+
+    def forward(self, x):
+        h = self.lin(x).reshape(2, 8, 16)  # its own shape: folded
+        h = h.view(16, 16).view(2, 8, 16)  # real reshapes: kept
+        h = h.reshape(-1, 16).reshape(2, 8, 16)  # -1, then a real reshape: kept
+        h = h.expand(2, 8, 16)  # its own shape: folded
+        h = self.drop(h)  # p=0 module: folded
+        h = F.dropout(h, 0.0, True)  # p=0: folded
+        h = F.dropout(h, 0.3, False)  # never in training: folded
+        h = self.drop_kept(h)  # kept (p=0.2, training)
+        h = h.float()  # the model's own cast (bf16 region -> fp32): kept
+        h = h.to(torch.float32)  # of a tensor the graph fixed to fp32: folded
+        w = self.lin.weight.to(torch.float32)  # a parameter (O2 may store it in half): kept
+        y = x.to(torch.float32)  # an input (the caller picks its dtype): kept
+        return h.contiguous() + y + w.sum()  # contiguous: FX records no strides, kept
+
+
+def test_fx_views_dropouts_and_casts_fold_exactly():
+    torch.manual_seed(0)
+    model, args = _Views().train(), (torch.randn(2, 8, 16),)
+    conv = converter.convert(copy.deepcopy(model), args, precision="bf16")
+    raw = _unsimplified(model, args)
+    assert conv.tracer == "fx"
+    folds = _folds(conv)
+    assert [(f.node, f.kind) for f in folds] == [("reshape", "view"), ("expand", "view"), ("drop", "dropout"),
+                                                 ("dropout", "dropout"), ("dropout_1", "dropout"), ("to", "cast")], folds
+    assert folds[4].why == "dropout with train=False"
+    assert len(raw.graph.nodes) - len(conv.module.graph.nodes) == 6
+    assert not hasattr(conv.module, "drop") and hasattr(conv.module, "drop_kept")  # the folded module is gone
+    assert set(conv.module.state_dict()) == set(model.state_dict())
+    kept = {n.name for n in conv.module.graph.nodes}
+    assert {"view", "view_1", "reshape_1", "reshape_2", "float_1", "to_1", "to_2", "contiguous", "drop_kept"} <= kept
+    torch.manual_seed(1)
+    out, grads = _step(conv.module.eval(), args)  # the kept dropout module is the identity in eval
+    ref, ref_grads = _step(raw.eval(), args)
+    assert torch.equal(out, ref) and all(torch.equal(grads[n], ref_grads[n]) for n in ref_grads)
+
+
+def test_o2_trainer_runs_the_simplified_module():
+    from converter.train.trainer import MixedPrecisionTrainer
+
+    model, args = _encoder(0.0, True), (torch.randn(2, 8, 32),)
+    conv = converter.convert(model, args, precision="bf16", opt_level="O2", device="cpu")
+    gm = conv.module
+    trainer = MixedPrecisionTrainer(gm, torch.optim.SGD(gm.parameters(), lr=1e-2), precision="bf16", master_weights=True)
+    losses = []
+    for _ in range(3):
+        trainer.zero_grad()
+        loss = gm(*args).float().pow(2).mean()
+        trainer.backward(loss)
+        trainer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0], losses
