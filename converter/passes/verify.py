@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch
 import torch.fx
 
-from converter.ir.errors import EXIT_INTERNAL, MpconvertError
+from converter.ir.errors import EXIT_CHECK_FAILED, MpconvertError
 from converter.ir.meta import META_DECISION, META_INFO
 from converter.ir.state import preserved_state
 from converter.passes.capture import placeholder_values
@@ -24,9 +24,12 @@ __all__ = ["check_forward", "ForwardCheckError"]
 
 class ForwardCheckError(MpconvertError, RuntimeError):
     """The converted module fails on the example inputs; ``node`` names the failing node (or is None).
-    Exit status 3: the conversion produced it (a rule can work around it, as the message says)."""
 
-    exit_code = EXIT_INTERNAL
+    Exit status 1, a check that failed: every conversion checks its example forward, and the message
+    names the node, its precision and the rule that decided it, and how to pin it to fp32. Exit 3
+    stays for true internal errors (issue 19)."""
+
+    exit_code = EXIT_CHECK_FAILED
 
     def __init__(self, message: str, *, node: Optional[str] = None):
         super().__init__(message)
