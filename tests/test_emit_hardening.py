@@ -339,6 +339,9 @@ def test_load_checks_every_tensor_in_the_weights_file(emitted_mlp, change, messa
 # torchrun
 
 
+_GLOO_START_ABORT = "terminate called without an active exception"
+
+
 def _losses(stdout: str) -> list[float]:
     return [float(m.group(1)) for m in re.finditer(r"^step +\d+  loss (\S+)", stdout, re.M)]
 
@@ -350,9 +353,14 @@ def test_train_py_under_torchrun_matches_one_process(mlp_conv, tmp_path):
     _, out = _emit_mlp(SAMPLES / "mlp.py", tmp_path / "o")
     env = _env(OMP_NUM_THREADS="1")
     common = ["--steps", "3", "--device", "cpu"]
-    ddp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          str(out / "train.py"), *common, "--save", str(tmp_path / "ddp.pt")],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(out / "train.py"), *common, "--save", str(tmp_path / "ddp.pt")]
+    ddp = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    if ddp.returncode != 0 and _GLOO_START_ABORT in ddp.stderr and not _losses(ddp.stdout):
+        # Seen twice in ~40 runs, only on a loaded 2-core machine: a rank aborts inside gloo's start-up
+        # ("terminate called without an active exception") before any step ran. One more launch;
+        # every check below stays as strict, and a second abort fails the test.
+        ddp = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     assert ddp.returncode == 0, ddp.stderr[-4000:]
     one = subprocess.run([sys.executable, str(out / "train.py"), *common, "--accumulation-steps", "2",
                           "--save", str(tmp_path / "one.pt")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
