@@ -1,4 +1,4 @@
-"""Measurement helpers for the mpconvert benchmark suite (DESIGN §8).
+"""Measurement helpers for the mpconvert benchmark suite (benchmarks/README.md).
 
 Everything here measures one thing and is independent of the models and variants in ``run.py``:
 
@@ -6,7 +6,7 @@ Everything here measures one thing and is independent of the models and variants
   ``aten._to_copy`` whose output dtype differs from its input dtype (floating → floating), with
   bytes = input bytes + output bytes (what the cast reads plus what it writes). Dtype-changing
   ``copy_``/``_foreach_copy_`` calls (the O2 trainer's master-grad harvest and master→model copy)
-  are counted separately, as they are not ``_to_copy`` and DESIGN §8 counts ``_to_copy`` only.
+  are counted separately, as they are not ``_to_copy`` and benchmarks/README.md counts ``_to_copy`` only.
 * :class:`SavedTensorMeter` — ``torch.autograd.graph.saved_tensors_hooks`` that sums the bytes of
   the distinct storages autograd saves for backward (parameters and the step's inputs excluded:
   they exist whether or not backward needs them; a half *copy* of a weight is counted).

@@ -2,7 +2,7 @@
 
 The converted graph brackets each run of fp32 matmul/conv nodes with two calls that save, set and
 restore the per-backend fp32 precision (``converter.passes.fp32_math``). This script measures what
-those calls cost on the DESIGN §8 encoders (``nn.TransformerEncoder``, 2 layers, bf16, one
+those calls cost on the benchmarks/README.md encoders (``nn.TransformerEncoder``, 2 layers, bf16, one
 forward + backward step):
 
 * small: d128 h4 ff256, B2×T16;   large: d512 h8 ff2048, B8×T128.

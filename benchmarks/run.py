@@ -1,4 +1,4 @@
-"""mpconvert benchmark suite (issue 9, DESIGN §8): fp32 vs autocast vs converted O1/O2 vs all-half.
+"""mpconvert benchmark suite (issue 9, benchmarks/README.md): fp32 vs autocast vs converted O1/O2 vs all-half.
 
 Run from the repository root::
 
@@ -132,9 +132,9 @@ def _encoder(d_model: int, nhead: int, ff: int, batch: int, seq: int) -> Callabl
 MODELS: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (
-        ModelSpec("encoder_large", "nn.TransformerEncoder d512 h8 ff2048 ×2, B8×T128 (DESIGN §8 large)",
+        ModelSpec("encoder_large", "nn.TransformerEncoder d512 h8 ff2048 ×2, B8×T128 (large)",
                   _encoder(512, 8, 2048, 8, 128)),
-        ModelSpec("encoder_small", "nn.TransformerEncoder d128 h4 ff512 ×2, B2×T16 (DESIGN §8 small)",
+        ModelSpec("encoder_small", "nn.TransformerEncoder d128 h4 ff512 ×2, B2×T16 (small)",
                   _encoder(128, 4, 512, 2, 16), quick=True),
         ModelSpec("cnn", "samples/cnn.py: conv-BN-ReLU ×3, B4 3×16×16 (returns its loss)", _sample("cnn"), quick=True),
         ModelSpec("hf_gpt2", "samples/hf_gpt2.py: HF GPT-2 d64 ×2, B2×T16", _sample("hf_gpt2")),
@@ -347,7 +347,7 @@ def _phased_step(v: Variant, recorder: Any) -> None:
 
 
 def measure_casts(v: Variant) -> dict[str, Any]:
-    """Casts of one step: ``_to_copy`` in fwd and bwd (DESIGN §8), dtype-changing copies anywhere."""
+    """Casts of one step: ``_to_copy`` in fwd and bwd (benchmarks/README.md), dtype-changing copies anywhere."""
     counter = CastCounter()
     _phased_step(v, counter)
     n, b = counter.totals(phases=("fwd", "bwd"))
@@ -529,7 +529,7 @@ def run_model(spec: ModelSpec, *, device: torch.device, half: torch.dtype, optim
 
 # =========================================================================== targets
 def check_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """DESIGN §8 / issue 9 acceptance, evaluated on whatever models were run."""
+    """benchmarks/README.md / issue 9 acceptance, evaluated on whatever models were run."""
     models = results["models"]
     gpu = results["machine"].get("device") == "cuda"
     rows: list[dict[str, Any]] = []
@@ -610,7 +610,7 @@ def to_markdown(results: dict[str, Any]) -> str:
                 f"{'ref' if name == 'fp32' else _f(e['sqnr_db'], '.1f')} | "
                 f"{'ref' if name == 'fp32' else _f(e.get('grad_sqnr_db'), '.1f')} |"
             )
-    lines += ["", "**Targets** (DESIGN §8, issue 9)", "", "| target | model | value | limit | met | detail |",
+    lines += ["", "**Targets** (benchmarks/README.md)", "", "| target | model | value | limit | met | detail |",
               "|---|---|---:|---:|:-:|---|"]
     for t in results.get("targets", []):
         met = "✅" if t["met"] else ("❌" if t["met"] is not None else "–")
