@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import interleaved, machine_info, summarize  # noqa: E402
-from benchmarks.trainer_step import _encoder, _sgd  # noqa: E402
+from benchmarks.trainer_step import _encoder, _sgd, autocast_step  # noqa: E402
 from converter.api import _pipeline  # noqa: E402
 from converter.numerics.redecide import PlaceSettings  # noqa: E402
 from converter.train.trainer import MixedPrecisionTrainer  # noqa: E402
@@ -43,21 +43,7 @@ def _convert(model, x, *, level: str, lowering, simplify_graph: bool) -> torch.f
 def build(*, lowering: str | None) -> dict:
     """name -> step(clock) for the variants, and the node counts of each converted graph."""
     model, x = _encoder()
-    amp = copy.deepcopy(model)
-    amp_opt = _sgd(amp.parameters())
-
-    def autocast_step(clock) -> None:
-        amp_opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = amp(x)
-        loss = out.float().pow(2).mean()
-        clock.mark("fwd")
-        loss.backward()
-        clock.mark("bwd")
-        amp_opt.step()
-        clock.mark("opt")
-
-    steps, nodes = {"autocast": autocast_step}, {}
+    steps, nodes = {"autocast": autocast_step(model, x)}, {}
     for level in ("O1", "O2"):
         for simplify_graph in (True, False):
             name = level + ("" if simplify_graph else "_raw")

@@ -55,6 +55,25 @@ def _sgd(params) -> torch.optim.Optimizer:
     return torch.optim.SGD(list(params), lr=1e-4, momentum=0.9)
 
 
+def autocast_step(model: nn.Module, x: torch.Tensor):
+    """A step(clock) of a plain autocast loop on a copy of ``model``: the reference every variant is timed against."""
+    amp = copy.deepcopy(model)
+    amp_opt = _sgd(amp.parameters())
+
+    def step(clock) -> None:
+        amp_opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = amp(x)
+        loss = out.float().pow(2).mean()
+        clock.mark("fwd")
+        loss.backward()
+        clock.mark("bwd")
+        amp_opt.step()
+        clock.mark("opt")
+
+    return step
+
+
 def _trainer_class_at(ref: str) -> type:
     """``MixedPrecisionTrainer`` as committed at git ``ref`` (to time before/after in one process)."""
     root = Path(__file__).resolve().parent.parent
@@ -75,21 +94,7 @@ def build(*, lowering: str | None, compare_ref: str | None = None) -> dict:
     model, x = _encoder()
     steps = {}
 
-    amp = copy.deepcopy(model)
-    amp_opt = _sgd(amp.parameters())
-
-    def autocast_step(clock) -> None:
-        amp_opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = amp(x)
-        loss = out.float().pow(2).mean()
-        clock.mark("fwd")
-        loss.backward()
-        clock.mark("bwd")
-        amp_opt.step()
-        clock.mark("opt")
-
-    steps["autocast"] = autocast_step
+    steps["autocast"] = autocast_step(model, x)
 
     amp_fe = copy.deepcopy(model)
     amp_fe_opt = torch.optim.SGD(list(amp_fe.parameters()), lr=1e-4, momentum=0.9, foreach=True)
