@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import interleaved, machine_info, summarize  # noqa: E402
-from benchmarks.trainer_step import _encoder, _sgd, autocast_step  # noqa: E402
+from benchmarks.trainer_step import _encoder, _sgd, autocast_step, trainer_step  # noqa: E402
 from converter.api import _pipeline  # noqa: E402
 from converter.numerics.redecide import PlaceSettings  # noqa: E402
 from converter.train.trainer import MixedPrecisionTrainer  # noqa: E402
@@ -51,17 +51,7 @@ def build(*, lowering: str | None) -> dict:
             nodes[name] = len(module.graph.nodes)
             trainer = MixedPrecisionTrainer(module, _sgd(module.parameters()), precision="bf16",
                                             master_weights=level == "O2")
-
-            def step(clock, module=module, trainer=trainer) -> None:
-                trainer.zero_grad()
-                loss = module(x).float().pow(2).mean()
-                clock.mark("fwd")
-                trainer.backward(loss)
-                clock.mark("bwd")
-                trainer.step()
-                clock.mark("opt")
-
-            steps[name] = step
+            steps[name] = trainer_step(module, trainer, x)
     return steps, nodes
 
 

@@ -51,14 +51,15 @@ def _encoder() -> tuple[nn.Module, torch.Tensor]:
     return model, torch.randn(2, 16, 128)
 
 
-def _sgd(params) -> torch.optim.Optimizer:
-    return torch.optim.SGD(list(params), lr=1e-4, momentum=0.9)
+def _sgd(params, *, foreach: bool | None = None) -> torch.optim.Optimizer:
+    return torch.optim.SGD(list(params), lr=1e-4, momentum=0.9, foreach=foreach)
 
 
-def autocast_step(model: nn.Module, x: torch.Tensor):
-    """A step(clock) of a plain autocast loop on a copy of ``model``: the reference every variant is timed against."""
+def autocast_step(model: nn.Module, x: torch.Tensor, *, foreach: bool = False):
+    """A step(clock) of a plain autocast loop on a copy of ``model``: the reference every variant is timed against.
+    ``foreach``: the same SGD with its multi-tensor kernels (torch's CPU default loops per parameter)."""
     amp = copy.deepcopy(model)
-    amp_opt = _sgd(amp.parameters())
+    amp_opt = _sgd(amp.parameters(), foreach=True if foreach else None)
 
     def step(clock) -> None:
         amp_opt.zero_grad(set_to_none=True)
@@ -69,6 +70,21 @@ def autocast_step(model: nn.Module, x: torch.Tensor):
         loss.backward()
         clock.mark("bwd")
         amp_opt.step()
+        clock.mark("opt")
+
+    return step
+
+
+def trainer_step(module: nn.Module, trainer, x: torch.Tensor):
+    """A step(clock) of ``trainer`` training ``module`` on the same loss as :func:`autocast_step`."""
+
+    def step(clock) -> None:
+        trainer.zero_grad()
+        loss = module(x).float().pow(2).mean()
+        clock.mark("fwd")
+        trainer.backward(loss)
+        clock.mark("bwd")
+        trainer.step()
         clock.mark("opt")
 
     return step
@@ -96,21 +112,7 @@ def build(*, lowering: str | None, compare_ref: str | None = None) -> dict:
 
     steps["autocast"] = autocast_step(model, x)
 
-    amp_fe = copy.deepcopy(model)
-    amp_fe_opt = torch.optim.SGD(list(amp_fe.parameters()), lr=1e-4, momentum=0.9, foreach=True)
-
-    def autocast_foreach_step(clock) -> None:
-        amp_fe_opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = amp_fe(x)
-        loss = out.float().pow(2).mean()
-        clock.mark("fwd")
-        loss.backward()
-        clock.mark("bwd")
-        amp_fe_opt.step()
-        clock.mark("opt")
-
-    steps["autocast_fe"] = autocast_foreach_step
+    steps["autocast_fe"] = autocast_step(model, x, foreach=True)
     trainers = {"": MixedPrecisionTrainer}
     if compare_ref is not None:
         trainers[f"@{compare_ref}"] = _trainer_class_at(compare_ref)
@@ -118,17 +120,7 @@ def build(*, lowering: str | None, compare_ref: str | None = None) -> dict:
         conv = convert(copy.deepcopy(model), (x,), precision="bf16", opt_level=level, device=lowering)
         module = conv.module
         trainer = trainer_class(module, _sgd(module.parameters()), precision="bf16", master_weights=level == "O2")
-
-        def trainer_step(clock, module=module, trainer=trainer) -> None:
-            trainer.zero_grad()
-            loss = module(x).float().pow(2).mean()
-            clock.mark("fwd")
-            trainer.backward(loss)
-            clock.mark("bwd")
-            trainer.step()
-            clock.mark("opt")
-
-        steps[level + suffix] = trainer_step
+        steps[level + suffix] = trainer_step(module, trainer, x)
     return steps
 
 
