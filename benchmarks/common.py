@@ -40,6 +40,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from converter.numerics.common import sqnr_db
 
 __all__ = [
+    "encoder",
+    "sgd",
     "CastCounter",
     "CastEvent",
     "OpTimer",
@@ -58,6 +60,24 @@ __all__ = [
 
 MiB = float(1 << 20)
 _aten = torch.ops.aten
+
+
+def encoder(d_model: int, nhead: int, ff: int, batch: int, seq: int) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The benchmark encoder: ``nn.TransformerEncoder``, 2 layers, in train mode, and its input.
+
+    dropout=0: every variant computes the same function, so SQNR measures precision only (dropout
+    masks drawn in different dtypes differ); the train-mode graph is otherwise kept.
+    """
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(d_model, nhead, ff, dropout=0.0, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False).train()
+    torch.manual_seed(1)
+    return model, torch.randn(batch, seq, d_model)
+
+
+def sgd(params, *, foreach: bool | None = None) -> torch.optim.Optimizer:
+    """The optimizer every variant of every benchmark uses (``foreach=True``: torch's multi-tensor kernels)."""
+    return torch.optim.SGD(list(params), lr=1e-4, momentum=0.9, foreach=foreach)
 
 
 def tensor_bytes(t: torch.Tensor) -> int:

@@ -38,7 +38,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import interleaved, machine_info, sqnr_db, summarize  # noqa: E402
+from benchmarks.common import encoder, interleaved, machine_info, sgd, sqnr_db, summarize  # noqa: E402
 from converter import convert  # noqa: E402
 from converter.train.trainer import MixedPrecisionTrainer  # noqa: E402
 
@@ -48,18 +48,6 @@ __all__ = ["MODELS", "build", "graph_breaks", "main"]
 MODELS = {"small": (128, 4, 256, 2, 16), "large": (512, 8, 2048, 8, 128)}
 
 
-def _encoder(d: int, h: int, ff: int, b: int, t: int) -> tuple[nn.Module, torch.Tensor]:
-    torch.manual_seed(0)
-    layer = nn.TransformerEncoderLayer(d, h, ff, dropout=0.0, batch_first=True)
-    model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False).train()
-    torch.manual_seed(1)
-    return model, torch.randn(b, t, d)
-
-
-def _sgd(params) -> torch.optim.Optimizer:
-    return torch.optim.SGD(list(params), lr=1e-4, momentum=0.9)
-
-
 def graph_breaks(module: nn.Module, *args) -> int:
     """Graph breaks ``torch._dynamo.explain`` counts when tracing ``module(*args)``."""
     torch._dynamo.reset()
@@ -67,7 +55,7 @@ def graph_breaks(module: nn.Module, *args) -> int:
 
 
 def _autocast_step(model: nn.Module, x: torch.Tensor, compiled: bool) -> Callable:
-    opt = _sgd(model.parameters())
+    opt = sgd(model.parameters())
 
     def forward(inp):
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -90,7 +78,7 @@ def _autocast_step(model: nn.Module, x: torch.Tensor, compiled: bool) -> Callabl
 
 def _converted_step(model: nn.Module, x: torch.Tensor, level: str, lowering: str | None, compiled: bool) -> Callable:
     module = convert(copy.deepcopy(model), (x,), precision="bf16", opt_level=level, device=lowering).module
-    opt = _sgd(module.parameters())
+    opt = sgd(module.parameters())
     trainer = MixedPrecisionTrainer(module, opt, precision="bf16", master_weights=True) if level == "O2" else None
     fwd = torch.compile(module) if compiled else module
 
@@ -112,7 +100,7 @@ def _converted_step(model: nn.Module, x: torch.Tensor, level: str, lowering: str
 
 def build(name: str, *, lowering: str | None) -> tuple[dict[str, Callable], torch.Tensor]:
     """variant name -> step(clock), and the input."""
-    model, x = _encoder(*MODELS[name])
+    model, x = encoder(*MODELS[name])
     steps: dict[str, Callable] = {}
     for compiled in (False, True):
         suffix = "_compiled" if compiled else ""

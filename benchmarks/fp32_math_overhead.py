@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import converter  # noqa: E402
-from benchmarks.common import interleaved, machine_info, summarize  # noqa: E402
+from benchmarks.common import encoder, interleaved, machine_info, summarize  # noqa: E402
 from converter.passes.fp32_math import mp_fp32_math_enter, mp_fp32_math_exit  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -54,14 +54,6 @@ RULES = {
     "sdpa_fp32": "[op]\nscaled_dot_product_attention = \"fp32\"\n",
     "alternating": "[op]\nlinear = \"fp32\"\nscaled_dot_product_attention = \"tf32\"\n",
 }
-
-
-def _encoder(d_model: int, nhead: int, ff: int, batch: int, seq: int) -> tuple[nn.Module, torch.Tensor]:
-    torch.manual_seed(0)
-    layer = nn.TransformerEncoderLayer(d_model, nhead, ff, dropout=0.0, batch_first=True)
-    model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False).train()
-    torch.manual_seed(1)
-    return model, torch.randn(batch, seq, d_model)
 
 
 def _convert(model: nn.Module, x: torch.Tensor, rules: str, setting: str, tmp: Path) -> torch.fx.GraphModule:
@@ -104,7 +96,7 @@ def run(names: list[str], *, quick: bool, tmp: Path, clock: str) -> dict:
         rounds, inner = cfg.pop("rounds"), cfg.pop("inner")
         if quick:
             rounds = max(5, rounds // 4)
-        model, x = _encoder(**cfg)
+        model, x = encoder(**cfg)
         entry: dict = {"config": {**cfg, "rounds": rounds, "inner": inner}, "rules": {}}
         for rules_name, rules in RULES.items():
             modules, regions = {}, {}

@@ -24,8 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import interleaved, machine_info, summarize  # noqa: E402
-from benchmarks.trainer_step import _encoder, _sgd, autocast_step, trainer_step  # noqa: E402
+from benchmarks.common import encoder, interleaved, machine_info, sgd, summarize  # noqa: E402
+from benchmarks.trainer_step import SMALL, autocast_step, trainer_step  # noqa: E402
 from converter.api import _pipeline  # noqa: E402
 from converter.numerics.redecide import PlaceSettings  # noqa: E402
 from converter.train.trainer import MixedPrecisionTrainer  # noqa: E402
@@ -42,14 +42,14 @@ def _convert(model, x, *, level: str, lowering, simplify_graph: bool) -> torch.f
 
 def build(*, lowering: str | None) -> dict:
     """name -> step(clock) for the variants, and the node counts of each converted graph."""
-    model, x = _encoder()
+    model, x = encoder(*SMALL)
     steps, nodes = {"autocast": autocast_step(model, x)}, {}
     for level in ("O1", "O2"):
         for simplify_graph in (True, False):
             name = level + ("" if simplify_graph else "_raw")
             module = _convert(model, x, level=level, lowering=lowering, simplify_graph=simplify_graph)
             nodes[name] = len(module.graph.nodes)
-            trainer = MixedPrecisionTrainer(module, _sgd(module.parameters()), precision="bf16",
+            trainer = MixedPrecisionTrainer(module, sgd(module.parameters()), precision="bf16",
                                             master_weights=level == "O2")
             steps[name] = trainer_step(module, trainer, x)
     return steps, nodes

@@ -61,6 +61,7 @@ from benchmarks.common import (  # noqa: E402
     MiB,
     OpTimer,
     SavedTensorMeter,
+    encoder,
     first_tensor,
     interleaved,
     machine_info,
@@ -118,13 +119,8 @@ def _sample(name: str) -> Callable[[], tuple[nn.Module, tuple, dict]]:
 
 def _encoder(d_model: int, nhead: int, ff: int, batch: int, seq: int) -> Callable[[], tuple[nn.Module, tuple, dict]]:
     def build():
-        torch.manual_seed(0)
-        # dropout=0: every variant computes the same function, so SQNR measures precision only
-        # (dropout masks drawn in different dtypes differ); the train-mode graph is otherwise kept.
-        layer = nn.TransformerEncoderLayer(d_model, nhead, ff, dropout=0.0, batch_first=True)
-        model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False).train()
-        torch.manual_seed(1)
-        return model, (torch.randn(batch, seq, d_model),), {}
+        model, x = encoder(d_model, nhead, ff, batch, seq)
+        return model, (x,), {}
 
     return build
 

@@ -36,30 +36,21 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import interleaved, machine_info, summarize
+from benchmarks.common import encoder, interleaved, machine_info, sgd, summarize
 from converter import convert
 from converter.train.trainer import MixedPrecisionTrainer
 
-__all__ = ["build", "main"]
+__all__ = ["build", "main", "SMALL", "autocast_step", "trainer_step"]
 
-
-def _encoder() -> tuple[nn.Module, torch.Tensor]:
-    torch.manual_seed(0)
-    layer = nn.TransformerEncoderLayer(128, 4, 256, dropout=0.0, batch_first=True)
-    model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False).train()
-    torch.manual_seed(1)
-    return model, torch.randn(2, 16, 128)
-
-
-def _sgd(params, *, foreach: bool | None = None) -> torch.optim.Optimizer:
-    return torch.optim.SGD(list(params), lr=1e-4, momentum=0.9, foreach=foreach)
+#: the small benchmark encoder: d_model, heads, ff, batch, seq
+SMALL = (128, 4, 256, 2, 16)
 
 
 def autocast_step(model: nn.Module, x: torch.Tensor, *, foreach: bool = False):
     """A step(clock) of a plain autocast loop on a copy of ``model``: the reference every variant is timed against.
     ``foreach``: the same SGD with its multi-tensor kernels (torch's CPU default loops per parameter)."""
     amp = copy.deepcopy(model)
-    amp_opt = _sgd(amp.parameters(), foreach=True if foreach else None)
+    amp_opt = sgd(amp.parameters(), foreach=True if foreach else None)
 
     def step(clock) -> None:
         amp_opt.zero_grad(set_to_none=True)
@@ -107,7 +98,7 @@ def _trainer_class_at(ref: str) -> type:
 
 def build(*, lowering: str | None, compare_ref: str | None = None) -> dict:
     """name -> step(clock) callables for the variants."""
-    model, x = _encoder()
+    model, x = encoder(*SMALL)
     steps = {}
 
     steps["autocast"] = autocast_step(model, x)
@@ -119,7 +110,7 @@ def build(*, lowering: str | None, compare_ref: str | None = None) -> dict:
     for level, (suffix, trainer_class) in itertools.product(("O1", "O2"), trainers.items()):
         conv = convert(copy.deepcopy(model), (x,), precision="bf16", opt_level=level, device=lowering)
         module = conv.module
-        trainer = trainer_class(module, _sgd(module.parameters()), precision="bf16", master_weights=level == "O2")
+        trainer = trainer_class(module, sgd(module.parameters()), precision="bf16", master_weights=level == "O2")
         steps[level + suffix] = trainer_step(module, trainer, x)
     return steps
 
