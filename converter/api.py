@@ -27,6 +27,8 @@ from converter.ir.errors import EXIT_CHECK_FAILED, EXIT_INTERNAL, MpconvertError
 from converter.ir.graphmodule import materialize
 from converter.ir.meta import GM_GRAPH, HALF_NAMES, META_CAST, META_DECISION, META_INFO, Decision, GraphMeta
 from converter.ir.precision import ALIASES, half_precision
+from converter.ir.state import preserved_state
+from converter.numerics.common import output_tensors
 from converter.numerics.options import CalibrationOptions
 from converter.numerics.redecide import PlaceSettings
 from converter.passes.capture import Captured, capture
@@ -71,21 +73,12 @@ class Fp16OverflowError(MpconvertError, ValueError):
 
 
 def _nonfinite(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return value.is_floating_point() and not bool(torch.isfinite(value).all())
-    if isinstance(value, (tuple, list)):
-        return any(_nonfinite(v) for v in value)
-    if isinstance(value, dict):
-        return any(_nonfinite(v) for v in value.values())
-    return False
+    return any(t.is_floating_point() and not bool(torch.isfinite(t).all()) for t in output_tensors(value))
 
 
 def _absmax(value: Any) -> float:
-    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
-        return float(value.detach().abs().max())
-    if isinstance(value, (tuple, list)):
-        return max((_absmax(v) for v in value), default=0.0)
-    return 0.0
+    return max((float(t.detach().abs().max()) for t in output_tensors(value) if t.is_floating_point() and t.numel()),
+               default=0.0)
 
 
 def _first_overflow(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> Optional[tuple[torch.fx.Node, float]]:
@@ -102,7 +95,8 @@ def _first_overflow(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> Opti
     last_use = {inp: i for i, node in enumerate(nodes) for inp in node.all_input_nodes}
     mixed: dict = {}
     ref: dict = {}
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+    # both runs read the same buffers: restore them (a train-mode batch norm would update its statistics twice)
+    with preserved_state(gm), torch.no_grad():
         for i, node in enumerate(nodes):
             if node.op == "output":
                 break

@@ -344,3 +344,17 @@ def test_module_is_a_plain_graphmodule_with_code_generated_once():
     args, kwargs = split_inputs(sample.example_inputs())
     with torch.no_grad():
         assert torch.equal(first_tensor(scripted(*args, **kwargs)), first_tensor(conv.module(*args, **kwargs)))
+
+
+def test_fp16_overflow_check_leaves_batch_norm_statistics_alone():
+    """convert(precision="fp16") runs the converted graph beside its fp32 twin to find overflows; in
+    train mode that must not update the batch-norm statistics of the module it hands back."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 4)).train()
+    conv = converter.convert(model, (torch.randn(2, 3, 8, 8),), precision="fp16")
+    buffers = dict(conv.module.named_buffers())
+    stats = {name: buf for name, buf in buffers.items() if name.endswith(("running_mean", "running_var", "num_batches_tracked"))}
+    assert len(stats) == 3, sorted(buffers)
+    assert int(stats["1.num_batches_tracked"]) == 0, int(stats["1.num_batches_tracked"])
+    assert torch.equal(stats["1.running_mean"], torch.zeros(8)), stats["1.running_mean"]
+    assert torch.equal(stats["1.running_var"], torch.ones(8)), stats["1.running_var"]
