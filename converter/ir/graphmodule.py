@@ -92,7 +92,9 @@ class TwoModeGraphModule(torch.fx.GraphModule):
     reads are non-persistent attributes named ``_eval_*``.
 
     ``copy.deepcopy`` keeps both graphs. Pickling the module object is refused (it would rebuild a
-    one-graph module): save ``state_dict()`` or the emitted model.py instead.
+    one-graph module): save ``state_dict()`` or the emitted model.py instead. Tools that interpret
+    ``graph`` rather than call ``forward`` (``torch.export`` of a GraphModule runs it through
+    ``torch.fx.Interpreter``) see the train graph: :meth:`for_mode` gives a one-graph module.
     """
 
     def __init__(self, root: Any, graph: torch.fx.Graph, class_name: str = "GraphModule", *,
@@ -117,6 +119,18 @@ class TwoModeGraphModule(torch.fx.GraphModule):
     def eval_code(self) -> str:
         """The Python source of the eval-mode forward."""
         return self.__dict__["_eval_code"]
+
+    def for_mode(self, training: bool) -> torch.fx.GraphModule:
+        """A plain GraphModule of one mode's graph over the same tensors (nothing is copied).
+
+        Tools that interpret ``graph`` instead of calling ``forward`` (``torch.export`` of a
+        GraphModule, ``torch.fx.Interpreter``) see the train graph; give them this for eval."""
+        graph = self.graph if training else self.eval_graph
+        module = torch.fx.GraphModule(self, graph, type(self).__name__)
+        module.meta.update(self.meta)
+        _keep_non_persistent(self, module)
+        module.train(training)
+        return module
 
     def recompile(self):  # noqa: D102 - GraphModule.recompile, then the eval forward and the dispatch
         python_code = super().recompile()
