@@ -59,6 +59,7 @@ from converter.ir.graphmodule import new_graph_module
 from converter.ir.meta import META_INFO, META_SOURCE, META_VALUE, NodeInfo, TensorSpec
 from converter.ir.ops import CAST_OPS, NORM_OPS, canonical_op, explicit_dtype, is_inplace
 from converter.passes.modes import make_mode_aware
+from converter.passes.recurrent import RecurrentOps, restore_aten_ops
 from converter.passes.regions import inline_regions
 
 __all__ = ["Captured", "CaptureError", "capture", "normalize_inputs", "annotate", "placeholder_values", "TRACED_THROUGH"]
@@ -295,12 +296,13 @@ def _has_unit_dims(args: tuple, kwargs: dict) -> bool:
 def _export_dynamic(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Shapes):
     """torch.export with dynamic dims (see :func:`capture`); falls back to static shapes, saying why."""
     def run(spec, oblivious=False):
-        if not oblivious:
-            return torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=spec)
         from torch.fx.experimental import _config as fx_config
 
-        with fx_config.patch(backed_size_oblivious=True):
-            return torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=spec)
+        # RecurrentOps: LSTM/GRU/RNN keep their sequence dim dynamic (converter.passes.recurrent)
+        with fx_config.patch(backed_size_oblivious=oblivious), RecurrentOps():
+            ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=spec)
+        restore_aten_ops(ep.graph_module)
+        return ep
 
     if not shapes.dynamic:
         shapes.note = "static shapes requested (dynamic=False / --static)"
