@@ -34,8 +34,20 @@ def _lstm_kernel(input, hx, params, has_biases, num_layers, dropout, train, bidi
     return torch.ops.aten.lstm.input(input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first)
 
 
+def _check_state(input, state, params, num_layers, bidirectional, batch_first, width) -> None:
+    """The size checks aten makes on an initial state (they relate its dims to the input's and the
+    weights', so that export keeps a given state's dims consistent with them)."""
+    batch = input.shape[0] if batch_first else input.shape[1]
+    torch._check(input.shape[-1] == params[0].shape[1], lambda: "input size differs from the RNN's")
+    torch._check(state.shape[0] == num_layers * (2 if bidirectional else 1), lambda: "state has the wrong number of layers")
+    torch._check(state.shape[1] == batch, lambda: "state batch differs from the input's")
+    torch._check(state.shape[2] == width, lambda: "state size differs from the RNN's")
+
+
 def _lstm_fake(input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
-    # h0 is (layers * directions, batch, proj_size or hidden); c0 is (..., hidden)
+    # h0 is (layers * directions, batch, proj_size or hidden); c0 is (..., hidden); w_hh is (4 * hidden, proj or hidden)
+    _check_state(input, hx[0], params, num_layers, bidirectional, batch_first, params[1].shape[1])
+    _check_state(input, hx[1], params, num_layers, bidirectional, batch_first, params[1].shape[0] // 4)
     width = (2 if bidirectional else 1) * hx[0].shape[-1]
     return input.new_empty((*input.shape[:-1], width)), torch.empty_like(hx[0]), torch.empty_like(hx[1])
 
@@ -47,6 +59,7 @@ def _single_state_op(name: str):
         return aten(input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first)
 
     def fake(input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
+        _check_state(input, hx, params, num_layers, bidirectional, batch_first, params[1].shape[1])
         width = (2 if bidirectional else 1) * hx.shape[-1]
         return input.new_empty((*input.shape[:-1], width)), torch.empty_like(hx)
 
