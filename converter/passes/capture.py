@@ -25,6 +25,16 @@ graphs are dynamic by construction. ``Captured.dynamic_dims`` (``report.extra["d
 maps each input (``input_ids``, ``xs[1]``) to its dynamic dims; ``shapes_note`` says how.
 Sizes are never read with ``int(SymInt)``, which would specialise them.
 
+Two kinds of model need help to stay dynamic. LSTM/GRU/RNN: torch computes ``aten.lstm``'s fake
+output with a Python loop over the time steps, which fixes the sequence length; during export they
+run as stand-in ops with loop-free fake kernels (:mod:`converter.passes.recurrent`), and the graph
+gets the aten ops back. Size expressions that blow up: with its image size dynamic, Swin's window
+partition makes 270-400-operation sympy sizes and its export takes 120-250 s on a 2-core CPU (and
+still serves no larger image: its ``min(resolution) <= window`` branch fixes that). A
+:class:`~converter.passes.size_budget.SizeBudget` stops such an export once a size exceeds 32
+operations (the zoo's other models stay at 4 or less), about 4 s in, and capture exports again with
+only dim 0 of every input dynamic (0.8 s), saying so in ``shapes_note``.
+
 **Train and eval.** Both tracers trace the model in *train* mode, where every mode-dependent op is
 recorded with its train-mode arguments, and :mod:`converter.passes.modes` rewrites those arguments
 to read the converted module's ``self.training`` (dropout, batch norm and its batch counter,
