@@ -395,7 +395,7 @@ def test_hf_bert_modes():
 
 
 class _ModeBranch(nn.Module):
-    """Branches on self.training in Python: the graph cannot follow it, so the mode is frozen."""
+    """Branches on self.training in Python: captured as a train graph and an eval graph."""
 
     def __init__(self):
         super().__init__()
@@ -409,12 +409,38 @@ class _ModeBranch(nn.Module):
 
 
 @pytest.mark.parametrize("tracer", ["fx", "export"])
-def test_python_mode_branch_is_frozen_and_reported(tracer):
+def test_python_mode_branch_gets_two_graphs_and_is_reported(tracer):
     model = _ModeBranch().eval()
     x = torch.randn(4, 8)
     conv = converter.convert(model, (x,), tracer=tracer)
     modes = conv.report.extra["modes"]
-    assert modes.startswith("frozen in eval mode") and "self.training" in modes, modes
+    assert modes.startswith("follows train()/eval() with two graphs") and "self.training" in modes, modes
+    with torch.no_grad():
+        db_eval = _sqnr(model.eval()(x), conv.module.eval()(x))
+        db_train = _sqnr(model.train()(x), conv.module.train()(x))
+    assert db_eval > 30 and db_train > 30, f"vs original: eval {db_eval:.1f} dB, train {db_train:.1f} dB"
+
+
+class _LayerDrop(nn.Module):
+    """LayerDrop: a branch on a random number in train mode only, which no graph can record."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if self.training and torch.rand(()) < 0.5:
+            return x
+        return self.fc(x)
+
+
+def test_train_only_data_dependent_branch_is_frozen_and_reported():
+    # export only: symbolic_trace runs torch.rand(()) (no proxy input) eagerly and bakes one branch in
+    model = _LayerDrop().eval()
+    x = torch.randn(4, 8)
+    conv = converter.convert(model, (x,), tracer="export")
+    modes = conv.report.extra["modes"]
+    assert modes.startswith("frozen in eval mode") and "train mode failed" in modes, modes
     with torch.no_grad():
         db = _sqnr(model(x), conv.module(x))
     assert db > 30, f"frozen eval graph vs original eval: {db:.1f} dB"
