@@ -268,3 +268,24 @@ def test_size_budget_names_the_op():
             torch.export.export(_Windows(), (x,), dynamic_shapes={"x": {1: Dim.AUTO}}, strict=False)
     assert isinstance(info.value, size_budget.SizesTooComplex), repr(info.value)
     assert info.value.op == "view" and info.value.ops >= 1, str(info.value)
+
+
+def test_packed_sequences_are_left_to_torch():
+    """RecurrentOps routes only the padded-batch overloads; a packed LSTM call (lstm.data, also 9
+    arguments, hx a tuple) must reach torch unchanged."""
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    from converter.passes.recurrent import RecurrentOps
+
+    torch.manual_seed(0)
+    lstm = nn.LSTM(8, 8, batch_first=True)
+    x = torch.randn(2, 5, 8)
+    packed = pack_padded_sequence(x, torch.tensor([5, 3]), batch_first=True)
+    want = pad_packed_sequence(lstm(packed)[0], batch_first=True)[0]
+    with RecurrentOps():
+        got = pad_packed_sequence(lstm(packed)[0], batch_first=True)[0]
+        padded = lstm(x)[0]
+    assert torch.equal(got, want)
+    # the padded call goes through the stand-in op, which runs aten.lstm below autograd (another kernel)
+    diff = (padded - lstm(x)[0]).abs().max().item()
+    assert diff < 1e-5, diff

@@ -93,8 +93,8 @@ class RecurrentOps(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         op = _CALLS.get(func) if not kwargs and len(args) == 9 else None
-        # .input overloads take the weights list third; .data (packed) takes hx there
-        if op is not None and isinstance(args[2], (list, tuple)):
+        # .input overloads: (input, hx, params, has_biases, ...); .data (packed): (data, batch_sizes, hx, params, ...)
+        if op is not None and isinstance(args[3], bool):
             return op(*args)
         return func(*args, **kwargs)
 
