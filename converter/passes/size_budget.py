@@ -24,14 +24,19 @@ import torch
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
+from converter.ir.errors import EXIT_INTERNAL, MpconvertError
+
 __all__ = ["SizeBudget", "SizesTooComplex", "MAX_SIZE_OPS"]
 
 #: sympy operations one size expression may take (the zoo's models stay at 4 or less; Swin reaches 271)
 MAX_SIZE_OPS = 32
 
 
-class SizesTooComplex(RuntimeError):
-    """A size expression grew past the budget; ``op`` names the call that produced it."""
+class SizesTooComplex(MpconvertError, RuntimeError):
+    """A size expression grew past the budget; ``op`` names the call that produced it. Capture
+    catches it (and exports with dynamic batch dims instead): it never reaches the user."""
+
+    exit_code = EXIT_INTERNAL
 
     def __init__(self, op: str, ops: int, max_ops: int):
         self.op = op
