@@ -9,6 +9,7 @@ import math
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
@@ -432,6 +433,38 @@ class _LayerDrop(nn.Module):
         if self.training and torch.rand(()) < 0.5:
             return x
         return self.fc(x)
+
+
+class _ConfigLayerDrop(nn.Module):
+    """LayerDrop the Hugging Face way: the probability is ``config.layerdrop``, checked before drawing."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = types.SimpleNamespace(layerdrop=0.5)
+        self.layers = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x):
+        for layer in self.layers:
+            if self.training and self.config.layerdrop > 0.0 and torch.rand([]) < self.config.layerdrop:
+                continue
+            x = x + self.drop(layer(x))
+        return x
+
+
+def test_hf_layerdrop_is_switched_off_in_the_train_graph_and_reported():
+    model = _ConfigLayerDrop().eval()
+    x = torch.randn(4, 8)
+    conv = converter.convert(model, (x,), tracer="export")
+    modes = conv.report.extra["modes"]
+    assert modes.startswith("follows train()/eval()") and "LayerDrop is off in the train graph (config.layerdrop=0.5" in modes, modes
+    assert model.config.layerdrop == 0.5, "the user's config was changed"
+    with torch.no_grad():
+        db = _sqnr(model(x), conv.module.eval()(x))
+        conv.module.train()
+        varies = not torch.equal(conv.module(x), conv.module(x))
+    assert db > 30, f"eval vs original: {db:.1f} dB"
+    assert varies, "train(): dropout does not follow the mode"
 
 
 def test_train_only_data_dependent_branch_is_frozen_and_reported():

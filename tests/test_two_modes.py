@@ -203,3 +203,16 @@ def test_random_ops_in_both_modes_keep_one_graph():
     conv = converter.convert(Noisy().eval(), (torch.randn(4, 8),), tracer="export")
     assert not isinstance(conv.module, TwoModeGraphModule)
     assert conv.report.extra["modes"].startswith("follows train()/eval(): traced in train mode")
+
+
+def test_onnx_export_runs_the_eval_graph(case, tmp_path):
+    pytest.importorskip("onnxruntime")
+    _, x, conv = case
+    if conv.tracer != "export":
+        pytest.skip("one tracer is enough for the ONNX path")
+    result = conv.export_onnx(tmp_path / "model.onnx")
+    assert result.checks["ort_match"], f"onnxruntime vs conv.module (eval): max abs error {result.max_abs_error:.3g}"
+    # what torch.export sees of a GraphModule is its `graph` (the train graph): for_mode gives the eval one
+    eval_only = conv.module.for_mode(False)
+    assert not eval_only.training and set(eval_only.state_dict()) == set(conv.module.state_dict())
+    assert torch.equal(_run(eval_only, x, 0), _run(copy.deepcopy(conv.module).eval(), x, 0))

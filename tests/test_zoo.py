@@ -56,9 +56,6 @@ NAMES = list(ZOO)
 #: run as a real `python -m converter` subprocess (the others call cli.main in-process: same code, no start-up)
 SUBPROCESS_CLI = {"gpt2", "lstm_gru", "groupnorm_unet"}
 
-_LAYERDROP = ("Wav2Vec2's LayerDrop (`if self.training and torch.rand(()) < layerdrop`, modeling_wav2vec2.py:692) is "
-              "data-dependent control flow in train mode only, so the model is captured in its own (eval) mode and the "
-              "mode is frozen (reported in report.json 'modes')")
 #: converted with dynamic=False (CLI --static)
 STATIC: set[str] = set()
 
@@ -76,7 +73,7 @@ def _dynamic_xfails() -> dict[str, str]:
 
 
 def _mode_xfails() -> dict[str, str]:
-    return {"wav2vec2": _LAYERDROP, **_capture_xfails()}
+    return {**_capture_xfails()}
 
 
 def _run(module, args, kwargs, *, seed=0) -> torch.Tensor:

@@ -29,7 +29,8 @@ try:  # private, but stable since torch 2.3 and used by inductor on every compil
 except ImportError:  # pragma: no cover - a torch without it gets eager code generation
     _LazyGraphModule = None
 
-__all__ = ["new_graph_module", "materialize", "gc_paused", "pauses_gc", "TwoModeGraphModule", "with_eval_graph", "EVAL_PREFIX"]
+__all__ = ["new_graph_module", "materialize", "gc_paused", "pauses_gc", "TwoModeGraphModule", "with_eval_graph", "EVAL_PREFIX",
+           "resolve_attr"]
 
 
 def new_graph_module(root: torch.nn.Module, graph: torch.fx.Graph, class_name: str) -> torch.fx.GraphModule:
@@ -92,7 +93,9 @@ class TwoModeGraphModule(torch.fx.GraphModule):
     reads are non-persistent attributes named ``_eval_*``.
 
     ``copy.deepcopy`` keeps both graphs. Pickling the module object is refused (it would rebuild a
-    one-graph module): save ``state_dict()`` or the emitted model.py instead.
+    one-graph module): save ``state_dict()`` or the emitted model.py instead. Tools that interpret
+    ``graph`` rather than call ``forward`` (``torch.export`` of a GraphModule runs it through
+    ``torch.fx.Interpreter``) see the train graph: :meth:`for_mode` gives a one-graph module.
     """
 
     def __init__(self, root: Any, graph: torch.fx.Graph, class_name: str = "GraphModule", *,
@@ -117,6 +120,18 @@ class TwoModeGraphModule(torch.fx.GraphModule):
     def eval_code(self) -> str:
         """The Python source of the eval-mode forward."""
         return self.__dict__["_eval_code"]
+
+    def for_mode(self, training: bool) -> torch.fx.GraphModule:
+        """A plain GraphModule of one mode's graph over the same tensors (nothing is copied).
+
+        Tools that interpret ``graph`` instead of calling ``forward`` (``torch.export`` of a
+        GraphModule, ``torch.fx.Interpreter``) see the train graph; give them this for eval."""
+        graph = self.graph if training else self.eval_graph
+        module = torch.fx.GraphModule(self, graph, type(self).__name__)
+        module.meta.update(self.meta)
+        _keep_non_persistent(self, module)
+        module.train(training)
+        return module
 
     def recompile(self):  # noqa: D102 - GraphModule.recompile, then the eval forward and the dispatch
         python_code = super().recompile()
@@ -161,11 +176,10 @@ def _keep_non_persistent(root: torch.nn.Module, module: torch.nn.Module) -> None
 
 
 def _has_path(module: torch.nn.Module, target: str) -> bool:
-    owner: Any = module
-    for part in target.split("."):
-        if not hasattr(owner, part):
-            return False
-        owner = getattr(owner, part)
+    try:
+        resolve_attr(module, target)
+    except AttributeError:
+        return False
     return True
 
 
@@ -209,7 +223,7 @@ def with_eval_graph(train: torch.fx.GraphModule, eval_gm: torch.fx.GraphModule, 
         if shared(target) and _has_path(train, target):
             continue
         renamed = EVAL_PREFIX + target.replace(".", "_")
-        own[renamed] = eval_gm.get_submodule(target) if node.op == "call_module" else _resolve_path(eval_gm, target)
+        own[renamed] = eval_gm.get_submodule(target) if node.op == "call_module" else resolve_attr(eval_gm, target)
         node.target = renamed
     holder = torch.nn.Module()
     for name, value in own.items():
@@ -226,7 +240,8 @@ def with_eval_graph(train: torch.fx.GraphModule, eval_gm: torch.fx.GraphModule, 
     return module
 
 
-def _resolve_path(module: torch.nn.Module, target: str) -> Any:
+def resolve_attr(module: torch.nn.Module, target: str) -> Any:
+    """The attribute at dotted path ``target`` (a get_attr or call_module target) of ``module``."""
     value: Any = module
     for part in target.split("."):
         value = getattr(value, part)

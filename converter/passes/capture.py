@@ -44,8 +44,10 @@ the original model in eval mode (both from the same seed), and the random ops th
 way (stochastic depth: ``if not training: return x``; its ``rand``/``bernoulli_`` is in the train
 graph only) is traced again in eval mode: ``Captured.eval_gm`` holds that graph, ``convert`` converts
 both and combines them into a :class:`~converter.ir.graphmodule.TwoModeGraphModule` that runs each in
-its mode on shared parameters. A model whose train mode cannot be traced at all (LayerDrop's
-``if self.training and torch.rand(()) < p``) is captured in its own mode, its mode frozen. Either
+its mode on shared parameters. Hugging Face LayerDrop (``if self.training and torch.rand([]) <
+config.layerdrop``, a branch on a random number) is switched off in a copy for the train trace, and
+the note says so. A model whose train mode cannot be traced at all is captured in its own mode, its
+mode frozen. Either
 way ``Captured.modes`` (``report.extra["modes"]``) says what happened and why. The converted module
 starts in the original's mode.
 
@@ -545,22 +547,67 @@ def _capture_one(name: str, model: torch.nn.Module, args: tuple, kwargs: dict, s
     numbers that eval mode does not); one graph frozen in the model's own mode when train mode
     cannot be traced at all (see the module docstring)."""
     trace = _trace_fx if name == "fx" else _trace_export
-    why = ""
+    why = skipped = ""
     try:
-        gm = trace(copy.deepcopy(model).train(), args, kwargs, shapes)
-        changed = make_mode_aware(gm)
-        if name == "fx":
-            _propagate(gm, args, kwargs)
+        gm, changed = _trace_train(trace, name, model, args, kwargs, shapes)
     except Exception as exc:
-        if model.training:
-            raise
         # e.g. LayerDrop's `if self.training and torch.rand(()) < p`: a branch only train mode takes
         flow = _control_flow(exc)
-        why = f"tracing in train mode failed ({'a data-dependent branch' if flow else _short(exc)})"
+        off = _without_layerdrop(model) if flow else None
+        if off is not None:
+            try:
+                gm, changed = _trace_train(trace, name, off[0], args, kwargs, shapes)
+                skipped = off[1]
+            except Exception:  # still untraceable: frozen below
+                off = None
+        if off is None:
+            if model.training:
+                raise
+            why = f"tracing in train mode failed ({'a data-dependent branch' if flow else _short(exc)})"
     if why:
         gm = _trace_own_mode(trace, name, model, args, kwargs, shapes)
         mode = "train" if model.training else "eval"
         return gm, None, f"frozen in {mode} mode: {why}; train()/eval() on the converted module change nothing"
+    gm, eval_gm, note = _split_modes(trace, name, model, gm, changed, args, kwargs, shapes)
+    return gm, eval_gm, note + skipped
+
+
+def _trace_train(trace, name: str, model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Shapes) -> tuple:
+    """The graph of ``model`` in train mode with its mode-dependent ops reading self.training."""
+    gm = trace(copy.deepcopy(model).train(), args, kwargs, shapes)
+    changed = make_mode_aware(gm)
+    if name == "fx":
+        _propagate(gm, args, kwargs)
+    return gm, changed
+
+
+#: Hugging Face config fields of LayerDrop (skip a whole layer with probability p in train mode)
+_LAYERDROP_FIELDS = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
+
+
+def _without_layerdrop(model: torch.nn.Module) -> Optional[tuple[torch.nn.Module, str]]:
+    """A copy of ``model`` with LayerDrop off, and the note saying so; None if it has none.
+
+    LayerDrop (``if self.training and torch.rand([]) < config.layerdrop: skip the layer``) is a
+    branch on a random number: no graph records it. The train graph is then captured without it
+    (every layer runs; dropout and the rest still follow train()), which the report says."""
+    config = getattr(model, "config", None)
+    fields = {f: getattr(config, f) for f in _LAYERDROP_FIELDS
+              if isinstance(getattr(config, f, None), (int, float)) and getattr(config, f) > 0}
+    if not fields:
+        return None
+    copied = copy.deepcopy(model)
+    for field_name in fields:
+        setattr(copied.config, field_name, 0.0)
+    listed = ", ".join(f"config.{k}={v:g}" for k, v in fields.items())
+    return copied, (f"; LayerDrop is off in the train graph ({listed} is a branch on a random number, which no "
+                    "graph records): every layer runs in training, dropout still follows train()")
+
+
+def _split_modes(trace, name: str, model: torch.nn.Module, gm: torch.fx.GraphModule, changed: list,
+                 args: tuple, kwargs: dict, shapes: _Shapes) -> tuple:
+    """(train graph, eval graph or None, note): one mode-aware graph when it computes in eval mode
+    what the model does and draws no random numbers eval mode does not; else an eval graph too."""
     try:
         differs = _eval_mismatch(gm, model, args, kwargs)
     except Exception as exc:  # the train graph cannot run in eval mode: it needs a graph of its own
