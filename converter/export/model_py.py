@@ -41,6 +41,7 @@ from torch.fx.graph import CodeGen, _custom_builtins
 from torch.fx.node import map_aggregate
 
 from converter.export.errors import EmitError
+from converter.export.shape_guards import guard_lines
 from converter.export.source_text import (
     check_attribute_path,
     comment_text,
@@ -341,6 +342,7 @@ def _export_codegen(source: torch.fx.Graph, graph: torch.fx.Graph, original: Opt
         node.target = node.name  # bound here or in the prologue, never as an argument
         if node.name != path:
             prologue.append(f"{node.name} = {path}")
+    prologue += guard_lines(placeholders, paths)  # the sizes the graph serves (converter.export.shape_guards)
     out_spec = pytree_info.out_spec
 
     def output(output_args) -> str:
@@ -350,7 +352,9 @@ def _export_codegen(source: torch.fx.Graph, graph: torch.fx.Graph, original: Opt
     note = (
         "Captured with torch.export: the forward takes the original argument names "
         f"({', '.join(params[1:])}); non-tensor inputs were fixed at capture time and are ignored. "
-        "A ModelOutput-like result is returned as a dict with the same keys (out['logits'] works on both)."
+        "A ModelOutput-like result is returned as a dict with the same keys (out['logits'] works on both). "
+        "The forward first checks the input sizes the graph serves (the dims it fixed, the ranges and relations "
+        "of its dynamic dims) and raises ValueError naming the input, the dim and both sizes."
     )
     return _EmitCodeGen(", ".join(params), prologue, output), note
 

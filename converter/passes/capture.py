@@ -25,6 +25,16 @@ graphs are dynamic by construction. ``Captured.dynamic_dims`` (``report.extra["d
 maps each input (``input_ids``, ``xs[1]``) to its dynamic dims; ``shapes_note`` says how.
 Sizes are never read with ``int(SymInt)``, which would specialise them.
 
+Two kinds of model need help to stay dynamic. LSTM/GRU/RNN: torch computes ``aten.lstm``'s fake
+output with a Python loop over the time steps, which fixes the sequence length; during export they
+run as stand-in ops with loop-free fake kernels (:mod:`converter.passes.recurrent`), and the graph
+gets the aten ops back. Size expressions that blow up: with its image size dynamic, Swin's window
+partition makes 270-400-operation sympy sizes and its export takes 120-250 s on a 2-core CPU (and
+still serves no larger image: its ``min(resolution) <= window`` branch fixes that). A
+:class:`~converter.passes.size_budget.SizeBudget` stops such an export once a size exceeds 32
+operations (the zoo's other models stay at 4 or less), about 4 s in, and capture exports again with
+only dim 0 of every input dynamic (0.8 s), saying so in ``shapes_note``.
+
 **Train and eval.** Both tracers trace the model in *train* mode, where every mode-dependent op is
 recorded with its train-mode arguments, and :mod:`converter.passes.modes` rewrites those arguments
 to read the converted module's ``self.training`` (dropout, batch norm and its batch counter,
@@ -51,6 +61,7 @@ split the model) and names the file and line of the branch.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
 import sys
@@ -67,7 +78,9 @@ from converter.ir.graphmodule import new_graph_module
 from converter.ir.meta import META_INFO, META_SOURCE, META_VALUE, NodeInfo, TensorSpec
 from converter.ir.ops import CAST_OPS, NORM_OPS, canonical_op, explicit_dtype, is_inplace
 from converter.passes.modes import make_mode_aware, random_ops
+from converter.passes.recurrent import RecurrentOps, restore_aten_ops
 from converter.passes.regions import inline_regions
+from converter.passes.size_budget import SizeBudget, SizesTooComplex
 
 __all__ = ["Captured", "CaptureError", "capture", "normalize_inputs", "annotate", "placeholder_values", "TRACED_THROUGH"]
 
@@ -270,13 +283,16 @@ class _Shapes:
     user_spec: Any = None
     dims: dict = field(default_factory=dict)
     note: str = ""
+    #: why every-dim-dynamic export was stopped (SizesTooComplex), kept for a second trace of the model
+    too_complex: Any = None
 
 
-def _auto_spec(model: torch.nn.Module, args: tuple, kwargs: dict, *, unit_dims: str = "all") -> Optional[dict]:
+def _auto_spec(model: torch.nn.Module, args: tuple, kwargs: dict, *, unit_dims: str = "all",
+               only_batch: bool = False) -> Optional[dict]:
     """``Dim.AUTO`` for the dims of every tensor input, keyed by the forward's parameter names.
 
     ``unit_dims``: which example dims of size 1 get it too: ``all``, or ``batch`` (dim 0 only: a
-    ``(B, 1, T)`` mask keeps its broadcast dim static).
+    ``(B, 1, T)`` mask keeps its broadcast dim static). ``only_batch``: dim 0 of each input only.
     """
     import inspect
 
@@ -291,26 +307,36 @@ def _auto_spec(model: torch.nn.Module, args: tuple, kwargs: dict, *, unit_dims: 
     def leaf(value: Any) -> Any:
         if not isinstance(value, torch.Tensor) or not value.dim():
             return None
+        if only_batch:
+            return {0: torch.export.Dim.AUTO}
         return {i: torch.export.Dim.AUTO for i, size in enumerate(value.shape)
                 if size != 1 or unit_dims == "all" or i == 0} or None
 
     return {name: pytree.tree_map(leaf, value) for name, value in bound.arguments.items()}
 
 
-def _has_unit_dims(args: tuple, kwargs: dict) -> bool:
-    leaves = pytree.tree_leaves((args, kwargs))
-    return any(isinstance(t, torch.Tensor) and 1 in tuple(t.shape) for t in leaves)
+def _has_unit_dims(args: tuple, kwargs: dict, *, only_batch: bool = False) -> bool:
+    leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim()]
+    return any((t.shape[0] == 1) if only_batch else (1 in tuple(t.shape)) for t in leaves)
+
+
+def _run_export(model: torch.nn.Module, args: tuple, kwargs: dict, spec: Any, *, oblivious: bool = False,
+                budget: bool = False):
+    """One torch.export; ``budget``: stop early when size expressions blow up (SizesTooComplex)."""
+    from torch.fx.experimental import _config as fx_config
+
+    # RecurrentOps: LSTM/GRU/RNN keep their sequence dim dynamic (converter.passes.recurrent)
+    with fx_config.patch(backed_size_oblivious=oblivious), RecurrentOps(), \
+            (SizeBudget() if budget else contextlib.nullcontext()):
+        ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=spec)
+    restore_aten_ops(ep.graph_module)
+    return ep
 
 
 def _export_dynamic(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Shapes):
     """torch.export with dynamic dims (see :func:`capture`); falls back to static shapes, saying why."""
-    def run(spec, oblivious=False):
-        if not oblivious:
-            return torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=spec)
-        from torch.fx.experimental import _config as fx_config
-
-        with fx_config.patch(backed_size_oblivious=True):
-            return torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=spec)
+    def run(spec, oblivious=False, budget=False):
+        return _run_export(model, args, kwargs, spec, oblivious=oblivious, budget=budget)
 
     if not shapes.dynamic:
         shapes.note = "static shapes requested (dynamic=False / --static)"
@@ -323,27 +349,54 @@ def _export_dynamic(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _
         shapes.note = "static: the forward takes *args/**kwargs, so no dynamic dims could be named"
         return run(None)
     failures = []
-    if _has_unit_dims(args, kwargs):
-        # a size-1 example dim would be specialised to 1; size-oblivious tracing keeps it dynamic:
-        # every such dim first, then only the batch dim
-        for unit_dims in ("all", "batch"):
-            try:
-                ep = run(_auto_spec(model, args, kwargs, unit_dims=unit_dims), oblivious=True)
-                _check_example_guards(ep, args, kwargs)
-                which = "" if unit_dims == "all" else " but size-1 dims past dim 0 (kept static: broadcast dims)"
-                shapes.note = f"Dim.AUTO on every input dim{which}, traced size-obliviously (size-1 example dims)"
-                return ep
-            except Exception as exc:  # retried below
-                failures.append(_short(exc))
     try:
-        ep = run(spec)
-        shapes.note = "Dim.AUTO on every input dim (torch.export keeps static what the model fixes" + (
-            "; size-1 example dims are static: give an example with sizes >= 2 to make them dynamic)" if failures else ")")
-        return ep
-    except Exception as exc:  # e.g. a size check the dynamic dims cannot pass: static shapes next
-        failures.append(_short(exc))
+        if shapes.too_complex is not None:  # a first trace (other mode) already found out
+            raise shapes.too_complex
+        if _has_unit_dims(args, kwargs):
+            # a size-1 example dim would be specialised to 1; size-oblivious tracing keeps it dynamic:
+            # every such dim first, then only the batch dim
+            for unit_dims in ("all", "batch"):
+                try:
+                    ep = run(_auto_spec(model, args, kwargs, unit_dims=unit_dims), oblivious=True, budget=True)
+                    _check_example_guards(ep, args, kwargs)
+                    which = "" if unit_dims == "all" else " but size-1 dims past dim 0 (kept static: broadcast dims)"
+                    shapes.note = f"Dim.AUTO on every input dim{which}, traced size-obliviously (size-1 example dims)"
+                    return ep
+                except SizesTooComplex:
+                    raise
+                except Exception as exc:  # retried below
+                    failures.append(_short(exc))
+        try:
+            ep = run(spec, budget=True)
+            shapes.note = "Dim.AUTO on every input dim (torch.export keeps static what the model fixes" + (
+                "; size-1 example dims are static: give an example with sizes >= 2 to make them dynamic)" if failures else ")")
+            return ep
+        except SizesTooComplex:
+            raise
+        except Exception as exc:  # e.g. a size check the dynamic dims cannot pass: static shapes next
+            failures.append(_short(exc))
+    except SizesTooComplex as exc:
+        shapes.too_complex = exc
+        ep = _export_batch_only(model, args, kwargs, shapes, exc, failures)
+        if ep is not None:
+            return ep
     ep = run(None)
     shapes.note = f"static shapes: dynamic capture failed ({failures[-1]})"
+    return ep
+
+
+def _export_batch_only(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Shapes,
+                       why: SizesTooComplex, failures: list) -> Any:
+    """The export with only dim 0 of each input dynamic, after ``why`` stopped the full one; None if it fails."""
+    oblivious = _has_unit_dims(args, kwargs, only_batch=True)
+    try:
+        ep = _run_export(model, args, kwargs, _auto_spec(model, args, kwargs, only_batch=True), oblivious=oblivious)
+        _check_example_guards(ep, args, kwargs)
+    except Exception as exc:  # static shapes next
+        failures.append(f"{why}; with only the batch dims dynamic: {_short(exc)}")
+        return None
+    shapes.note = (f"Dim.AUTO on dim 0 of every input only: with every dim dynamic, {why} (e.g. window "
+                   f"attention over a dynamic image size), so the other dims keep the example's sizes")
     return ep
 
 

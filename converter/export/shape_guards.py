@@ -1,0 +1,139 @@
+"""Input shape checks for the emitted model.py of a torch.export capture.
+
+An export graph serves only the sizes it was captured for: the dims it fixed (a hidden size, an
+LSTM's state shape, a dim the model specialised) and, for its dynamic dims, the range and the
+relations between them that export recorded (two inputs that share a sequence length, a dim that is
+``16 * k``). Called at another size, such a graph fails deep inside an op (aten.lstm with a wrong
+state size can even crash the process) or computes something else. ``conv.module`` checks this
+with export's guard function; model.py, which is plain PyTorch, checks it with the lines
+:func:`guard_lines` writes at the top of ``forward``::
+
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids: expected a 2-d tensor, got {input_ids.dim()}-d")
+    if input_ids.shape[1] != 12:
+        raise ValueError(f"input_ids: dim 1 has size {input_ids.shape[1]}, but the converted graph fixed it at 12: ...")
+
+The checks are integer comparisons on ``tensor.shape`` (no sympy at run time): sizes are read from
+the placeholders' fake values (``node.meta["val"]``) when the file is generated. Dynamic dims get a
+check only where export recorded something: a lower bound above 2 (export treats 0 and 1 as
+ordinary sizes below that), a finite upper bound, the equality of two dims that share a symbol,
+and a dim that is a linear expression ``a*s + b`` of a symbol (``s`` is then read from the first
+such dim). Other expressions of several symbols are left to the ops.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import sympy
+import torch
+import torch.fx
+
+__all__ = ["guard_lines"]
+
+#: what every size message ends with
+_HINT = "convert the model with an example of the sizes you need"
+
+
+def _check(condition: str, message: str) -> str:
+    """One prologue statement: ``if condition: raise ValueError(f"message")`` (two lines)."""
+    return f"if {condition}:\n        raise ValueError(f{message!r})"
+
+
+class _Sources:
+    """Where each size symbol can be read from the inputs: ``input_ids.shape[1]`` or ``(x.shape[2] - 1) // 16``."""
+
+    def __init__(self) -> None:
+        self.expr: dict[sympy.Symbol, str] = {}
+        self.label: dict[sympy.Symbol, str] = {}
+
+    def python(self, expr: sympy.Expr) -> Optional[str]:
+        """``expr`` as Python over input sizes, or None if a symbol has no source."""
+        from torch.utils._sympy.printers import PythonPrinter
+
+        if not expr.free_symbols <= set(self.expr):
+            return None
+        if isinstance(expr, sympy.Symbol):
+            return self.expr[expr]
+        names = {s: sympy.Symbol(f"({self.expr[s]})", integer=True) for s in expr.free_symbols}
+        return PythonPrinter().doprint(expr.xreplace(names))
+
+
+def _symbol_range(size: torch.SymInt, symbol: sympy.Symbol) -> tuple[int, Optional[int]]:
+    """The range export recorded for ``symbol`` (from the shape environment of ``size``)."""
+    value_range = size.node.shape_env.var_to_range.get(symbol)
+    if value_range is None:
+        return 0, None
+    lower, upper = value_range.lower, value_range.upper  # int_oo: torch's integer infinity
+    return (int(lower) if lower.is_Integer else 0), (int(upper) if upper.is_Integer else None)
+
+
+def _linear(expr: sympy.Expr) -> Optional[tuple[sympy.Symbol, int, int]]:
+    """``(s, a, b)`` if ``expr`` is ``a*s + b`` with integers a >= 1 and b; else None."""
+    if len(expr.free_symbols) != 1:
+        return None
+    symbol = next(iter(expr.free_symbols))
+    if not expr.is_polynomial(symbol):
+        return None
+    poly = sympy.Poly(expr, symbol)
+    if poly.degree() != 1 or not all(c.is_Integer for c in poly.all_coeffs()):
+        return None
+    a, b = (int(c) for c in poly.all_coeffs())
+    return (symbol, a, b) if a >= 1 else None
+
+
+def _range_lines(read: str, got: str, low: int, high: Optional[int]) -> list[str]:
+    lines = [_check(f"{read} < {low}", f"{got}, but the converted graph serves sizes >= {low} there: {_HINT}")] if low > 2 else []
+    if high is not None:
+        lines.append(_check(f"{read} > {high}", f"{got}, but the converted graph serves sizes <= {high} there: {_HINT}"))
+    return lines
+
+
+def _dim_lines(size: Any, read: str, where: str, sources: _Sources) -> list[str]:
+    """Checks for one dim read as ``read`` (``x.shape[1]``), described as ``where`` (``x: dim 1``)."""
+    got = f"{where} has size {{{read}}}"
+    if isinstance(size, torch.SymInt) and size.node.expr.is_Integer:
+        size = int(size.node.expr)
+    if isinstance(size, int):
+        return [_check(f"{read} != {size}", f"{got}, but the converted graph fixed it at {size}: {_HINT}")]
+    if not isinstance(size, torch.SymInt):
+        return []
+    expr = size.node.expr
+    known = sources.python(expr)
+    if known is not None:  # a symbol seen before: the two dims must agree
+        by = ", ".join(sorted({sources.label[s] for s in expr.free_symbols}))
+        return [_check(f"{read} != {known}", f"{got}, but the converted graph needs {{{known}}} there (set by {by}); the inputs' sizes disagree")]
+    linear = _linear(expr)
+    if linear is None:  # several unknown symbols: left to the ops
+        return []
+    symbol, a, b = linear
+    low, high = _symbol_range(size, symbol)
+    lines = _range_lines(read, got, a * low + b if low > 2 else 0, None if high is None else a * high + b)
+    offset = f"{read} - {b}" if b else read
+    if a > 1:
+        form = f"a multiple of {a}" + (f" plus {b}" if b else "")
+        lines.insert(0, _check(f"({offset}) % {a}", f"{got}, but the converted graph serves only {form} there: {_HINT}"))
+    sources.expr[symbol] = f"({offset}) // {a}" if a > 1 else offset
+    sources.label[symbol] = where
+    return lines
+
+
+def guard_lines(placeholders: list[torch.fx.Node], paths: list[str]) -> list[str]:
+    """Prologue statements that check each tensor input's rank and sizes (see module docstring).
+
+    ``placeholders``: the graph's input nodes (with export's ``meta["val"]``); ``paths``: the
+    Python expression the forward reads each from (``input_ids``, ``xs[1]``), in the same order.
+    """
+    lines: list[str] = []
+    sources = _Sources()
+    for node, path in zip(placeholders, paths):
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            continue
+        name = node.name
+        rank = value.dim()
+        label = path.replace("{", "{{").replace("}", "}}")
+        lines.append(_check(f"{name}.dim() != {rank}",
+                            f"{label}: expected a {rank}-d tensor, got {{{name}.dim()}}-d"))
+        for i, size in enumerate(value.shape):
+            lines += _dim_lines(size, f"{name}.shape[{i}]", f"{label}: dim {i}", sources)
+    return lines
