@@ -82,6 +82,15 @@ def _absmax(value: Any) -> float:
                default=0.0)
 
 
+#: ops whose output is uninitialised memory (filled in place later): any bits, inf and NaN included
+_UNINITIALIZED = frozenset({"empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided"})
+
+
+def _uninitialized(node: torch.fx.Node) -> bool:
+    info = node.meta.get(META_INFO)
+    return info is not None and info.op in _UNINITIALIZED
+
+
 def _first_overflow(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> Optional[tuple[torch.fx.Node, float]]:
     """Run ``gm`` and, in lockstep, the same graph with its inserted casts skipped (fp32); return
     the first node whose converted output is non-finite while its fp32 output is finite, with the
@@ -114,7 +123,7 @@ def _first_overflow(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> Opti
                     ref[node] = ref[node.args[0]]  # the fp32 graph has no such cast
                 else:
                     ref[node] = run(node.target, *map_arg((node.args, node.kwargs), ref.__getitem__))
-                if _nonfinite(mixed[node]) and not _nonfinite(ref[node]):
+                if _nonfinite(mixed[node]) and not _nonfinite(ref[node]) and not _uninitialized(node):
                     return node, _absmax(ref[node])
             for inp in node.all_input_nodes:
                 if last_use.get(inp) == i:
