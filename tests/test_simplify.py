@@ -50,15 +50,18 @@ def test_encoder_identity_dropouts_are_folded_and_nothing_else_changes(train, de
     raw = _unsimplified(model, args, device=device)
     assert conv.tracer == "export"
     folds = _folds(conv)
-    # 3 dropouts per layer (attention, feed-forward, residual) × 2 layers, and torch.export's input hook
-    assert fold_counts(folds) == {"dropout": 6, "hook": 1}, folds
-    assert conv.report.extra["simplified"] == {"dropout": 6, "hook": 1}
+    # 3 dropouts per layer (attention, feed-forward, residual) × 2 layers; torch.export's input check
+    # (validate_inputs off), then its three forward hooks, all idle (no nn.Module inputs)
+    assert fold_counts(folds) == {"dropout": 6, "hook": 4}, folds
+    assert conv.report.extra["simplified"] == {"dropout": 6, "hook": 4}
     assert {f.why for f in folds if f.kind == "dropout"} == {"dropout with p=0"}
     assert _dropouts(raw) == 6 and _dropouts(conv.module) == 0
     assert len(raw.graph.nodes) - len(conv.module.graph.nodes) == 6
     # every cast rewrite inserted is still there
     assert sum(META_CAST in n.meta for n in conv.module.graph.nodes) == sum(META_CAST in n.meta for n in raw.graph.nodes)
     assert conv.module.validate_inputs is False and raw.validate_inputs is True
+    assert (len(raw._forward_pre_hooks), len(raw._forward_hooks)) == (2, 1)
+    assert not conv.module._forward_pre_hooks and not conv.module._forward_hooks  # nn.Module's hook-free call
     out, grads = _step(conv.module, args)
     ref, ref_grads = _step(raw, args)
     assert torch.equal(out, ref)
@@ -68,6 +71,8 @@ def test_encoder_identity_dropouts_are_folded_and_nothing_else_changes(train, de
     assert torch.equal(_step(conv.module, other)[0], _step(raw, other)[0])
     with pytest.raises(AssertionError, match=r"Guard failed: src.size\(\)\[2\] == 32"):  # the guards still run
         conv.module(torch.randn(2, 8, 33))
+    with pytest.raises(TypeError):  # and forward's signature still rejects a wrong call
+        conv.module(*args, *args)
 
 
 @pytest.mark.parametrize("train", [True, False])
@@ -76,7 +81,7 @@ def test_dropout_with_p_above_zero_is_kept_in_either_mode(train):
     # from an eval-mode model must keep them
     model, args = _encoder(0.1, train), (torch.randn(2, 8, 32),)
     conv = converter.convert(model, args, precision="bf16")
-    assert fold_counts(_folds(conv)) == {"hook": 1}
+    assert fold_counts(_folds(conv)) == {"hook": 4}
     assert sum(str(n.target) == "aten.dropout.default" for n in conv.module.graph.nodes) == 6
 
 

@@ -19,7 +19,10 @@ when the graph's own facts prove it is the identity for every input the graph ac
 The module call path is made leaner too: a torch.export graph that calls its own ``_guards_fn``
 (the shape guards) gets ``validate_inputs = False``, which turns off the forward pre-hook that
 flattened the inputs with key paths on every call only to re-check their structure (about 0.1 ms
-a call on the small encoder, ~3 % of its training step); recorded as a ``hook`` fold.
+a call on the small encoder, ~3 % of its training step); recorded as a ``hook`` fold. Then the
+forward hooks torch.export registered are removed when all of them are idle (the input check once
+off, and the enter/exit pair for ``nn.Module``-typed inputs when the graph has none), so the call
+takes ``nn.Module``'s hook-free path; one ``hook`` fold each.
 
 Provenance: :func:`simplify` returns one :class:`Fold` per erased node (what it was, why it was
 the identity); ``convert`` keeps them in the graph meta's ``extra["simplified"]`` and the report's
@@ -192,6 +195,7 @@ def simplify(gm: torch.fx.GraphModule) -> tuple[Fold, ...]:
         gm.validate_inputs = False
         folds.append(Fold(node="<forward>", op="_check_input_constraints_pre_hook", kind="hook",
                           why="torch.export's per-call input-structure check (the graph's _guards_fn still checks shapes)"))
+    folds.extend(_drop_idle_export_hooks(gm))
     if any(f.kind != "hook" for f in folds):
         still_called = {n.target for n in gm.graph.nodes if n.op == "call_module"}
         for target in sorted(dropped_modules - still_called):  # parameter-free dropout modules
@@ -199,6 +203,50 @@ def simplify(gm: torch.fx.GraphModule) -> tuple[Fold, ...]:
         gm.graph.lint()
         gm.recompile()
     return tuple(folds)
+
+
+_EXPORT_HOOK_QUALNAME = "_create_stateful_graph_module.<locals>.<lambda>"
+
+
+def _idle_module_type_hook(hook: Any) -> bool:
+    """torch.export's enter/exit hook that registers the graph's ``nn.Module`` input types as pytree
+    nodes for the call, when there are none (its closure's ``module_types`` is empty): it does nothing."""
+    code = getattr(hook, "__code__", None)
+    if getattr(hook, "__qualname__", "") != _EXPORT_HOOK_QUALNAME or code is None \
+            or code.co_freevars != ("module_types",):
+        return False
+    types = hook.__closure__[0].cell_contents
+    return isinstance(types, (set, frozenset, list, tuple)) and not types
+
+
+def _drop_idle_export_hooks(gm: torch.fx.GraphModule) -> list[Fold]:
+    """Remove the forward hooks of a torch.export module that do nothing on this graph.
+
+    Any forward hook sends ``nn.Module.__call__`` down its slow path (a Python closure per hook and
+    the hook bookkeeping: ~10 µs a call on the small encoder). torch.export registers three: the
+    input-structure check (idle once ``validate_inputs`` is off, see :func:`simplify`) and an
+    enter/exit pair that registers the graph's ``nn.Module``-typed inputs as pytree nodes (idle
+    when there are none). They go only when all three are idle, each recorded as a ``hook`` fold.
+    """
+    from torch.export._unlift import _check_input_constraints_pre_hook
+
+    if getattr(gm, "validate_inputs", True):
+        return []
+    pre = {k: h for k, h in gm._forward_pre_hooks.items()
+           if h is _check_input_constraints_pre_hook or _idle_module_type_hook(h)}
+    post = {k: h for k, h in gm._forward_hooks.items() if _idle_module_type_hook(h)}
+    if len(pre) != 2 or len(post) != 1:
+        return []
+    for key in pre:
+        gm._forward_pre_hooks.pop(key)
+        gm._forward_pre_hooks_with_kwargs.pop(key, None)
+    for key in post:
+        gm._forward_hooks.pop(key)
+        gm._forward_hooks_with_kwargs.pop(key, None)
+        gm._forward_hooks_always_called.pop(key, None)
+    why = "torch.export hook with nothing to do on this graph (no nn.Module inputs; input check off)"
+    return [Fold(node="<forward>", op=getattr(h, "__name__", "export_hook"), kind="hook", why=why)
+            for h in [*pre.values(), *post.values()]]
 
 
 def fold_counts(folds: tuple[Fold, ...]) -> dict[str, int]:
