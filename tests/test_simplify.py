@@ -230,6 +230,8 @@ def test_lean_calls_rewrite_the_generated_code_only():
     assert set(left) == {"torch.ops.aten.sym_size.int("}, set(left)
     assert "torch.ops.aten.transpose.int(" in raw.code and "torch.transpose(" in gm.code
     assert any(n.target is torch.ops.aten.transpose.int for n in gm.graph.nodes)
+    # each submodule on the parameters' paths is looked up once: layers, layers.0, layers.1, ...
+    assert gm.code.count("self.layers") == 1 and raw.code.count("self.layers") == 24, gm.code
     gm.recompile()
     assert "torch.transpose(" in gm.code and "torch.transpose(" in copy.deepcopy(gm).code
     for shape in ((2, 8, 32), (3, 5, 32)):
@@ -238,3 +240,14 @@ def test_lean_calls_rewrite_the_generated_code_only():
         ref, ref_grads = _step(raw, x)
         assert torch.equal(out, ref)
         assert all(torch.equal(grads[n], ref_grads[n]) for n in ref_grads)
+
+
+def test_shared_module_lookups_keep_single_paths_and_other_lines():
+    from converter.passes.simplify import _share_module_lookups
+
+    body = ['a_w = getattr(self.a, "0").w\n', "b = self.b;  b = None\n", "y = torch.relu(a_w)\n",
+            'a_v = getattr(self.a, "0").v\n', "c_x = self.c.x\n", "z = self.m(y)\n"]
+    assert _share_module_lookups(body) == [
+        "_mp_mod_0 = self.a\n", '_mp_mod_1 = getattr(_mp_mod_0, "0")\n', "a_w = _mp_mod_1.w\n",
+        "b = self.b;  b = None\n", "y = torch.relu(a_w)\n", "a_v = _mp_mod_1.v\n", "c_x = self.c.x\n",
+        "z = self.m(y)\n"]

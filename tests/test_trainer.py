@@ -680,3 +680,19 @@ def test_o2_arena_accumulates_fp32_param_grads_in_place():
     assert model.norm.weight.grad is slot
     torch.testing.assert_close(model.norm.weight.grad, ref.norm.weight.grad, rtol=1e-6, atol=1e-7)
     assert trainer.stats.steps == 1
+
+
+def test_o2_arena_leaves_a_repointed_fp32_param_its_own_gradient():
+    """An fp32-stored param whose storage was replaced after setup keeps its own gradient (no slot):
+    the norm falls back to per-tensor norms and is still exact, and the param is still stepped."""
+    model, trainer = _branchy_o2(lr=0.5)
+    model.norm.weight.data = model.norm.weight.data.clone()
+    x = torch.randn(5, 8, dtype=torch.bfloat16)
+    expected = _reference_norm(model, x)
+    before = model.norm.weight.detach().clone()
+    trainer.zero_grad()
+    trainer.backward(model(x).float().pow(2).mean())
+    assert model.norm.weight.grad is not trainer._arena.slot_of[id(model.norm.weight)]
+    assert trainer.step()
+    assert trainer.stats.grad_norm == pytest.approx(expected, rel=1e-5), (trainer.stats.grad_norm, expected)
+    assert not torch.equal(model.norm.weight, before)

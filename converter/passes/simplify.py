@@ -217,8 +217,70 @@ LEAN_CALLS: dict[str, str] = {
 _ATEN_CALL = re.compile(r"\btorch\.ops\.aten\.\w+\.\w+(?=\()")
 
 
+_ASSIGN = re.compile(r"^(\s*)(\w+) = ((?:self\b|getattr\()[^;\n]*?)((?:;.*)?\n?)$", re.S)
+_ALIAS = "_mp_mod_"
+
+
+def _attr_path(expr: str) -> Optional[list[str]]:
+    """The attribute path FX's ``_format_target("self", path)`` printed as ``expr``, else None."""
+    path: list[str] = []
+    while expr != "self":
+        dotted = re.fullmatch(r"(.+)\.([A-Za-z_]\w*)", expr)
+        quoted = re.fullmatch(r'getattr\((.+), "([^"]+)"\)', expr)
+        if quoted is not None and (dotted is None or len(quoted.group(1)) < len(dotted.group(1))):
+            dotted = quoted
+        if dotted is None:
+            return None
+        expr, atom = dotted.group(1), dotted.group(2)
+        path.insert(0, atom)
+    return path
+
+
+def _attr_expr(base: str, atom: str) -> str:
+    return f"{base}.{atom}" if atom.isidentifier() else f'getattr({base}, "{atom}")'
+
+
+def _share_module_lookups(body: list[str]) -> list[str]:
+    """Each submodule a parameter read walks to is looked up once per call, not once per parameter.
+
+    FX prints a ``get_attr`` of ``layers.0.self_attn.in_proj_weight`` as
+    ``getattr(self.layers, "0").self_attn.in_proj_weight``: three ``nn.Module.__getattr__`` calls
+    before the parameter's, repeated for every parameter of the module. A submodule path used by
+    two or more reads gets one local (``_mp_mod_<k>``), bound where it is first needed.
+    """
+    if any(_ALIAS in line for line in body):
+        return body
+    parsed = []
+    uses: dict[tuple, int] = {}
+    for line in body:
+        match = _ASSIGN.match(line)
+        path = _attr_path(match.group(3)) if match else None
+        parsed.append((match, path))
+        for depth in range(1, len(path) if path else 0):
+            uses[tuple(path[:depth])] = uses.get(tuple(path[:depth]), 0) + 1
+    aliases: dict[tuple, str] = {}
+    out: list[str] = []
+    for line, (match, path) in zip(body, parsed):
+        if not path or len(path) < 2 or uses.get(tuple(path[:1]), 0) < 2:
+            out.append(line)
+            continue
+        indent, base = match.group(1), "self"
+        for depth in range(1, len(path)):
+            prefix = tuple(path[:depth])
+            if uses[prefix] < 2:
+                base = _attr_expr(base, path[depth - 1])
+                continue
+            if prefix not in aliases:
+                aliases[prefix] = f"{_ALIAS}{len(aliases)}"
+                out.append(f"{indent}{aliases[prefix]} = {_attr_expr(base, path[depth - 1])}\n")
+            base = aliases[prefix]
+        out.append(f"{indent}{match.group(2)} = {_attr_expr(base, path[-1])}{match.group(4)}")
+    return out
+
+
 def _lean_body(body: list[str]) -> list[str]:
-    return [_ATEN_CALL.sub(lambda m: LEAN_CALLS.get(m.group(0), m.group(0)), line) for line in body]
+    body = [_ATEN_CALL.sub(lambda m: LEAN_CALLS.get(m.group(0), m.group(0)), line) for line in body]
+    return _share_module_lookups(body)
 
 
 def lean_calls(gm: torch.fx.GraphModule) -> int:
@@ -230,7 +292,8 @@ def lean_calls(gm: torch.fx.GraphModule) -> int:
     The code generator's body hook rewrites each call of :data:`LEAN_CALLS` into its binding. The
     graph is untouched (its nodes, metadata, the emitted ``model.py`` and ONNX export keep the aten
     targets); only the module's own Python source changes, and it keeps the rewrite on every
-    recompile and deep copy (the hook lives on the graph's code generator).
+    recompile and deep copy (the hook lives on the graph's code generator). The same hook binds each
+    submodule on the parameters' paths to a local once per call (:func:`_share_module_lookups`).
     """
     if not isinstance(gm, torch.fx.GraphModule):
         return 0

@@ -470,7 +470,7 @@ class MixedPrecisionTrainer:
         # O2: the optimizer's gradients as slots of one fp32 buffer per device (see _GradArena), and the
         # (fp32-stored trainable param, its slot) pairs among them
         self._arena = _GradArena()
-        self._direct: list[tuple[nn.Parameter, torch.Tensor]] = []
+        self._direct: list[tuple[nn.Parameter, torch.Tensor, int]] = []  # (param, slot, param's data_ptr)
         # Every parameter of the model, listed once so zero_grad() need not walk the module tree.
         self._model_params: list[nn.Parameter] = list(self._inner.parameters())
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
@@ -625,7 +625,7 @@ class MixedPrecisionTrainer:
         self._arena = arena
         self._grad_bufs = [arena.slot_of.get(id(master)) for _param, master in self._pairs]
         masters = {id(master) for _pair, master in self._pairs}
-        self._direct = [(t, view) for t, view in arena.slots if id(t) not in masters]
+        self._direct = [(t, view, t.data_ptr()) for t, view in arena.slots if id(t) not in masters]
 
     def _copy_masters_to_model(self) -> None:
         with torch.no_grad():
@@ -693,7 +693,9 @@ class MixedPrecisionTrainer:
             raise TypeError(f"loss must be a Tensor, got {type(loss).__name__}")
         if loss.numel() != 1:
             raise ValueError(f"loss must be a scalar tensor, got shape {tuple(loss.shape)}")
-        detached = loss.detach().float().reshape(())
+        detached = loss.detach()
+        if detached.dtype != torch.float32 or detached.dim() != 0:
+            detached = detached.float().reshape(())
         self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
         if self._accumulation_steps > 1:
             loss = loss / self._accumulation_steps
@@ -734,10 +736,10 @@ class MixedPrecisionTrainer:
             else:
                 add_dst.append(master_grad)
                 add_src.append(grad)
-        for param, slot in self._direct:
+        for param, slot, data_ptr in self._direct:
             grad = param.grad
-            if grad is None or grad is slot or grad.dtype != slot.dtype or grad.device != slot.device \
-                    or grad.shape != slot.shape:
+            # a param re-pointed since setup (.to(), .data = ...) keeps its own gradient
+            if grad is None or grad is slot or param.data_ptr() != data_ptr:
                 continue
             param.grad = slot
             dirty.add(id(param))
