@@ -14,6 +14,7 @@ report. When a stage fails, the error names it and the stages that ran before it
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -24,8 +25,8 @@ import torch
 import torch.fx
 
 from converter.ir.errors import EXIT_CHECK_FAILED, EXIT_INTERNAL, MpconvertError
-from converter.ir.graphmodule import materialize
-from converter.ir.meta import GM_GRAPH, HALF_NAMES, META_CAST, META_DECISION, META_INFO, Decision, GraphMeta
+from converter.ir.graphmodule import TwoModeGraphModule, materialize, with_eval_graph
+from converter.ir.meta import GM_GRAPH, GM_PARAM_DTYPES, HALF_NAMES, META_CAST, META_DECISION, META_INFO, Decision, GraphMeta
 from converter.ir.precision import ALIASES, half_precision
 from converter.ir.state import preserved_state
 from converter.numerics.common import output_tensors
@@ -208,8 +209,10 @@ def _pipeline(model, example_inputs, *, settings: PlaceSettings, rules, tracer, 
               calibration_options: Optional[CalibrationOptions] = None, device=None, codegen=True,
               dynamic: bool = True, dynamic_shapes: Any = None, simplify_graph: bool = True):
     """capture → decide → lower → place → (calibrate) → rewrite → simplify → fp32_math → (codegen), placing
-    with ``settings``; ``simplify_graph=False`` keeps the no-op nodes (benchmarks/graph_step.py times both)."""
-    target = settings.target
+    with ``settings``; ``simplify_graph=False`` keeps the no-op nodes (benchmarks/graph_step.py times both).
+
+    A model captured as a train graph and an eval graph (it branches on ``self.training``) has both
+    converted with the same rules and combined into one :class:`TwoModeGraphModule`."""
     rule_set = load_rules(rules)
     done: list[str] = []
     timings: dict[str, float] = {}
@@ -217,12 +220,37 @@ def _pipeline(model, example_inputs, *, settings: PlaceSettings, rules, tracer, 
     captured: Captured = capture(model, example_inputs, tracer=tracer, dynamic=dynamic, dynamic_shapes=dynamic_shapes)
     done.append("capture")
     timings["capture_s"] = time.perf_counter() - t0
-    gm = captured.gm
-    gm.meta[GM_GRAPH] = GraphMeta(tracer=captured.tracer, precision=target,
-                                    capture_errors=tuple(f"{k}: {v}" for k, v in captured.errors.items()),
-                                    rule_files=rule_set.files)
-    t1 = time.perf_counter()
-    _run_stage("decide", done, decide, gm, rule_set, precision=target)
+    graphs = [captured.gm] if captured.eval_gm is None else [captured.gm, captured.eval_gm]
+    pass_s = codegen_s = check_s = 0.0
+    for index, gm in enumerate(graphs):
+        gm.meta[GM_GRAPH] = GraphMeta(tracer=captured.tracer, precision=settings.target,
+                                        capture_errors=tuple(f"{k}: {v}" for k, v in captured.errors.items()),
+                                        rule_files=rule_set.files)
+        t1 = time.perf_counter()
+        _convert_graph(gm, done, rule_set, settings=settings, calibration=calibration,
+                       calibration_options=calibration_options, device=device, simplify_graph=simplify_graph)
+        t2 = time.perf_counter()
+        pass_s += t2 - t1
+        if codegen:
+            graphs[index] = gm = _run_stage("codegen", done, materialize, gm)
+            t3 = time.perf_counter()
+            codegen_s += t3 - t2
+            # never hand back a module whose example forward fails: the error names the node
+            with _mode(gm, None if len(graphs) == 1 else index == 0):
+                _run_stage("check", done, check_forward, gm, captured.args, captured.kwargs)
+            check_s += time.perf_counter() - t3
+    timings["pass_s"] = pass_s
+    if codegen:
+        timings.update(codegen_s=codegen_s, check_s=check_s)
+    # audit (no codegen) reports the train graph and needs no runnable module
+    captured.gm = graphs[0] if len(graphs) == 1 or not codegen else _two_modes(model, *graphs)
+    return captured, rule_set, settings.target, timings
+
+
+def _convert_graph(gm: torch.fx.GraphModule, done: list[str], rule_set: Rules, *, settings: PlaceSettings,
+                   calibration, calibration_options, device, simplify_graph: bool) -> None:
+    """decide → lower → place → (calibrate) → rewrite → simplify → fp32_math on one captured graph."""
+    _run_stage("decide", done, decide, gm, rule_set, precision=settings.target)
     lowered = _run_stage("lower", done, lower, gm, device=device)
     gm.meta[GM_GRAPH].extra.update(device=device, lowered=tuple(lowered))
     _run_stage("place", done, settings.run, gm)
@@ -237,16 +265,39 @@ def _pipeline(model, example_inputs, *, settings: PlaceSettings, rules, tracer, 
     math_setting = rule_set.setting("fp32_math", DEFAULT_FP32_MATH)
     regions = _run_stage("fp32_math", done, fp32_math, gm, setting=math_setting)
     gm.meta[GM_GRAPH].extra.update(fp32_math=math_setting, fp32_math_regions=regions)
-    t2 = time.perf_counter()
-    timings["pass_s"] = t2 - t1
-    if codegen:
-        captured.gm = gm = _run_stage("codegen", done, materialize, gm)
-        timings["codegen_s"] = time.perf_counter() - t2
-        t3 = time.perf_counter()
-        # never hand back a module whose example forward fails: the error names the node
-        _run_stage("check", done, check_forward, gm, captured.args, captured.kwargs)
-        timings["check_s"] = time.perf_counter() - t3
-    return captured, rule_set, target, timings
+
+
+@contextlib.contextmanager
+def _mode(gm: torch.fx.GraphModule, training: Optional[bool]):
+    """Run the block with ``gm`` in train (True) or eval (False) mode; None: as it is."""
+    if training is None:
+        yield
+        return
+    flags = {name: sub.training for name, sub in gm.named_modules()}
+    gm.train(training)
+    try:
+        yield
+    finally:
+        for name, sub in gm.named_modules():
+            sub.training = flags[name]
+
+
+def _two_modes(model: torch.nn.Module, train_gm: torch.fx.GraphModule, eval_gm: torch.fx.GraphModule) -> TwoModeGraphModule:
+    """One module over both graphs, sharing the original model's parameters, buffers and modules.
+
+    A parameter stays in half storage for O2 only where both graphs agree."""
+    paths = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    paths |= {name for name, _ in model.named_buffers(remove_duplicate=False)}
+    paths |= {name for name, _ in model.named_modules(remove_duplicate=False) if name}
+    train_dtypes = dict(train_gm.meta.get(GM_PARAM_DTYPES) or {})
+    eval_dtypes = dict(eval_gm.meta.get(GM_PARAM_DTYPES) or {})
+    module = with_eval_graph(train_gm, eval_gm, shared=paths.__contains__)
+    if train_dtypes:
+        params = dict(module.named_parameters())
+        module.meta[GM_PARAM_DTYPES] = {
+            name: dtype if eval_dtypes.get(name, dtype) == dtype else params[name].dtype
+            for name, dtype in train_dtypes.items()}
+    return module
 
 
 def _report(captured: Captured, rule_set: Rules, target: str, timings: dict, *, opt_level: str, device) -> Report:

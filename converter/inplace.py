@@ -39,6 +39,7 @@ import torch.utils._pytree as pytree
 
 from converter.api import Conversion, convert
 from converter.ir.errors import MpconvertError
+from converter.ir.graphmodule import EVAL_PREFIX, TwoModeGraphModule
 
 __all__ = ["apply", "conversion_of", "converted_forward", "restore", "ConvertedForward", "FallbackWarning",
            "InPlaceError"]
@@ -154,13 +155,22 @@ class _Graphs:
             def move(value):
                 return device if isinstance(value, torch.device) and value == home else value
 
-            for node in graph.nodes:
-                node.args = torch.fx.node.map_aggregate(node.args, move)
-                node.kwargs = torch.fx.node.map_aggregate(node.kwargs, move)
-            moved = torch.fx.GraphModule(base, graph, type(base).__name__)
+            _move_devices(graph, move)
+            if isinstance(base, TwoModeGraphModule):
+                eval_graph = copy.deepcopy(base.eval_graph)
+                _move_devices(eval_graph, move)
+                moved = TwoModeGraphModule(base, graph, type(base).__name__, eval_graph=eval_graph)
+            else:
+                moved = torch.fx.GraphModule(base, graph, type(base).__name__)
             moved.meta.update(base.meta)
             self.by_device[device] = moved
         return self.by_device[device]
+
+
+def _move_devices(graph: torch.fx.Graph, move) -> None:
+    for node in graph.nodes:
+        node.args = torch.fx.node.map_aggregate(node.args, move)
+        node.kwargs = torch.fx.node.map_aggregate(node.kwargs, move)
 
 
 class ConvertedForward:
@@ -250,6 +260,8 @@ class ConvertedForward:
             for table in ("_parameters", "_buffers"):
                 mine, theirs = getattr(sub, table), getattr(owner, table)
                 for name, value in mine.items():
+                    if not path and name.startswith(EVAL_PREFIX):
+                        continue  # a tensor only the eval graph reads (TwoModeGraphModule), not the model's
                     if name not in theirs:
                         missing.append(f"{path}.{name}" if path else name)
                     elif theirs[name] is not value:

@@ -9,6 +9,7 @@ import math
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
@@ -395,7 +396,7 @@ def test_hf_bert_modes():
 
 
 class _ModeBranch(nn.Module):
-    """Branches on self.training in Python: the graph cannot follow it, so the mode is frozen."""
+    """Branches on self.training in Python: captured as a train graph and an eval graph."""
 
     def __init__(self):
         super().__init__()
@@ -409,12 +410,70 @@ class _ModeBranch(nn.Module):
 
 
 @pytest.mark.parametrize("tracer", ["fx", "export"])
-def test_python_mode_branch_is_frozen_and_reported(tracer):
+def test_python_mode_branch_gets_two_graphs_and_is_reported(tracer):
     model = _ModeBranch().eval()
     x = torch.randn(4, 8)
     conv = converter.convert(model, (x,), tracer=tracer)
     modes = conv.report.extra["modes"]
-    assert modes.startswith("frozen in eval mode") and "self.training" in modes, modes
+    assert modes.startswith("follows train()/eval() with two graphs") and "self.training" in modes, modes
+    with torch.no_grad():
+        db_eval = _sqnr(model.eval()(x), conv.module.eval()(x))
+        db_train = _sqnr(model.train()(x), conv.module.train()(x))
+    assert db_eval > 30 and db_train > 30, f"vs original: eval {db_eval:.1f} dB, train {db_train:.1f} dB"
+
+
+class _LayerDrop(nn.Module):
+    """LayerDrop: a branch on a random number in train mode only, which no graph can record."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if self.training and torch.rand(()) < 0.5:
+            return x
+        return self.fc(x)
+
+
+class _ConfigLayerDrop(nn.Module):
+    """LayerDrop the Hugging Face way: the probability is ``config.layerdrop``, checked before drawing."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = types.SimpleNamespace(layerdrop=0.5)
+        self.layers = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x):
+        for layer in self.layers:
+            if self.training and self.config.layerdrop > 0.0 and torch.rand([]) < self.config.layerdrop:
+                continue
+            x = x + self.drop(layer(x))
+        return x
+
+
+def test_hf_layerdrop_is_switched_off_in_the_train_graph_and_reported():
+    model = _ConfigLayerDrop().eval()
+    x = torch.randn(4, 8)
+    conv = converter.convert(model, (x,), tracer="export")
+    modes = conv.report.extra["modes"]
+    assert modes.startswith("follows train()/eval()") and "LayerDrop is off in the train graph (config.layerdrop=0.5" in modes, modes
+    assert model.config.layerdrop == 0.5, "the user's config was changed"
+    with torch.no_grad():
+        db = _sqnr(model(x), conv.module.eval()(x))
+        conv.module.train()
+        varies = not torch.equal(conv.module(x), conv.module(x))
+    assert db > 30, f"eval vs original: {db:.1f} dB"
+    assert varies, "train(): dropout does not follow the mode"
+
+
+def test_train_only_data_dependent_branch_is_frozen_and_reported():
+    # export only: symbolic_trace runs torch.rand(()) (no proxy input) eagerly and bakes one branch in
+    model = _LayerDrop().eval()
+    x = torch.randn(4, 8)
+    conv = converter.convert(model, (x,), tracer="export")
+    modes = conv.report.extra["modes"]
+    assert modes.startswith("frozen in eval mode") and "train mode failed" in modes, modes
     with torch.no_grad():
         db = _sqnr(model(x), conv.module(x))
     assert db > 30, f"frozen eval graph vs original eval: {db:.1f} dB"

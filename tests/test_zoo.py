@@ -55,15 +55,10 @@ NAMES = list(ZOO)
 #: run as a real `python -m converter` subprocess (the others call cli.main in-process: same code, no start-up)
 SUBPROCESS_CLI = {"gpt2", "lstm_gru", "groupnorm_unet"}
 
-_LAYERDROP = ("Wav2Vec2's LayerDrop (`if self.training and torch.rand(()) < layerdrop`, modeling_wav2vec2.py:692) is "
-              "data-dependent control flow in train mode only, so the model is captured in its own (eval) mode and the "
-              "mode is frozen (reported in report.json 'modes')")
 _LSTM_LENGTH = ("issue 14 item 1 (capture): the LSTM's sequence length stays specialised "
                 "(Guard failed: input_ids.size()[1] == 12)")
 _SLOW_DYNAMIC = ("issue 14 item 1 (capture): a dynamic torch.export of Swin takes ~250 s here, so the zoo converts it "
                  "with dynamic=False / --static and it keeps the example's shapes")
-_DROP_PATH = ("issue 14 item 2 (capture): stochastic depth (HF drop_path: `if drop_prob == 0.0 or not training: "
-              "return x`) is a Python branch on self.training, captured in eval mode, so train() does not enable it")
 #: converted with dynamic=False (CLI --static) to keep the zoo's time budget
 STATIC = {"swin"}
 
@@ -81,7 +76,7 @@ def _dynamic_xfails() -> dict[str, str]:
 
 
 def _mode_xfails() -> dict[str, str]:
-    return {"convnext": _DROP_PATH, "swin": _DROP_PATH, "wav2vec2": _LAYERDROP, **_capture_xfails()}
+    return {**_capture_xfails()}
 
 
 def _run(module, args, kwargs, *, seed=0) -> torch.Tensor:

@@ -47,6 +47,7 @@ from converter.export.source_text import (
     doc_text,
     render_template,
 )
+from converter.ir.graphmodule import TwoModeGraphModule
 from converter.ir.meta import GM_PARAM_DTYPES, META_CAST, META_DECISION, META_INFO
 from converter.passes.fp32_math import RUNTIME_HELPERS, runtime_source
 
@@ -274,10 +275,11 @@ class _Graph:
     uses_device: bool
 
 
-def _prepare_graph(gm: torch.fx.GraphModule) -> _Graph:
-    """A copy of ``gm.graph`` without export's guard call, with baked-in devices made relative."""
+def _prepare_graph(gm: torch.fx.GraphModule, source: Optional[torch.fx.Graph] = None) -> _Graph:
+    """A copy of ``source`` (default ``gm.graph``) without export's guard call, with baked-in devices made relative."""
+    source = gm.graph if source is None else source
     graph = torch.fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
+    graph.output(graph.graph_copy(source, {}))
     for node in list(graph.nodes):
         if node.op == "call_module" and _is_guard_module(gm, node):
             if node.users:
@@ -313,10 +315,10 @@ def _prepare_graph(gm: torch.fx.GraphModule) -> _Graph:
     return _Graph(graph, leaf_paths, bool(device_node))
 
 
-def _export_codegen(gm: torch.fx.GraphModule, graph: torch.fx.Graph, original: Optional[nn.Module]) -> tuple[_EmitCodeGen, str]:
+def _export_codegen(source: torch.fx.Graph, graph: torch.fx.Graph, original: Optional[nn.Module]) -> tuple[_EmitCodeGen, str]:
     """Code generation for a graph captured by torch.export: the original argument names, explicit
     indexing into nested inputs, and the original output structure. Returns (codegen, io note)."""
-    pytree_info = gm.graph._codegen.pytree_info
+    pytree_info = source._codegen.pytree_info
     children = _spec_children(pytree_info.in_spec)
     if pytree_info.in_spec.type is not tuple or len(children) != 2:
         raise EmitError("cannot emit model.py: unexpected input structure of the exported graph")
@@ -353,30 +355,65 @@ def _export_codegen(gm: torch.fx.GraphModule, graph: torch.fx.Graph, original: O
     return _EmitCodeGen(", ".join(params), prologue, output), note
 
 
-def _forward_source(gm: torch.fx.GraphModule, prepared: _Graph, original: Optional[nn.Module], warnings: list[str]) -> tuple[str, list[str], str]:
-    """(the annotated forward method, the import lines it needs, the io note for the docstring)."""
+def _forward_source(gm: torch.fx.GraphModule, prepared: _Graph, original: Optional[nn.Module], warnings: list[str], *,
+                    source: torch.fx.Graph, name: str = "forward") -> tuple[str, list[str], dict[str, Any], str]:
+    """(the annotated method ``name`` for graph ``source``, the import lines it needs, the fp32-math
+    runtime helpers it calls, the io note for the docstring)."""
     graph = prepared.graph
-    pytree_info = getattr(gm.graph._codegen, "pytree_info", None)
+    pytree_info = getattr(source._codegen, "pytree_info", None)
     if pytree_info is not None and pytree_info.in_spec is not None:
-        graph._codegen, io_note = _export_codegen(gm, graph, original)
+        graph._codegen, io_note = _export_codegen(source, graph, original)
     else:
         graph._codegen = _EmitCodeGen(None, [], None)
         io_note = "The forward takes the same arguments as the original model's forward and returns the same structure."
     python = graph.python_code(root_module="self")
     body = python.src[python.src.index("def forward("):]  # drop FX's `wrap(...)` statements before it
     _check_defaults(body)
-    body = _annotate_lines(body, {n.name: n for n in gm.graph.nodes}, (original, gm))
-    used = {name: obj for name, obj in python.globals.items() if re.search(rf"\b{re.escape(name)}\b", body)}
+    body = _annotate_lines(body, {n.name: n for n in source.nodes}, (original, gm))
+    if name != "forward":
+        body = body.replace("def forward(", f"def {name}(", 1)
+    used = {key: obj for key, obj in python.globals.items() if re.search(rf"\b{re.escape(key)}\b", body)}
     # the fp32 math scope calls: model.py carries their (torch-only) source instead of an import
-    runtime = {name: obj for name, obj in used.items() if obj in RUNTIME_HELPERS}
-    for name, obj in runtime.items():
-        body = re.sub(rf"\b{re.escape(name)}\b", obj.__name__, body)
+    runtime = {key: obj for key, obj in used.items() if obj in RUNTIME_HELPERS}
+    for key, obj in runtime.items():
+        body = re.sub(rf"\b{re.escape(key)}\b", obj.__name__, body)
     imports = [line for line in _import_lines({k: v for k, v in used.items() if k not in runtime}, warnings) if line != "import torch"]
+    forward = "\n".join("    " + line if line else "" for line in body.rstrip().splitlines())
+    return forward, imports, runtime, io_note
+
+
+_DISPATCH = '''    def forward(self, *args, **kwargs):
+        """train(): the train-mode graph, eval(): the eval-mode graph (the model branches on self.training)."""
+        if self.training:
+            return self._forward_train(*args, **kwargs)
+        return self._forward_eval(*args, **kwargs)
+'''
+
+
+def _forwards(gm: torch.fx.GraphModule, original: Optional[nn.Module], warnings: list[str]) -> tuple[str, list[str], list[_Graph], str]:
+    """The forward method(s) of model.py: one for a one-graph conversion; ``_forward_train``,
+    ``_forward_eval`` and a ``forward`` that picks one by ``self.training`` for a two-mode one
+    (:class:`~converter.ir.graphmodule.TwoModeGraphModule`). Returns (methods, import lines, prepared graphs, io note)."""
+    eval_graph = gm.eval_graph if isinstance(gm, TwoModeGraphModule) else None
+    sources = [("forward", gm.graph)] if eval_graph is None else [("_forward_train", gm.graph), ("_forward_eval", eval_graph)]
+    methods: list[str] = []
+    imports: list[str] = []
+    runtime: dict[str, Any] = {}
+    prepared_graphs: list[_Graph] = []
+    io_note = ""
+    for name, source in sources:
+        prepared = _prepare_graph(gm, source)
+        method, lines, helpers, io_note = _forward_source(gm, prepared, original, warnings, source=source, name=name)
+        methods.append(method)
+        imports += [line for line in lines if line not in imports]
+        runtime.update(helpers)
+        prepared_graphs.append(prepared)
+    if eval_graph is not None:
+        methods.insert(0, _DISPATCH.rstrip("\n"))
     if runtime:
         imports += ["", "", '# fp32 math scopes around fp32 matmul/conv runs (mpconvert docs/rules.md, "fp32 math")',
                     *runtime_source().splitlines(), ""]
-    forward = "\n".join("    " + line if line else "" for line in body.rstrip().splitlines())
-    return forward, imports, io_note
+    return "\n\n".join(methods), imports, prepared_graphs, io_note
 
 
 def _is_plain_value(node: ast.AST) -> bool:
@@ -514,7 +551,7 @@ class _Tensors:
         return True
 
 
-def _collect_tensors(gm: torch.fx.GraphModule, leaf_paths: list[str]) -> _Tensors:
+def _collect_tensors(gm: torch.fx.GraphModule, leaf_paths: list[str], graphs: Iterable[torch.fx.Graph]) -> _Tensors:
     found = _Tensors()
     for name, param in gm.named_parameters(remove_duplicate=False):
         if _is_guard_path(gm, name.rsplit(".", 1)[0]):
@@ -531,7 +568,7 @@ def _collect_tensors(gm: torch.fx.GraphModule, leaf_paths: list[str]) -> _Tensor
             persistent = bname not in sub._non_persistent_buffers_set
             if found.add(name, buf, "buffer" if persistent else "buffer-nonpersistent") and not _owner_of(name, leaf_paths):
                 found.buffers.append((name, buf, f", {persistent}"))
-    for node in gm.graph.nodes:
+    for node in (n for graph in graphs for n in graph.nodes):
         if node.op != "get_attr":
             continue
         target = str(node.target)
@@ -593,12 +630,12 @@ def generate_model_source(conv, *, model_file: Optional[str] = None) -> ModelSou
     root_name = type(original).__name__ if original is not None else type(gm).__name__
     class_name = _identifier(f"{root_name}MixedPrecision")
     warnings: list[str] = []
-    prepared = _prepare_graph(gm)
-    forward, imports, io_note = _forward_source(gm, prepared, original, warnings)
-    modules = _module_lines(gm, prepared.leaf_paths)
-    found = _collect_tensors(gm, prepared.leaf_paths)
+    forward, imports, prepared_graphs, io_note = _forwards(gm, original, warnings)
+    leaf_paths = list(dict.fromkeys(path for prepared in prepared_graphs for path in prepared.leaf_paths))
+    modules = _module_lines(gm, leaf_paths)
+    found = _collect_tensors(gm, leaf_paths, [gm.graph] + ([gm.eval_graph] if isinstance(gm, TwoModeGraphModule) else []))
     training = {path: sub.training for path, sub in gm.named_modules() if not _is_guard_path(gm, path)}
-    modes = {p: t for p, t in training.items() if p and t != gm.training and not _owner_of(p, prepared.leaf_paths)}
+    modes = {p: t for p, t in training.items() if p and t != gm.training and not _owner_of(p, leaf_paths)}
     param_dtypes = dict(gm.meta.get(GM_PARAM_DTYPES) or {})
     summary = conv.report.line if getattr(conv, "report", None) is not None else ""
     code = render_template(
@@ -620,7 +657,7 @@ def generate_model_source(conv, *, model_file: Optional[str] = None) -> ModelSou
         module_training=repr(modes),
         class_name=class_name,
         modules=modules,
-        device_property=render_template("device_property.py.tmpl") if prepared.uses_device else "",
+        device_property=render_template("device_property.py.tmpl") if any(p.uses_device for p in prepared_graphs) else "",
         forward=forward,
     )
     try:

@@ -69,6 +69,7 @@ import torch
 import torch.fx
 
 from converter.ir.errors import EXIT_CHECK_FAILED, MpconvertError
+from converter.ir.graphmodule import TwoModeGraphModule
 from converter.ir.meta import DTYPES, GM_PARAM_DTYPES, META_CAST, META_DECISION, META_INFO, META_VALUE, TensorSpec, name_of
 from converter.ir.ops import CAST_OPS
 from converter.numerics.common import output_tensors, to_json
@@ -526,6 +527,8 @@ def _deepcopy(module: torch.nn.Module) -> torch.nn.Module:
 def _export_copy(conv_module: torch.fx.GraphModule, param_dtypes: dict) -> torch.nn.Module:
     """A copy of the converted module in eval mode with parameters stored per ``mp_param_dtypes``."""
     gm = _deepcopy(conv_module)
+    if isinstance(gm, TwoModeGraphModule):  # torch.export interprets `graph`, the train graph: give it eval's
+        gm = gm.for_mode(False)
     with torch.no_grad():
         for name, param in gm.named_parameters():
             dtype = param_dtypes.get(name)

@@ -17,16 +17,20 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import inspect
+from typing import Any, Callable, Optional
 
 import torch
 import torch.fx
+from torch.fx.graph_module import _forward_from_src  # private; GraphModule.recompile's own helper
 
 try:  # private, but stable since torch 2.3 and used by inductor on every compile
     from torch.fx._lazy_graph_module import _LazyGraphModule
 except ImportError:  # pragma: no cover - a torch without it gets eager code generation
     _LazyGraphModule = None
 
-__all__ = ["new_graph_module", "materialize", "gc_paused", "pauses_gc"]
+__all__ = ["new_graph_module", "materialize", "gc_paused", "pauses_gc", "TwoModeGraphModule", "with_eval_graph", "EVAL_PREFIX",
+           "resolve_attr"]
 
 
 def new_graph_module(root: torch.nn.Module, graph: torch.fx.Graph, class_name: str) -> torch.fx.GraphModule:
@@ -71,3 +75,175 @@ def pauses_gc(fn):
             return fn(*args, **kwargs)
 
     return wrapper
+
+
+#: the prefix of the attributes only the eval graph reads (its own constants, export's guard function)
+EVAL_PREFIX = "_eval_"
+
+
+class TwoModeGraphModule(torch.fx.GraphModule):
+    """A GraphModule that runs one graph in train mode and another in eval mode.
+
+    For models whose Python code branches on ``self.training`` in a way a graph cannot record
+    (stochastic depth: ``if not training: return x``), capture traces the model once in each mode
+    (:mod:`converter.passes.capture`). ``graph``, ``code`` and every stage that reads a graph see
+    the *train* graph (what the report describes and the trainer edits); ``eval_graph`` is the one
+    ``forward`` runs when ``self.training`` is False. Both read the same parameters, buffers and
+    submodules (``state_dict`` has the original model's keys, once); tensors only the eval graph
+    reads are non-persistent attributes named ``_eval_*``.
+
+    ``copy.deepcopy`` keeps both graphs. Pickling the module object is refused (it would rebuild a
+    one-graph module): save ``state_dict()`` or the emitted model.py instead. Tools that interpret
+    ``graph`` rather than call ``forward`` (``torch.export`` of a GraphModule runs it through
+    ``torch.fx.Interpreter``) see the train graph: :meth:`for_mode` gives a one-graph module.
+    """
+
+    def __init__(self, root: Any, graph: torch.fx.Graph, class_name: str = "GraphModule", *,
+                 eval_graph: Optional[torch.fx.Graph] = None, eval_root: Optional[torch.nn.Module] = None):
+        if eval_graph is None:  # copy.deepcopy: root is a module holding a copy of our __dict__
+            eval_graph = root.__dict__.get("_eval_graph")
+        if not isinstance(eval_graph, torch.fx.Graph):
+            raise TypeError("TwoModeGraphModule needs an eval_graph")
+        self.__dict__["_eval_graph"] = eval_graph
+        super().__init__(root, graph, class_name)
+        for node in eval_graph.nodes:
+            if node.op in ("get_attr", "call_module") and not _has_path(self, str(node.target)):
+                _copy_eval_attr(root if eval_root is None else eval_root, self, str(node.target))
+        _keep_non_persistent(root, self)
+
+    @property
+    def eval_graph(self) -> torch.fx.Graph:
+        """The graph ``forward`` runs in eval mode."""
+        return self.__dict__["_eval_graph"]
+
+    @property
+    def eval_code(self) -> str:
+        """The Python source of the eval-mode forward."""
+        return self.__dict__["_eval_code"]
+
+    def for_mode(self, training: bool) -> torch.fx.GraphModule:
+        """A plain GraphModule of one mode's graph over the same tensors (nothing is copied).
+
+        Tools that interpret ``graph`` instead of calling ``forward`` (``torch.export`` of a
+        GraphModule, ``torch.fx.Interpreter``) see the train graph; give them this for eval."""
+        graph = self.graph if training else self.eval_graph
+        module = torch.fx.GraphModule(self, graph, type(self).__name__)
+        module.meta.update(self.meta)
+        _keep_non_persistent(self, module)
+        module.train(training)
+        return module
+
+    def recompile(self):  # noqa: D102 - GraphModule.recompile, then the eval forward and the dispatch
+        python_code = super().recompile()
+        cls = type(self)
+        cls._forward_train = cls.forward
+        eval_graph = self.__dict__.get("_eval_graph")
+        if eval_graph is not None:
+            eval_code = eval_graph.python_code(root_module="self")
+            self.__dict__["_eval_code"] = eval_code.src
+            cls._forward_eval = _forward_from_src(eval_code.src, eval_code.globals)
+        cls.forward = _dispatching_forward(cls._forward_train)
+        return python_code
+
+    def _deepcopy_init(self):
+        return TwoModeGraphModule.__init__
+
+    def __reduce__(self):
+        raise TypeError("a converted module with separate train and eval graphs cannot be pickled; save its "
+                        "state_dict() (the original model's keys) or the emitted model.py (Conversion.save)")
+
+
+def _dispatching_forward(train_forward):
+    def forward(self, *args, **kwargs):
+        if self.training:
+            return self._forward_train(*args, **kwargs)
+        return self._forward_eval(*args, **kwargs)
+
+    forward.__signature__ = inspect.signature(train_forward)
+    forward.__doc__ = "train(): the train-mode graph; eval(): the eval-mode graph (see TwoModeGraphModule)."
+    return forward
+
+
+def _keep_non_persistent(root: torch.nn.Module, module: torch.nn.Module) -> None:
+    """GraphModule registers every copied buffer as persistent; keep the ones ``root`` did not save
+    (HF Swin's ``relative_position_index``) out of ``state_dict`` as they were."""
+    for path, sub in module.named_modules():
+        try:
+            original = root.get_submodule(path) if path else root
+        except AttributeError:
+            continue
+        sub._non_persistent_buffers_set |= set(getattr(original, "_non_persistent_buffers_set", ())) & set(sub._buffers)
+
+
+def _has_path(module: torch.nn.Module, target: str) -> bool:
+    try:
+        resolve_attr(module, target)
+    except AttributeError:
+        return False
+    return True
+
+
+def _copy_eval_attr(root: Any, to: torch.nn.Module, target: str) -> None:
+    """Install ``root``'s ``target`` on ``to``: a plain tensor as a non-persistent buffer, so that
+    ``.to()`` moves it and ``state_dict`` stays the original model's."""
+    *path, leaf = target.split(".")
+    source: Any = root
+    for part in path:
+        source = getattr(source, part)
+        if not hasattr(to, part):
+            to.add_module(part, torch.nn.Module())
+        to = getattr(to, part)
+    value = getattr(source, leaf)
+    if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+        to.register_buffer(leaf, value, persistent=False)
+    else:
+        setattr(to, leaf, value)
+
+
+def with_eval_graph(train: torch.fx.GraphModule, eval_gm: torch.fx.GraphModule, *,
+                    shared: Callable[[str], bool]) -> TwoModeGraphModule:
+    """Combine ``train`` and ``eval_gm`` (the same model traced in each mode) into one module.
+
+    ``shared(target)``: whether an attribute path names the same tensor or module in both (the
+    original model's parameters, buffers and modules); the eval graph then reads ``train``'s. Every
+    other attribute the eval graph reads is its own, renamed ``_eval_*``. ``train``'s meta is kept.
+    Both graphs must take and return the same structure.
+    """
+    graph = eval_gm.graph
+    train_codegen, eval_codegen = train.graph._codegen, graph._codegen
+    train_info, eval_info = getattr(train_codegen, "pytree_info", None), getattr(eval_codegen, "pytree_info", None)
+    if (train_info is None) != (eval_info is None) or (
+            train_info is not None and (train_info.in_spec != eval_info.in_spec or train_info.out_spec != eval_info.out_spec)):
+        raise ValueError("the train-mode and eval-mode graphs take or return different structures")
+    own: dict[str, Any] = {}
+    for node in graph.nodes:
+        if node.op not in ("get_attr", "call_module"):
+            continue
+        target = str(node.target)
+        if shared(target) and _has_path(train, target):
+            continue
+        renamed = EVAL_PREFIX + target.replace(".", "_")
+        own[renamed] = eval_gm.get_submodule(target) if node.op == "call_module" else resolve_attr(eval_gm, target)
+        node.target = renamed
+    holder = torch.nn.Module()
+    for name, value in own.items():
+        if isinstance(value, torch.nn.Module):
+            holder.add_module(name, value)
+        else:
+            setattr(holder, name, value)
+    module = TwoModeGraphModule(train, train.graph, type(train).__name__, eval_graph=graph, eval_root=holder)
+    module.meta.update(train.meta)
+    module.train(train.training)
+    for path, sub in module.named_modules():
+        if path and _has_path(train, path):
+            sub.training = train.get_submodule(path).training
+    return module
+
+
+def resolve_attr(module: torch.nn.Module, target: str) -> Any:
+    """The attribute at dotted path ``target`` (a get_attr or call_module target) of ``module``."""
+    value: Any = module
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+

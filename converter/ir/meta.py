@@ -160,7 +160,7 @@ CONTRACT: tuple[MetaKey, ...] = (
     MetaKey(GM_GRAPH, "graph", "GraphMeta", ("api",), ("report",),
             "graph-level facts: tracer, precision, capture errors, rule files; in extra: lower's list, "
             "the fp32_math setting and region count"),
-    MetaKey(GM_PARAM_DTYPES, "graph", "dict[str, torch.dtype]", ("rewrite",), ("report", "export", "train"),
+    MetaKey(GM_PARAM_DTYPES, "graph", "dict[str, torch.dtype]", ("rewrite", "api"), ("report", "export", "train", "api"),
             "fqn -> the dtype each parameter may be stored in (O2); the emitted model.py sets it too"),
     MetaKey(GM_CALIBRATION, "graph", "dict", ("calibrate",), ("report",),
             "calibration results for report.json (risky nodes, loss scale, underflow)"),

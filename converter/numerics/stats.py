@@ -29,6 +29,7 @@ import torch.fx
 from torch._utils import _flatten_dense_tensors
 from torch.utils import _pytree as pytree
 
+from converter.ir.graphmodule import resolve_attr
 from converter.ir.meta import META_INFO, META_STATS, META_VALUE, TensorSpec
 from converter.numerics.common import copy_graph, floating_outputs, json_float, preserved_state, progress_bar
 from converter.passes.capture import normalize_inputs
@@ -550,7 +551,7 @@ class _Plan:
         self.acc = _Accumulator(2 * self.total)
         param_values = {}
         for n in params:
-            value = _fetch_attr(gm, str(n.target))
+            value = resolve_attr(gm, str(n.target))
             if isinstance(value, torch.Tensor) and value.is_floating_point():
                 param_values[n] = value
         self.acc.add(list(param_values.values()), [self.p_index[n] for n in param_values])
@@ -667,10 +668,3 @@ def _take(iterable: Iterable, n: int) -> list:
             break
         out.append(item)
     return out
-
-
-def _fetch_attr(gm: torch.nn.Module, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj

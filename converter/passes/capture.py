@@ -29,9 +29,17 @@ Sizes are never read with ``int(SymInt)``, which would specialise them.
 recorded with its train-mode arguments, and :mod:`converter.passes.modes` rewrites those arguments
 to read the converted module's ``self.training`` (dropout, batch norm and its batch counter,
 attention dropout, RNN dropout). The graph is then run in eval mode on the example and compared with
-the original model in eval mode; a model whose Python code branches on ``self.training`` some other
-way fails that check and is captured in its own mode, its mode frozen and the reason in
-``Captured.modes`` (``report.extra["modes"]``). The converted module starts in the original's mode.
+the original model in eval mode (both from the same seed), and the random ops that do not read
+``self.training`` are counted. A model whose Python code branches on ``self.training`` some other
+way (stochastic depth: ``if not training: return x``; its ``rand``/``bernoulli_`` is in the train
+graph only) is traced again in eval mode: ``Captured.eval_gm`` holds that graph, ``convert`` converts
+both and combines them into a :class:`~converter.ir.graphmodule.TwoModeGraphModule` that runs each in
+its mode on shared parameters. Hugging Face LayerDrop (``if self.training and torch.rand([]) <
+config.layerdrop``, a branch on a random number) is switched off in a copy for the train trace, and
+the note says so. A model whose train mode cannot be traced at all is captured in its own mode, its
+mode frozen. Either
+way ``Captured.modes`` (``report.extra["modes"]``) says what happened and why. The converted module
+starts in the original's mode.
 
 **Higher-order regions.** ``torch.no_grad()``/``set_grad_enabled`` and ``torch.autocast`` blocks,
 which torch.export records as nested graphs, are inlined between plain grad-mode/autocast calls
@@ -58,7 +66,7 @@ from converter.ir.errors import MpconvertError
 from converter.ir.graphmodule import new_graph_module
 from converter.ir.meta import META_INFO, META_SOURCE, META_VALUE, NodeInfo, TensorSpec
 from converter.ir.ops import CAST_OPS, NORM_OPS, canonical_op, explicit_dtype, is_inplace
-from converter.passes.modes import make_mode_aware
+from converter.passes.modes import make_mode_aware, random_ops
 from converter.passes.regions import inline_regions
 
 __all__ = ["Captured", "CaptureError", "capture", "normalize_inputs", "annotate", "placeholder_values", "TRACED_THROUGH"]
@@ -109,6 +117,8 @@ class Captured:
     shapes_note: str = ""
     #: whether train()/eval() work on the captured graph, and why not if they do not
     modes: str = ""
+    #: the graph of the model in eval mode, when it branches on self.training (``gm`` is then the train graph)
+    eval_gm: Optional[torch.fx.GraphModule] = None
 
 
 def normalize_inputs(example_inputs: Any) -> tuple[tuple, dict]:
@@ -455,7 +465,7 @@ def capture(
             errors[name] = plain or _short(exc)
     if result is None:
         raise CaptureError(errors, advice=advice)
-    gm, modes = result
+    gm, eval_gm, modes = result
     annotate(gm, root_type=type(model).__name__)
     opaque = _opaque_leaves(gm)
     if tracer == "auto" and used == "fx" and opaque:
@@ -463,46 +473,115 @@ def capture(
         # torch.export traces through them, so prefer it when it works.
         export_shapes = _Shapes(dynamic=dynamic, user_spec=dynamic_shapes)
         try:
-            exported, export_modes = _capture_one("export", model, args, kwargs, export_shapes)
+            exported, exported_eval, export_modes = _capture_one("export", model, args, kwargs, export_shapes)
         except Exception as exc:  # keep the FX graph; the opaque modules stay fp32 (reported)
             errors["export"] = _control_flow(exc) or _short(exc)
         else:
             annotate(exported, root_type=type(model).__name__)
             errors["fx"] = f"opaque leaf modules {', '.join(sorted(set(opaque)))}: used torch.export to convert inside them"
-            gm, used, modes, shapes = exported, "export", export_modes, export_shapes
+            gm, eval_gm, used, modes, shapes = exported, exported_eval, "export", export_modes, export_shapes
+    if eval_gm is not None:
+        annotate(eval_gm, root_type=type(model).__name__)
     return Captured(gm=gm, tracer=used, args=args, kwargs=kwargs, errors=errors,
-                    dynamic_dims=shapes.dims, shapes_note=shapes.note, modes=modes)
+                    dynamic_dims=shapes.dims, shapes_note=shapes.note, modes=modes, eval_gm=eval_gm)
 
 
 def _capture_one(name: str, model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Shapes) -> tuple:
-    """Trace with one tracer, mode-aware if the eval check passes; returns (gm, modes note)."""
+    """Trace with one tracer; returns (train-or-only graph, eval graph or None, modes note).
+
+    One mode-aware graph when the eval check passes; a train graph and an eval graph when the model
+    branches on ``self.training`` (the graph computes something else in eval mode, or draws random
+    numbers that eval mode does not); one graph frozen in the model's own mode when train mode
+    cannot be traced at all (see the module docstring)."""
     trace = _trace_fx if name == "fx" else _trace_export
-    why = ""
+    why = skipped = ""
     try:
-        gm = trace(copy.deepcopy(model).train(), args, kwargs, shapes)
-        changed = make_mode_aware(gm)
-        if name == "fx":
-            _propagate(gm, args, kwargs)
+        gm, changed = _trace_train(trace, name, model, args, kwargs, shapes)
     except Exception as exc:
-        if model.training:
-            raise
         # e.g. LayerDrop's `if self.training and torch.rand(()) < p`: a branch only train mode takes
         flow = _control_flow(exc)
-        why = f"tracing in train mode failed ({'a data-dependent branch' if flow else _short(exc)})"
-    if not why:
-        try:
-            why = _eval_mismatch(gm, model, args, kwargs) or ""
-        except Exception as exc:  # the graph cannot run in eval mode: capture the model's own mode
-            why = f"running the graph in eval mode failed ({_short(exc)})"
-    if not why:
-        _set_modes(gm, model)
-        return gm, f"follows train()/eval(): traced in train mode, {len(changed)} mode-dependent ops read self.training"
+        off = _without_layerdrop(model) if flow else None
+        if off is not None:
+            try:
+                gm, changed = _trace_train(trace, name, off[0], args, kwargs, shapes)
+                skipped = off[1]
+            except Exception:  # still untraceable: frozen below
+                off = None
+        if off is None:
+            if model.training:
+                raise
+            why = f"tracing in train mode failed ({'a data-dependent branch' if flow else _short(exc)})"
+    if why:
+        gm = _trace_own_mode(trace, name, model, args, kwargs, shapes)
+        mode = "train" if model.training else "eval"
+        return gm, None, f"frozen in {mode} mode: {why}; train()/eval() on the converted module change nothing"
+    gm, eval_gm, note = _split_modes(trace, name, model, gm, changed, args, kwargs, shapes)
+    return gm, eval_gm, note + skipped
+
+
+def _trace_train(trace, name: str, model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Shapes) -> tuple:
+    """The graph of ``model`` in train mode with its mode-dependent ops reading self.training."""
+    gm = trace(copy.deepcopy(model).train(), args, kwargs, shapes)
+    changed = make_mode_aware(gm)
+    if name == "fx":
+        _propagate(gm, args, kwargs)
+    return gm, changed
+
+
+#: Hugging Face config fields of LayerDrop (skip a whole layer with probability p in train mode)
+_LAYERDROP_FIELDS = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
+
+
+def _without_layerdrop(model: torch.nn.Module) -> Optional[tuple[torch.nn.Module, str]]:
+    """A copy of ``model`` with LayerDrop off, and the note saying so; None if it has none.
+
+    LayerDrop (``if self.training and torch.rand([]) < config.layerdrop: skip the layer``) is a
+    branch on a random number: no graph records it. The train graph is then captured without it
+    (every layer runs; dropout and the rest still follow train()), which the report says."""
+    config = getattr(model, "config", None)
+    fields = {f: getattr(config, f) for f in _LAYERDROP_FIELDS
+              if isinstance(getattr(config, f, None), (int, float)) and getattr(config, f) > 0}
+    if not fields:
+        return None
+    copied = copy.deepcopy(model)
+    for field_name in fields:
+        setattr(copied.config, field_name, 0.0)
+    listed = ", ".join(f"config.{k}={v:g}" for k, v in fields.items())
+    return copied, (f"; LayerDrop is off in the train graph ({listed} is a branch on a random number, which no "
+                    "graph records): every layer runs in training, dropout still follows train()")
+
+
+def _split_modes(trace, name: str, model: torch.nn.Module, gm: torch.fx.GraphModule, changed: list,
+                 args: tuple, kwargs: dict, shapes: _Shapes) -> tuple:
+    """(train graph, eval graph or None, note): one mode-aware graph when it computes in eval mode
+    what the model does and draws no random numbers eval mode does not; else an eval graph too."""
+    try:
+        differs = _eval_mismatch(gm, model, args, kwargs)
+    except Exception as exc:  # the train graph cannot run in eval mode: it needs a graph of its own
+        differs = f"running the train graph in eval mode failed ({_short(exc)})"
+    eval_gm = None
+    random = random_ops(gm)
+    if differs or random:
+        eval_gm = _trace_own_mode(trace, name, copy.deepcopy(model).eval(), args, kwargs, shapes)
+        dropped = len(random) - len(random_ops(eval_gm))
+        if not differs and dropped > 0:
+            differs = f"{dropped} random op(s) run in train mode only (e.g. stochastic depth)"
+        elif not differs:
+            eval_gm = None  # the random ops run in both modes: one graph serves
+    _set_modes(gm, model)
+    if eval_gm is None:
+        return gm, None, f"follows train()/eval(): traced in train mode, {len(changed)} mode-dependent ops read self.training"
+    _set_modes(eval_gm, model)
+    return gm, eval_gm, (f"follows train()/eval() with two graphs: the model branches on self.training ({differs}), so "
+                         "it was traced in each mode and the converted module runs the train graph in train mode and "
+                         "the eval graph in eval mode (the report describes the train graph)")
+
+
+def _trace_own_mode(trace, name: str, model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Shapes):
     gm = trace(copy.deepcopy(model), args, kwargs, shapes)
     if name == "fx":
         _propagate(gm, args, kwargs)
-    _set_modes(gm, model)
-    mode = "train" if model.training else "eval"
-    return gm, f"frozen in {mode} mode: {why}; train()/eval() on the converted module change nothing"
+    return gm
 
 
 def _set_modes(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
@@ -520,8 +599,10 @@ def _eval_mismatch(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tuple
     saved = {name: buf.detach().clone() for name, buf in gm.named_buffers()}
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)  # the same random numbers for both (noise a model adds in eval mode too)
             want = pytree.tree_leaves(reference(*args, **kwargs))
             gm.eval()
+            torch.manual_seed(0)
             got = pytree.tree_leaves(gm(*args, **kwargs))
     finally:
         with torch.no_grad():

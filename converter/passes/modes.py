@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from converter.ir.meta import META_MODE_FLAG
 
-__all__ = ["make_mode_aware", "MODE_ATTR"]
+__all__ = ["make_mode_aware", "random_ops", "MODE_ATTR"]
 
 #: the GraphModule attribute the rewritten arguments read
 MODE_ATTR = "training"
@@ -122,3 +122,28 @@ def _is_batch_counter(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
         and target.op == "get_attr"
         and str(target.target).rsplit(".", 1)[-1] == "num_batches_tracked"
     )
+
+
+#: ops that draw random numbers (aten overload packets, torch functions and Tensor methods by name)
+_RANDOM = frozenset({
+    "rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm", "bernoulli", "bernoulli_",
+    "normal", "normal_", "uniform_", "exponential_", "geometric_", "log_normal_", "cauchy_", "random_", "poisson",
+    "multinomial", "native_dropout",
+})
+
+
+def random_ops(gm: torch.fx.GraphModule) -> list[str]:
+    """The nodes that draw random numbers whatever the mode: dropout, which reads ``self.training``
+    after :func:`make_mode_aware`, is not one of them; stochastic depth's ``rand``/``bernoulli_`` is."""
+    found = []
+    for node in gm.graph.nodes:
+        if node.op == "call_method":
+            name = str(node.target)
+        elif node.op == "call_function":
+            packet = getattr(node.target, "_overloadpacket", None)
+            name = getattr(packet if packet is not None else node.target, "__name__", "")
+        else:
+            continue
+        if name in _RANDOM:
+            found.append(node.name)
+    return found
