@@ -589,3 +589,110 @@ def test_optimizer_foreach_is_switched_on_only_where_left_to_the_default():
     untouched = torch.optim.SGD(_tiny().parameters(), lr=0.1)
     MixedPrecisionTrainer(_tiny(), untouched, precision="bf16", optimizer_foreach=False)
     assert untouched.param_groups[0]["foreach"] is None
+
+
+# ---------------------------------------------------------------- O2 gradient arena (issue 18 item 4)
+class _Branchy(nn.Module):
+    """Linear layers in half, a LayerNorm kept fp32, and a layer used only when ``use_extra``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.norm = nn.LayerNorm(16)
+        self.extra = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 4)
+        self.use_extra = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.inp(x).float()).to(self.inp.weight.dtype)
+        if self.use_extra:
+            h = self.extra(h)
+        return self.out(h)
+
+
+def _reference_norm(model: nn.Module, x: torch.Tensor) -> float:
+    """Plain autograd on a copy of the O2 model as stored (half weights, fp32 norm): the 2-norm, in
+    fp32, of every gradient it produces (widening bf16 to fp32 is exact, so the trainer must match)."""
+    ref = copy.deepcopy(model)
+    ref(x).float().pow(2).mean().backward()
+    grads = [p.grad.float().flatten() for p in ref.parameters() if p.grad is not None]
+    return torch.linalg.vector_norm(torch.cat(grads)).item()
+
+
+def _branchy_o2(**kw) -> tuple[_Branchy, MixedPrecisionTrainer]:
+    torch.manual_seed(0)
+    model = _Branchy()
+    model.meta = {"mp_param_dtypes": {n: (torch.float32 if n.startswith("norm") else torch.bfloat16)
+                                      for n, _ in model.named_parameters()}}
+    return model, MixedPrecisionTrainer(model, torch.optim.SGD(model.parameters(), lr=kw.pop("lr", 0.1)),
+                                        precision="bf16", master_weights=True, **kw)
+
+
+def test_o2_grad_norm_is_one_reduction_over_the_arena_and_exact():
+    """O2 with fp32-stored norm weights: every optimizer gradient (masters' and the fp32 params') is
+    a view of one fp32 buffer, so the non-finite check is one ``linalg_vector_norm`` (no per-tensor
+    ``_foreach_norm``, no stack), and its value is the norm of those gradients (bf16 → fp32 is exact)."""
+    model, trainer = _branchy_o2()
+    x = torch.randn(5, 8, dtype=torch.bfloat16)
+    expected = _reference_norm(model, x)
+    trainer.zero_grad()
+    trainer.backward(model(x).float().pow(2).mean())
+    arena = trainer._arena.flats[0]
+    for param in [model.norm.weight, model.norm.bias, *trainer.master_params]:
+        assert param.grad.untyped_storage().data_ptr() == arena.untyped_storage().data_ptr()
+    with _OpCounter() as counter:
+        assert trainer.step()
+    norms = [op for op in counter.ops if "norm" in op and "layer_norm" not in op]
+    assert norms == ["aten.linalg_vector_norm.default"], counter.ops
+    assert trainer.stats.grad_norm == pytest.approx(expected, rel=1e-5), (trainer.stats.grad_norm, expected)
+
+
+def test_o2_arena_norm_ignores_stale_slots_of_unused_params():
+    """A layer used in step 1 and skipped in step 2 (no gradient) must not count with its old
+    gradient in step 2's norm, and is not stepped; it counts again once it is used again."""
+    model, trainer = _branchy_o2(lr=0.0)
+    x = torch.randn(5, 8, dtype=torch.bfloat16)
+    for use_extra in (True, False, True):
+        model.use_extra = use_extra
+        expected = _reference_norm(model, x)
+        trainer.zero_grad()
+        trainer.backward(model(x).float().pow(2).mean())
+        assert trainer.step()
+        assert trainer.stats.grad_norm == pytest.approx(expected, rel=1e-5), (use_extra, trainer.stats.grad_norm,
+                                                                              expected)
+        half = [n for n, p in model.named_parameters() if p.dtype == torch.bfloat16]
+        masters = dict(zip(half, trainer.master_params))
+        assert [(masters[n].grad is None) for n in ("extra.weight", "extra.bias")] == [not use_extra] * 2
+
+
+def test_o2_arena_accumulates_fp32_param_grads_in_place():
+    """With accumulation, the fp32-stored params' gradients sum over the window in their slots and
+    match plain autograd's accumulation over the same two micro-batches."""
+    model, trainer = _branchy_o2(lr=0.0, accumulation_steps=2)
+    ref = copy.deepcopy(model)  # the model as stored: half weights, fp32 norm
+    xs = [torch.randn(5, 8, dtype=torch.bfloat16) for _ in range(2)]
+    trainer.zero_grad()
+    for x in xs:
+        trainer.backward(model(x).float().pow(2).mean())
+        (ref(x).float().pow(2).mean() / 2).backward()
+        trainer.step()
+    slot = trainer._arena.slot_of[id(model.norm.weight)]
+    assert model.norm.weight.grad is slot
+    torch.testing.assert_close(model.norm.weight.grad, ref.norm.weight.grad, rtol=1e-6, atol=1e-7)
+    assert trainer.stats.steps == 1
+
+
+def test_o2_arena_leaves_a_repointed_fp32_param_its_own_gradient():
+    """An fp32-stored param whose storage was replaced after setup keeps its own gradient (no slot):
+    the norm falls back to per-tensor norms and is still exact, and the param is still stepped."""
+    model, trainer = _branchy_o2(lr=0.5)
+    model.norm.weight.data = model.norm.weight.data.clone()
+    x = torch.randn(5, 8, dtype=torch.bfloat16)
+    expected = _reference_norm(model, x)
+    before = model.norm.weight.detach().clone()
+    trainer.zero_grad()
+    trainer.backward(model(x).float().pow(2).mean())
+    assert model.norm.weight.grad is not trainer._arena.slot_of[id(model.norm.weight)]
+    assert trainer.step()
+    assert trainer.stats.grad_norm == pytest.approx(expected, rel=1e-5), (trainer.stats.grad_norm, expected)
+    assert not torch.equal(model.norm.weight, before)

@@ -274,14 +274,12 @@ def _storage_plan(inner: nn.Module, half: torch.dtype) -> dict[str, torch.dtype]
 
 @dataclasses.dataclass
 class _FlatGroup:
-    """O2 buffers of one (device, half dtype): model params, fp32 masters and master grads as views."""
+    """O2 buffers of one (device, half dtype): model params and fp32 masters as views of one buffer each."""
 
     model_flat: torch.Tensor
     master_flat: torch.Tensor
-    grad_flat: torch.Tensor
     models: list = dataclasses.field(default_factory=list)
     masters: list = dataclasses.field(default_factory=list)
-    grads: list = dataclasses.field(default_factory=list)
     _ptrs: tuple = ()
 
     def pin(self) -> None:
@@ -291,9 +289,40 @@ class _FlatGroup:
         """Every parameter and master still lives in the flat buffers."""
         return tuple(t.data_ptr() for t in self.models + self.masters) == self._ptrs
 
-    def grads_in_place(self) -> bool:
-        """Every master's gradient is its view of ``grad_flat`` (none missing, none replaced)."""
-        return all(m.grad is g for m, g in zip(self.masters, self.grads))
+
+@dataclasses.dataclass
+class _GradArena:
+    """O2: one fp32 buffer per device whose views are the gradients of every tensor the optimizer steps.
+
+    Slots: the masters' gradients and those of the trainable parameters stored in fp32 (norm
+    weights). When every optimizer gradient is its slot, the gradient norm is one reduction over
+    the buffers (``norms``) instead of a norm per tensor, a stack and a norm of norms. A slot whose
+    owner has no gradient this step is zeroed before (``dirty``: it may still hold an old one).
+    """
+
+    flats: list = dataclasses.field(default_factory=list)  # one fp32 buffer per device
+    slots: list = dataclasses.field(default_factory=list)  # (owner, its gradient view)
+    slot_of: dict = dataclasses.field(default_factory=dict)  # id(owner) -> view
+    dirty: set = dataclasses.field(default_factory=set)  # ids of owners whose slot may hold a gradient
+
+    def norms(self, params: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Per-device norms of ``params``' gradients (each not None) when they are exactly the slots in use."""
+        if not self.flats:
+            return None
+        slot_of = self.slot_of
+        for param in params:
+            if param.grad is not slot_of.get(id(param)):
+                return None
+        with_grad = 0
+        for owner, view in self.slots:
+            if owner.grad is not None:
+                with_grad += 1
+            elif id(owner) in self.dirty:
+                view.zero_()
+                self.dirty.discard(id(owner))
+        if with_grad != len(params):  # a slot's owner left the optimizer but kept its gradient
+            return None
+        return [torch.linalg.vector_norm(flat) for flat in self.flats]
 
 
 class MixedPrecisionTrainer:
@@ -438,6 +467,10 @@ class MixedPrecisionTrainer:
         # so a step's harvest copies into memory it already owns.
         self._pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
         self._grad_bufs: list[torch.Tensor | None] = []
+        # O2: the optimizer's gradients as slots of one fp32 buffer per device (see _GradArena), and the
+        # (fp32-stored trainable param, its slot) pairs among them
+        self._arena = _GradArena()
+        self._direct: list[tuple[nn.Parameter, torch.Tensor, int]] = []  # (param, slot, param's data_ptr)
         # Every parameter of the model, listed once so zero_grad() need not walk the module tree.
         self._model_params: list[nn.Parameter] = list(self._inner.parameters())
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
@@ -526,11 +559,13 @@ class MixedPrecisionTrainer:
         self._flatten()
 
     def _flatten(self) -> None:
-        """Lay the half params, their fp32 masters and the masters' grads out in flat buffers.
+        """Lay the half params, their fp32 masters and the optimizer's grads out in flat buffers.
 
-        One buffer of each per (device, half dtype), parameters as views into it: the master→model
-        copy is then one ``copy_`` per buffer and the gradient norm one reduction, instead of one
-        kernel per parameter (on a 2-layer d128 encoder that is 0.15 ms of a 4.4 ms step).
+        One buffer of half params and one of masters per (device, half dtype), parameters as views
+        into it: the master→model copy is then one ``copy_`` per buffer instead of one kernel per
+        parameter (on a 2-layer d128 encoder that is 0.15 ms of a 4.4 ms step). The gradients the
+        optimizer reads (masters', and those of trainable fp32-stored params) get slots in one fp32
+        buffer per device (:class:`_GradArena`), so the gradient norm is one reduction.
         Non-contiguous parameters keep their own storage and go through ``_foreach_copy_``.
         """
         by_key: dict[tuple, list[int]] = {}
@@ -544,11 +579,11 @@ class MixedPrecisionTrainer:
                 masters.append(master)
         self._loose_groups = list(loose.values())
         self._flat_groups = []
+        owners: dict[torch.device, list[torch.Tensor]] = {}
         for (device, dtype), indices in by_key.items():
             total = sum(self._pairs[i][0].numel() for i in indices)
             group = _FlatGroup(model_flat=torch.empty(total, dtype=dtype, device=device),
-                               master_flat=torch.empty(total, dtype=torch.float32, device=device),
-                               grad_flat=torch.zeros(total, dtype=torch.float32, device=device))
+                               master_flat=torch.empty(total, dtype=torch.float32, device=device))
             offset = 0
             with torch.no_grad():
                 for index in indices:
@@ -561,12 +596,36 @@ class MixedPrecisionTrainer:
                     view = group.master_flat[span].view_as(master)
                     view.copy_(master.detach())
                     master.data = view
-                    self._grad_bufs[index] = group.grad_flat[span].view_as(master)
                     group.models.append(param)
                     group.masters.append(master)
-                    group.grads.append(self._grad_bufs[index])
+                    owners.setdefault(device, []).append(master)
             group.pin()
             self._flat_groups.append(group)
+        for param in self._direct_fp32_params():
+            owners.setdefault(param.device, []).append(param)
+        self._build_arena(owners)
+
+    def _direct_fp32_params(self) -> list[nn.Parameter]:
+        """Trainable contiguous fp32 params the optimizer steps directly (O2 keeps them fp32: norms)."""
+        masters = {id(master) for _pair, master in self._pairs}
+        return [p for p in self._optimizer_params() if id(p) not in masters and p.requires_grad
+                and p.dtype == torch.float32 and p.is_contiguous()]
+
+    def _build_arena(self, owners: dict[torch.device, list[torch.Tensor]]) -> None:
+        arena = _GradArena()
+        for device, tensors in owners.items():
+            flat = torch.zeros(sum(t.numel() for t in tensors), dtype=torch.float32, device=device)
+            offset = 0
+            for tensor in tensors:
+                view = flat[offset:offset + tensor.numel()].view_as(tensor)
+                offset += tensor.numel()
+                arena.slots.append((tensor, view))
+                arena.slot_of[id(tensor)] = view
+            arena.flats.append(flat)
+        self._arena = arena
+        self._grad_bufs = [arena.slot_of.get(id(master)) for _param, master in self._pairs]
+        masters = {id(master) for _pair, master in self._pairs}
+        self._direct = [(t, view, t.data_ptr()) for t, view in arena.slots if id(t) not in masters]
 
     def _copy_masters_to_model(self) -> None:
         with torch.no_grad():
@@ -634,7 +693,9 @@ class MixedPrecisionTrainer:
             raise TypeError(f"loss must be a Tensor, got {type(loss).__name__}")
         if loss.numel() != 1:
             raise ValueError(f"loss must be a scalar tensor, got shape {tuple(loss.shape)}")
-        detached = loss.detach().float().reshape(())
+        detached = loss.detach()
+        if detached.dtype != torch.float32 or detached.dim() != 0:
+            detached = detached.float().reshape(())
         self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
         if self._accumulation_steps > 1:
             loss = loss / self._accumulation_steps
@@ -648,13 +709,16 @@ class MixedPrecisionTrainer:
 
         A master without a gradient gets its persistent fp32 buffer, filled by one ``_foreach_copy_``
         (the exact widening of the half gradient); a master that already has one (an accumulation
-        window, or a gradient the caller set) is added to in fp32 with one ``_foreach_add_``.
+        window, or a gradient the caller set) is added to in fp32 with one ``_foreach_add_``. A
+        trainable fp32 param's fresh gradient moves into its arena slot in the same copy (autograd
+        then accumulates into the slot in place for the rest of an accumulation window).
         """
         copy_dst: list[torch.Tensor] = []
         copy_src: list[torch.Tensor] = []
         add_dst: list[torch.Tensor] = []
         add_src: list[torch.Tensor] = []
         bufs = self._grad_bufs
+        dirty = self._arena.dirty
         for index, (param, master) in enumerate(self._pairs):
             grad = param.grad
             if grad is None:
@@ -666,11 +730,21 @@ class MixedPrecisionTrainer:
                 if buf is None:
                     buf = bufs[index] = torch.empty_like(master)
                 master.grad = buf
+                dirty.add(id(master))
                 copy_dst.append(buf)
                 copy_src.append(grad)
             else:
                 add_dst.append(master_grad)
                 add_src.append(grad)
+        for param, slot, data_ptr in self._direct:
+            grad = param.grad
+            # a param re-pointed since setup (.to(), .data = ...) keeps its own gradient
+            if grad is None or grad is slot or param.data_ptr() != data_ptr:
+                continue
+            param.grad = slot
+            dirty.add(id(param))
+            copy_dst.append(slot)
+            copy_src.append(grad)
         if copy_dst:
             torch._foreach_copy_(copy_dst, copy_src)
         if add_dst:
@@ -726,15 +800,10 @@ class MixedPrecisionTrainer:
             return _full_value(torch.nn.utils.clip_grad_norm_(params, self._max_grad_norm, foreach=True))
         if self._fsdp is not None:
             return _full_value(torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True))
-        # a flat master-grad buffer whose every view is its master's grad is normed in one go
-        norms, covered = [], set()
-        for group in self._flat_groups:
-            if group.grads_in_place():
-                norms.append(torch.linalg.vector_norm(group.grad_flat))
-                covered.update(id(m) for m in group.masters)
-        grads = [p.grad for p in params if id(p) not in covered]
-        if grads:
-            norms.extend(torch._foreach_norm(grads))
+        # every gradient in its arena slot: one reduction per device; else one norm per tensor
+        norms = self._arena.norms(params)
+        if norms is None:
+            norms = torch._foreach_norm([p.grad for p in params]) if params else []
         if not norms:
             return 0.0
         total = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
