@@ -216,3 +216,20 @@ def test_onnx_export_runs_the_eval_graph(case, tmp_path):
     eval_only = conv.module.for_mode(False)
     assert not eval_only.training and set(eval_only.state_dict()) == set(conv.module.state_dict())
     assert torch.equal(_run(eval_only, x, 0), _run(copy.deepcopy(conv.module).eval(), x, 0))
+
+
+@pytest.mark.slow
+def test_compiles_without_graph_breaks_in_both_modes():
+    """torch.compile follows the dispatch on self.training (a guard on the flag), with no graph break."""
+    model = _model()
+    x = torch.randn(6, 32)
+    conv = converter.convert(model, (x,), tracer="export", precision="bf16")
+    module = copy.deepcopy(conv.module)
+    for training in (False, True):
+        module.train(training)
+        explained = torch._dynamo.explain(module)(x)
+        assert explained.graph_break_count == 0, (training, explained.break_reasons)
+    compiled = torch.compile(module.eval())
+    with torch.no_grad():
+        got, want = compiled(x).float(), module(x).float()
+    assert torch.allclose(got, want, atol=2e-2, rtol=2e-2), (got - want).abs().max().item()

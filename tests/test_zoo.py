@@ -19,11 +19,9 @@ For each model:
 conversion and of autocast in bf16 and fp16, dynamic shapes ok, modes ok) and writes it to
 ``zoo_table.md`` in the test's temporary directory (or to ``$MPCONVERT_ZOO_TABLE``).
 
-Models that fail because of a known capture limitation (issue 14 items 1-3, branch h/capture) are
-marked ``xfail(strict=True)`` with the precise reason, so that they fail loudly once it is fixed and
-the mark must go. Swin's image-size dims stay static (capture stops its every-dim dynamic export
-when the size expressions of its window partition blow up, see ``converter.passes.size_budget``),
-so its second size differs in the batch only.
+Every model converts dynamically (batch and sequence/image dims) and follows train()/eval():
+ConvNeXt and Swin (stochastic depth, a Python branch on self.training) as two graphs, Wav2Vec2
+with its LayerDrop off in the train graph (reported), the LSTM/GRU model with a dynamic length.
 """
 from __future__ import annotations
 
@@ -56,24 +54,8 @@ NAMES = list(ZOO)
 #: run as a real `python -m converter` subprocess (the others call cli.main in-process: same code, no start-up)
 SUBPROCESS_CLI = {"gpt2", "lstm_gru", "groupnorm_unet"}
 
-#: converted with dynamic=False (CLI --static)
+#: converted with dynamic=False (CLI --static); none since Swin captures a dynamic batch in seconds
 STATIC: set[str] = set()
-
-
-def _params(xfails: dict[str, str]) -> list:
-    return [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=xfails[n])) if n in xfails else n for n in NAMES]
-
-
-def _capture_xfails() -> dict[str, str]:
-    return {}
-
-
-def _dynamic_xfails() -> dict[str, str]:
-    return {**_capture_xfails()}
-
-
-def _mode_xfails() -> dict[str, str]:
-    return {**_capture_xfails()}
 
 
 def _run(module, args, kwargs, *, seed=0) -> torch.Tensor:
@@ -338,14 +320,14 @@ def standalone(cli_runs, workdir) -> dict:
 # the tests
 
 
-@pytest.mark.parametrize("name", _params(_capture_xfails()))
+@pytest.mark.parametrize("name", NAMES)
 def test_cli_converts_and_emits(name, cli_runs):
     code, seconds, err, out = cli_runs[name]
     assert code == 0, f"{name}: mpconvert exited {code} after {seconds:.1f}s: {err.strip()[-600:]}"
     assert {"model.py", "train.py", "report.json"} <= {p.name for p in out.iterdir()}, sorted(out.iterdir())
 
 
-@pytest.mark.parametrize("name", _params(_capture_xfails()))
+@pytest.mark.parametrize("name", NAMES)
 def test_emitted_model_runs_in_a_torch_only_venv(name, standalone):
     got = standalone.get(name, "not emitted")
     assert isinstance(got, torch.Tensor), f"{name}: {got}"
@@ -354,7 +336,7 @@ def test_emitted_model_runs_in_a_torch_only_venv(name, standalone):
     assert torch.equal(got.float(), want), f"{name}: max |diff| {(got.double() - want.double()).abs().max().item()}"
 
 
-@pytest.mark.parametrize("name", _params(_dynamic_xfails()))
+@pytest.mark.parametrize("name", NAMES)
 def test_second_batch_size_and_length(name):
     second = _second(name)
     assert second["error"] is None, f"{name}: {second['error']}"
@@ -362,7 +344,7 @@ def test_second_batch_size_and_length(name):
     assert second["sqnr"] >= 30, f"{name}: SQNR {second['sqnr']:.1f} dB at {second_size(name)}"
 
 
-@pytest.mark.parametrize("name", _params(_dynamic_xfails()))
+@pytest.mark.parametrize("name", NAMES)
 def test_emitted_model_runs_at_a_second_size(name, standalone):
     got = standalone.get(name + ".second", "not emitted")
     assert isinstance(got, torch.Tensor), f"{name}: {got}"
@@ -372,7 +354,7 @@ def test_emitted_model_runs_at_a_second_size(name, standalone):
     assert s >= 30, f"{name}: emitted model.py SQNR {s:.1f} dB at {second_size(name)}"
 
 
-@pytest.mark.parametrize("name", _params(_mode_xfails()))
+@pytest.mark.parametrize("name", NAMES)
 def test_train_and_eval_modes(name):
     modes = _modes(name)
     assert modes["error"] is None, f"{name}: {modes['error']}"
@@ -391,7 +373,7 @@ def _trainer_step(conv, args, kwargs, *, precision: str, master_weights: bool) -
     return stepped, grads
 
 
-@pytest.mark.parametrize("name", _params(_capture_xfails()))
+@pytest.mark.parametrize("name", NAMES)
 def test_one_trainer_step_fp16_o2_and_bf16_o1(name, one_thread):
     case = _case(name)
     for precision, master in (("fp16", True), ("bf16", False)):
@@ -406,14 +388,14 @@ def test_one_trainer_step_fp16_o2_and_bf16_o1(name, one_thread):
         assert any(g.abs().sum() > 0 for g in grads), f"{label}: all gradients are zero"
 
 
-@pytest.mark.parametrize("name", _params(_capture_xfails()))
+@pytest.mark.parametrize("name", NAMES)
 def test_numerics_against_fp32_and_autocast(name):
     s = _case(name)["sqnr"]
     for dtype, floor in (("bf16", 35.0), ("fp16", 50.0)):
         assert s[dtype] >= floor, f"{name} {dtype}: SQNR {s[dtype]:.1f} dB < {floor} (autocast {_fmt(s['amp_' + dtype])})"
 
 
-@pytest.mark.parametrize("name", _params(_capture_xfails()))
+@pytest.mark.parametrize("name", NAMES)
 def test_weights_round_trip_into_the_original_class(name):
     """conv.module.state_dict() loads strictly into a fresh instance of the original class."""
     case = _case(name)
