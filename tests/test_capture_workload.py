@@ -452,10 +452,11 @@ class _ConfigLayerDrop(nn.Module):
         return x
 
 
-def test_hf_layerdrop_is_switched_off_in_the_train_graph_and_reported():
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_hf_layerdrop_is_switched_off_in_the_train_graph_and_reported(tracer):
     model = _ConfigLayerDrop().eval()
     x = torch.randn(4, 8)
-    conv = converter.convert(model, (x,), tracer="export")
+    conv = converter.convert(model, (x,), tracer=tracer)
     modes = conv.report.extra["modes"]
     assert modes.startswith("follows train()/eval()") and "LayerDrop is off in the train graph (config.layerdrop=0.5" in modes, modes
     assert model.config.layerdrop == 0.5, "the user's config was changed"
@@ -467,13 +468,18 @@ def test_hf_layerdrop_is_switched_off_in_the_train_graph_and_reported():
     assert varies, "train(): dropout does not follow the mode"
 
 
-def test_train_only_data_dependent_branch_is_frozen_and_reported():
-    # export only: symbolic_trace runs torch.rand(()) (no proxy input) eagerly and bakes one branch in
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_train_only_data_dependent_branch_is_frozen_and_reported(tracer):
+    # symbolic_trace would run torch.rand(()) (no traced input) once and bake one branch into the graph:
+    # capture refuses that train trace and names the line
     model = _LayerDrop().eval()
     x = torch.randn(4, 8)
-    conv = converter.convert(model, (x,), tracer="export")
+    conv = converter.convert(model, (x,), tracer=tracer)
     modes = conv.report.extra["modes"]
     assert modes.startswith("frozen in eval mode") and "train mode failed" in modes, modes
+    if tracer == "fx":
+        line = inspect.getsourcelines(_LayerDrop.forward)[1] + 1
+        assert f"random numbers at trace time at test_capture_workload.py:{line}" in modes, modes
     with torch.no_grad():
         db = _sqnr(model(x), conv.module(x))
     assert db > 30, f"frozen eval graph vs original eval: {db:.1f} dB"

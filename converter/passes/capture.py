@@ -46,8 +46,9 @@ graph only) is traced again in eval mode: ``Captured.eval_gm`` holds that graph,
 both and combines them into a :class:`~converter.ir.graphmodule.TwoModeGraphModule` that runs each in
 its mode on shared parameters. Hugging Face LayerDrop (``if self.training and torch.rand([]) <
 config.layerdrop``, a branch on a random number) is switched off in a copy for the train trace, and
-the note says so. A model whose train mode cannot be traced at all is captured in its own mode, its
-mode frozen. Either
+the note says so. symbolic_trace would draw a random tensor of no traced input (``torch.rand(())``)
+once and bake the branch on it into the graph; such a trace is refused, naming the line. A model
+whose train mode cannot be traced at all is captured in its own mode, its mode frozen. Either
 way ``Captured.modes`` (``report.extra["modes"]``) says what happened and why. The converted module
 starts in the original's mode.
 
@@ -72,12 +73,13 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
+from torch.overrides import TorchFunctionMode
 
 from converter.ir.errors import MpconvertError
 from converter.ir.graphmodule import new_graph_module
 from converter.ir.meta import META_INFO, META_SOURCE, META_VALUE, NodeInfo, TensorSpec
 from converter.ir.ops import CAST_OPS, NORM_OPS, canonical_op, explicit_dtype, is_inplace
-from converter.passes.modes import make_mode_aware, random_ops
+from converter.passes.modes import is_random, make_mode_aware, random_ops
 from converter.passes.recurrent import RecurrentOps, restore_aten_ops
 from converter.passes.regions import inline_regions
 from converter.passes.size_budget import SizeBudget, SizesTooComplex
@@ -202,9 +204,38 @@ class _Tracer(torch.fx.Tracer):
         return proxy
 
 
+class _RandomAtTraceTime(MpconvertError, RuntimeError):
+    """symbolic_trace drew a random tensor eagerly (see :class:`_EagerRandom`); capture catches it."""
+
+
+class _EagerRandom(TorchFunctionMode):
+    """Raise when symbolic tracing draws a random tensor eagerly.
+
+    ``torch.rand(())`` has no Proxy argument, so symbolic_trace runs it at trace time and a branch
+    on it (LayerDrop) is decided once and baked into the graph: the converted model would always
+    (or never) skip that layer. torch.export traces such calls, so capture falls back to it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and is_random(getattr(func, "__name__", "")):
+            frame = _user_frame_now()
+            where = f" at {frame}" if frame else ""
+            raise _RandomAtTraceTime(f"forward draws random numbers at trace time{where} (torch.{func.__name__} of no "
+                               "traced tensor), which symbolic_trace would bake into the graph")
+        return out
+
+
+def _user_frame_now() -> str:
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_SKIP_FRAMES):
+        frame = frame.f_back
+    return f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}" if frame is not None else ""
+
+
 def _trace_fx(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Shapes) -> torch.fx.GraphModule:
     tracer = _Tracer()
-    graph = tracer.trace(model)
+    with _EagerRandom():
+        graph = tracer.trace(model)
     gm = new_graph_module(tracer.root, graph, type(model).__name__)
     shapes.dims = {
         n.name: list(range(v.dim())) for n, v in zip(_placeholders(gm), placeholder_values(gm, args, kwargs))
@@ -552,7 +583,7 @@ def _capture_one(name: str, model: torch.nn.Module, args: tuple, kwargs: dict, s
         gm, changed = _trace_train(trace, name, model, args, kwargs, shapes)
     except Exception as exc:
         # e.g. LayerDrop's `if self.training and torch.rand(()) < p`: a branch only train mode takes
-        flow = _control_flow(exc)
+        flow = _control_flow(exc) or isinstance(exc, _RandomAtTraceTime)
         off = _without_layerdrop(model) if flow else None
         if off is not None:
             try:
@@ -563,7 +594,8 @@ def _capture_one(name: str, model: torch.nn.Module, args: tuple, kwargs: dict, s
         if off is None:
             if model.training:
                 raise
-            why = f"tracing in train mode failed ({'a data-dependent branch' if flow else _short(exc)})"
+            cause = str(exc) if isinstance(exc, _RandomAtTraceTime) else "a data-dependent branch" if flow else _short(exc)
+            why = f"tracing in train mode failed ({cause})"
     if why:
         gm = _trace_own_mode(trace, name, model, args, kwargs, shapes)
         mode = "train" if model.training else "eval"

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from converter.ir.meta import META_MODE_FLAG
 
-__all__ = ["make_mode_aware", "random_ops", "MODE_ATTR"]
+__all__ = ["make_mode_aware", "random_ops", "is_random", "MODE_ATTR"]
 
 #: the GraphModule attribute the rewritten arguments read
 MODE_ATTR = "training"
@@ -130,6 +130,11 @@ _RANDOM = frozenset({
     "normal", "normal_", "uniform_", "exponential_", "geometric_", "log_normal_", "cauchy_", "random_", "poisson",
     "multinomial", "native_dropout",
 })
+
+
+def is_random(name: str) -> bool:
+    """Whether an op, torch function or Tensor method of this name draws random numbers."""
+    return name in _RANDOM
 
 
 def random_ops(gm: torch.fx.GraphModule) -> list[str]:
