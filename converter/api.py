@@ -375,6 +375,8 @@ def convert(
     )
     if target == "fp16" and batches is None:
         _check_fp16_overflow(captured.gm, captured.args, captured.kwargs)
+        if isinstance(captured.gm, TwoModeGraphModule):  # the check interprets `graph`: the eval graph too
+            _check_fp16_overflow(captured.gm.for_mode(False), captured.args, captured.kwargs)
     return Conversion(
         module=captured.gm,
         report=_report(captured, rule_set, target, timings, opt_level=opt_level, device=device),
