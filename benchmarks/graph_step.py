@@ -14,9 +14,7 @@ Run: ``python benchmarks/graph_step.py [--rounds 200] [--device-lowering cpu|non
 """
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import sys
 from pathlib import Path
 
@@ -24,8 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import encoder, interleaved, machine_info, sgd, summarize  # noqa: E402
-from benchmarks.trainer_step import SMALL, autocast_step, trainer_step  # noqa: E402
+from benchmarks.common import encoder, sgd  # noqa: E402
+from benchmarks.trainer_step import SMALL, autocast_step, lowering_of, time_steps, timing_parser, trainer_step  # noqa: E402
 from converter.api import _pipeline  # noqa: E402
 from converter.numerics.redecide import PlaceSettings  # noqa: E402
 from converter.train.trainer import MixedPrecisionTrainer  # noqa: E402
@@ -56,26 +54,10 @@ def build(*, lowering: str | None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=200)
-    parser.add_argument("--inner", type=int, default=5)
-    parser.add_argument("--device-lowering", choices=("cpu", "none"), default="cpu")
-    parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args(argv)
+    args = timing_parser(__doc__.splitlines()[0]).parse_args(argv)
     torch.set_num_threads(1)
-    steps, nodes = build(lowering=None if args.device_lowering == "none" else args.device_lowering)
-    samples = interleaved(steps, rounds=args.rounds, warmup=5, inner=args.inner, clock="cpu")
-    result = {"machine": machine_info(), "lowering": args.device_lowering, "nodes": nodes,
-              "variants": {name: summarize(s) for name, s in samples.items()}}
-    base = result["variants"]["autocast"]["total_ms"]
-    print(f"{'variant':10s} {'nodes':>5s} {'step ms':>8s} {'fwd':>7s} {'bwd':>7s} {'opt':>7s} {'vs autocast':>12s}")
-    for name, entry in result["variants"].items():
-        entry["vs_autocast"] = entry["total_ms"] / base
-        print(f"{name:10s} {nodes.get(name, ''):>5} {entry['total_ms']:8.3f} {entry['fwd_ms']:7.3f} "
-              f"{entry['bwd_ms']:7.3f} {entry['opt_ms']:7.3f} {entry['vs_autocast']:11.3f}x")
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    steps, nodes = build(lowering=lowering_of(args))
+    return time_steps(steps, args, nodes=nodes)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from benchmarks.common import encoder, interleaved, machine_info, sgd, summarize
 from converter import convert
 from converter.train.trainer import MixedPrecisionTrainer
 
-__all__ = ["build", "main", "SMALL", "autocast_step", "trainer_step"]
+__all__ = ["build", "main", "SMALL", "autocast_step", "trainer_step", "timing_parser", "lowering_of", "time_steps"]
 
 #: the small benchmark encoder: d_model, heads, ff, batch, seq
 SMALL = (128, 4, 256, 2, 16)
@@ -115,30 +115,45 @@ def build(*, lowering: str | None, compare_ref: str | None = None) -> dict:
     return steps
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def timing_parser(description: str) -> argparse.ArgumentParser:
+    """The options every step benchmark here takes (graph_step.py adds none, this file ``--compare-ref``)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--inner", type=int, default=5)
     parser.add_argument("--device-lowering", choices=("cpu", "none"), default="cpu")
     parser.add_argument("--json", type=Path, default=None)
+    return parser
+
+
+def lowering_of(args: argparse.Namespace) -> str | None:
+    return None if args.device_lowering == "none" else args.device_lowering
+
+
+def time_steps(steps: dict, args: argparse.Namespace, *, nodes: dict | None = None) -> dict:
+    """Time ``steps`` interleaved, print the medians per phase and the ratio to autocast, write ``--json``."""
+    samples = interleaved(steps, rounds=args.rounds, warmup=5, inner=args.inner, clock="cpu")
+    result = {"machine": machine_info(), "lowering": args.device_lowering, **({"nodes": nodes} if nodes else {}),
+              "variants": {name: summarize(s) for name, s in samples.items()}}
+    base = result["variants"]["autocast"]["total_ms"]
+    node_header = f" {'nodes':>5s}" if nodes else ""
+    print(f"{'variant':14s}{node_header} {'step ms':>8s} {'fwd':>7s} {'bwd':>7s} {'opt':>7s} {'vs autocast':>12s}")
+    for name, entry in result["variants"].items():
+        entry["vs_autocast"] = entry["total_ms"] / base
+        node_cell = f" {nodes.get(name, ''):>5}" if nodes else ""
+        print(f"{name:14s}{node_cell} {entry['total_ms']:8.3f} {entry['fwd_ms']:7.3f} {entry['bwd_ms']:7.3f} "
+              f"{entry['opt_ms']:7.3f} {entry['vs_autocast']:11.3f}x")
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = timing_parser(__doc__.splitlines()[0])
     parser.add_argument("--compare-ref", default=None,
                         help="also time the trainer as committed at this git ref (before/after in one process)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    steps = build(lowering=None if args.device_lowering == "none" else args.device_lowering,
-                  compare_ref=args.compare_ref)
-    samples = interleaved(steps, rounds=args.rounds, warmup=5, inner=args.inner, clock="cpu")
-    result = {"machine": machine_info(), "lowering": args.device_lowering,
-              "variants": {name: summarize(s) for name, s in samples.items()}}
-    base = result["variants"]["autocast"]["total_ms"]
-    print(f"{'variant':14s} {'step ms':>8s} {'fwd':>7s} {'bwd':>7s} {'opt':>7s} {'vs autocast':>12s}")
-    for name, entry in result["variants"].items():
-        entry["vs_autocast"] = entry["total_ms"] / base
-        print(f"{name:14s} {entry['total_ms']:8.3f} {entry['fwd_ms']:7.3f} {entry['bwd_ms']:7.3f} "
-              f"{entry['opt_ms']:7.3f} {entry['vs_autocast']:11.2f}x")
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2))
-    return result
+    return time_steps(build(lowering=lowering_of(args), compare_ref=args.compare_ref), args)
 
 
 if __name__ == "__main__":
