@@ -245,7 +245,9 @@ def _pipeline(model, example_inputs, *, settings: PlaceSettings, rules, tracer, 
             t3 = time.perf_counter()
             codegen_s += t3 - t2
             # never hand back a module whose example forward fails: the error names the node
-            with _mode(gm, None if len(graphs) == 1 else index == 0):
+            with preserved_state(gm) if len(graphs) > 1 else contextlib.nullcontext():
+                if len(graphs) > 1:  # each graph of a two-mode conversion in its own mode
+                    gm.train(index == 0)
                 _run_stage("check", done, check_forward, gm, captured.args, captured.kwargs)
             check_s += time.perf_counter() - t3
     timings["pass_s"] = pass_s
@@ -274,21 +276,6 @@ def _convert_graph(gm: torch.fx.GraphModule, done: list[str], rule_set: Rules, *
     math_setting = rule_set.setting("fp32_math", DEFAULT_FP32_MATH)
     regions = _run_stage("fp32_math", done, fp32_math, gm, setting=math_setting)
     gm.meta[GM_GRAPH].extra.update(fp32_math=math_setting, fp32_math_regions=regions)
-
-
-@contextlib.contextmanager
-def _mode(gm: torch.fx.GraphModule, training: Optional[bool]):
-    """Run the block with ``gm`` in train (True) or eval (False) mode; None: as it is."""
-    if training is None:
-        yield
-        return
-    flags = {name: sub.training for name, sub in gm.named_modules()}
-    gm.train(training)
-    try:
-        yield
-    finally:
-        for name, sub in gm.named_modules():
-            sub.training = flags[name]
 
 
 def _two_modes(model: torch.nn.Module, train_gm: torch.fx.GraphModule, eval_gm: torch.fx.GraphModule) -> TwoModeGraphModule:
