@@ -163,6 +163,34 @@ class _Buffers(nn.Module):
         return self.fc(x) + shift
 
 
+class _ScaledLinear(nn.Module):
+    """A non-persistent buffer: not in the original's state_dict, so not in the converted module's either."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.full((4,), 2.0), persistent=False)
+
+    def forward(self, x):
+        return self.fc(x) * self.scale
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_non_persistent_buffers_stay_out_of_the_state_dict(tracer, tmp_path):
+    model = _ScaledLinear()
+    x = torch.randn(2, 4)
+    conv = converter.convert(model, (x,), tracer=tracer)
+    assert sorted(conv.module.state_dict()) == ["fc.bias", "fc.weight"], sorted(conv.module.state_dict())
+    fresh = _ScaledLinear()
+    fresh.load_state_dict(conv.module.state_dict(), strict=True)
+    assert torch.equal(fresh(x), model(x))
+    conv.save(tmp_path / "out")
+    emitted, _ = _load_emitted(tmp_path / "out")
+    assert sorted(emitted.state_dict()) == ["fc.bias", "fc.weight"]
+    with torch.no_grad():
+        assert torch.equal(emitted(x), conv.module(x))
+
+
 def test_export_capture_keeps_the_state_dict_keys_and_modes():
     model = _Buffers()
     conv = converter.convert(model, (torch.randn(4, 8),), tracer="export")

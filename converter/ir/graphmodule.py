@@ -36,7 +36,9 @@ __all__ = ["new_graph_module", "materialize", "gc_paused", "pauses_gc", "TwoMode
 def new_graph_module(root: torch.nn.Module, graph: torch.fx.Graph, class_name: str) -> torch.fx.GraphModule:
     """A GraphModule whose Python code is generated on first use instead of now."""
     cls = _LazyGraphModule if _LazyGraphModule is not None else torch.fx.GraphModule
-    return cls(root, graph, class_name)
+    gm = cls(root, graph, class_name)
+    _keep_non_persistent(root, gm)
+    return gm
 
 
 def materialize(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -51,6 +53,7 @@ def materialize(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         return gm
     plain = torch.fx.GraphModule(gm, gm.graph, type(gm).__name__)
     plain.meta.update(gm.meta)
+    _keep_non_persistent(gm, plain)
     return plain
 
 
@@ -166,7 +169,8 @@ def _dispatching_forward(train_forward):
 
 def _keep_non_persistent(root: torch.nn.Module, module: torch.nn.Module) -> None:
     """GraphModule registers every copied buffer as persistent; keep the ones ``root`` did not save
-    (HF Swin's ``relative_position_index``) out of ``state_dict`` as they were."""
+    (HF Swin's ``relative_position_index``, a model's ``register_buffer(..., persistent=False)``) out
+    of ``state_dict`` as they were. Every GraphModule built here from another module goes through it."""
     for path, sub in module.named_modules():
         try:
             original = root.get_submodule(path) if path else root
