@@ -79,6 +79,7 @@ from converter.ir.errors import MpconvertError
 from converter.ir.graphmodule import new_graph_module
 from converter.ir.meta import META_INFO, META_SOURCE, META_VALUE, NodeInfo, TensorSpec
 from converter.ir.ops import CAST_OPS, NORM_OPS, canonical_op, explicit_dtype, is_inplace
+from converter.ir.state import preserved_state
 from converter.passes.modes import is_random, make_mode_aware, random_ops
 from converter.passes.recurrent import RecurrentOps, restore_aten_ops
 from converter.passes.regions import inline_regions
@@ -196,11 +197,9 @@ class _Tracer(torch.fx.Tracer):
 
     def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
         proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
-        frame = sys._getframe(1)
-        while frame is not None and frame.f_code.co_filename.startswith(_SKIP_FRAMES):
-            frame = frame.f_back
-        if frame is not None and hasattr(proxy, "node"):
-            proxy.node.meta[META_SOURCE] = f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}"
+        where = _user_location(sys._getframe(1))
+        if where and hasattr(proxy, "node"):
+            proxy.node.meta[META_SOURCE] = where
         return proxy
 
 
@@ -218,15 +217,15 @@ class _EagerRandom(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if isinstance(out, torch.Tensor) and is_random(getattr(func, "__name__", "")):
-            frame = _user_frame_now()
-            where = f" at {frame}" if frame else ""
+            where = _user_location(sys._getframe(1))
+            where = f" at {where}" if where else ""
             raise _RandomAtTraceTime(f"forward draws random numbers at trace time{where} (torch.{func.__name__} of no "
                                "traced tensor), which symbolic_trace would bake into the graph")
         return out
 
 
-def _user_frame_now() -> str:
-    frame = sys._getframe(2)
+def _user_location(frame) -> str:
+    """``file:line`` of the first frame from ``frame`` outwards outside torch and this package ("" if none)."""
     while frame is not None and frame.f_code.co_filename.startswith(_SKIP_FRAMES):
         frame = frame.f_back
     return f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}" if frame is not None else ""
@@ -503,15 +502,9 @@ def placeholder_values(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> l
 
 def _propagate(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> None:
     """Run the example inputs once to learn every node's shapes and dtypes; leave no trace."""
-    saved = {name: buf.detach().clone() for name, buf in gm.named_buffers()}
     values = placeholder_values(gm, args, kwargs)
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            _Propagator(gm).run(*values)
-    finally:
-        with torch.no_grad():
-            for name, buf in gm.named_buffers():
-                buf.copy_(saved[name])
+    with preserved_state(gm), torch.no_grad():
+        _Propagator(gm).run(*values)
 
 
 def capture(
@@ -580,14 +573,14 @@ def _capture_one(name: str, model: torch.nn.Module, args: tuple, kwargs: dict, s
     trace = _trace_fx if name == "fx" else _trace_export
     why = skipped = ""
     try:
-        gm, changed = _trace_train(trace, name, model, args, kwargs, shapes)
+        gm, changed = _trace_in_mode(trace, name, model, args, kwargs, shapes, training=True)
     except Exception as exc:
         # e.g. LayerDrop's `if self.training and torch.rand(()) < p`: a branch only train mode takes
         flow = _control_flow(exc) or isinstance(exc, _RandomAtTraceTime)
         off = _without_layerdrop(model) if flow else None
         if off is not None:
             try:
-                gm, changed = _trace_train(trace, name, off[0], args, kwargs, shapes)
+                gm, changed = _trace_in_mode(trace, name, model, args, kwargs, shapes, training=True, config=off[0])
                 skipped = off[1]
             except Exception:  # still untraceable: frozen below
                 off = None
@@ -597,17 +590,25 @@ def _capture_one(name: str, model: torch.nn.Module, args: tuple, kwargs: dict, s
             cause = str(exc) if isinstance(exc, _RandomAtTraceTime) else "a data-dependent branch" if flow else _short(exc)
             why = f"tracing in train mode failed ({cause})"
     if why:
-        gm = _trace_own_mode(trace, name, model, args, kwargs, shapes)
+        gm, _ = _trace_in_mode(trace, name, model, args, kwargs, shapes)
         mode = "train" if model.training else "eval"
         return gm, None, f"frozen in {mode} mode: {why}; train()/eval() on the converted module change nothing"
     gm, eval_gm, note = _split_modes(trace, name, model, gm, changed, args, kwargs, shapes)
     return gm, eval_gm, note + skipped
 
 
-def _trace_train(trace, name: str, model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Shapes) -> tuple:
-    """The graph of ``model`` in train mode with its mode-dependent ops reading self.training."""
-    gm = trace(copy.deepcopy(model).train(), args, kwargs, shapes)
-    changed = make_mode_aware(gm)
+def _trace_in_mode(trace, name: str, model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Shapes, *,
+                   training: Optional[bool] = None, config: Optional[dict] = None) -> tuple:
+    """(graph, mode-dependent nodes made to read self.training) of a copy of ``model`` traced in
+    train mode (``training=True``: mode-aware), eval mode (False) or its own (None), with the
+    ``config`` fields set on the copy's ``config``."""
+    copied = copy.deepcopy(model)
+    if training is not None:
+        copied.train(training)
+    for field_name, value in (config or {}).items():
+        setattr(copied.config, field_name, value)
+    gm = trace(copied, args, kwargs, shapes)
+    changed = make_mode_aware(gm) if training else []
     if name == "fx":
         _propagate(gm, args, kwargs)
     return gm, changed
@@ -617,23 +618,21 @@ def _trace_train(trace, name: str, model: torch.nn.Module, args: tuple, kwargs: 
 _LAYERDROP_FIELDS = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
 
 
-def _without_layerdrop(model: torch.nn.Module) -> Optional[tuple[torch.nn.Module, str]]:
-    """A copy of ``model`` with LayerDrop off, and the note saying so; None if it has none.
+def _without_layerdrop(model: torch.nn.Module) -> Optional[tuple[dict, str]]:
+    """The config fields that switch LayerDrop off, and the note saying so; None if it has none.
 
     LayerDrop (``if self.training and torch.rand([]) < config.layerdrop: skip the layer``) is a
-    branch on a random number: no graph records it. The train graph is then captured without it
-    (every layer runs; dropout and the rest still follow train()), which the report says."""
+    branch on a random number: no graph records it. The train graph is then captured from a copy
+    without it (every layer runs; dropout and the rest still follow train()), which the report says."""
     config = getattr(model, "config", None)
     fields = {f: getattr(config, f) for f in _LAYERDROP_FIELDS
               if isinstance(getattr(config, f, None), (int, float)) and getattr(config, f) > 0}
     if not fields:
         return None
-    copied = copy.deepcopy(model)
-    for field_name in fields:
-        setattr(copied.config, field_name, 0.0)
     listed = ", ".join(f"config.{k}={v:g}" for k, v in fields.items())
-    return copied, (f"; LayerDrop is off in the train graph ({listed} is a branch on a random number, which no "
-                    "graph records): every layer runs in training, dropout still follows train()")
+    return dict.fromkeys(fields, 0.0), (f"; LayerDrop is off in the train graph ({listed} is a branch on a random "
+                                        "number, which no graph records): every layer runs in training, dropout "
+                                        "still follows train()")
 
 
 def _split_modes(trace, name: str, model: torch.nn.Module, gm: torch.fx.GraphModule, changed: list,
@@ -647,7 +646,7 @@ def _split_modes(trace, name: str, model: torch.nn.Module, gm: torch.fx.GraphMod
     eval_gm = None
     random = random_ops(gm)
     if differs or random:
-        eval_gm = _trace_own_mode(trace, name, copy.deepcopy(model).eval(), args, kwargs, shapes)
+        eval_gm, _ = _trace_in_mode(trace, name, model, args, kwargs, shapes, training=False)
         dropped = len(random) - len(random_ops(eval_gm))
         if not differs and dropped > 0:
             differs = f"{dropped} random op(s) run in train mode only (e.g. stochastic depth)"
@@ -662,13 +661,6 @@ def _split_modes(trace, name: str, model: torch.nn.Module, gm: torch.fx.GraphMod
                          "the eval graph in eval mode (the report describes the train graph)")
 
 
-def _trace_own_mode(trace, name: str, model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Shapes):
-    gm = trace(copy.deepcopy(model), args, kwargs, shapes)
-    if name == "fx":
-        _propagate(gm, args, kwargs)
-    return gm
-
-
 def _set_modes(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
     """The converted module starts in the original's mode; leaf modules keep their own."""
     gm.train(model.training)
@@ -681,18 +673,12 @@ def _set_modes(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
 def _eval_mismatch(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tuple, kwargs: dict) -> Optional[str]:
     """Why ``gm`` in eval mode does not compute what ``model`` computes in eval mode (None: it does)."""
     reference = copy.deepcopy(model).eval()
-    saved = {name: buf.detach().clone() for name, buf in gm.named_buffers()}
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)  # the same random numbers for both (noise a model adds in eval mode too)
-            want = pytree.tree_leaves(reference(*args, **kwargs))
-            gm.eval()
-            torch.manual_seed(0)
-            got = pytree.tree_leaves(gm(*args, **kwargs))
-    finally:
-        with torch.no_grad():
-            for name, buf in gm.named_buffers():
-                buf.copy_(saved[name])
+    with preserved_state(gm), torch.no_grad():
+        torch.manual_seed(0)  # the same random numbers for both (noise a model adds in eval mode too)
+        want = pytree.tree_leaves(reference(*args, **kwargs))
+        gm.eval()
+        torch.manual_seed(0)
+        got = pytree.tree_leaves(gm(*args, **kwargs))
     want = [t for t in want if isinstance(t, torch.Tensor)]
     got = [t for t in got if isinstance(t, torch.Tensor)]
     if len(want) != len(got):
