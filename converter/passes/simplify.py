@@ -295,9 +295,20 @@ def lean_calls(gm: torch.fx.GraphModule) -> int:
     recompile and deep copy (the hook lives on the graph's code generator). The same hook binds each
     submodule on the parameters' paths to a local once per call (:func:`_share_module_lookups`).
     """
+    count = _install_lean_calls(gm)
+    if count:
+        gm.recompile()
+    return count
+
+
+def _install_lean_calls(gm: torch.fx.GraphModule) -> int:
+    """:func:`lean_calls` without the recompile (simplify recompiles once for its folds and this)."""
     if not isinstance(gm, torch.fx.GraphModule):
         return 0
-    count = sum(1 for line in gm.code.splitlines() for m in _ATEN_CALL.finditer(line) if m.group(0) in LEAN_CALLS)
+    # counted on the graph: reading gm.code would generate a lazy module's code once more
+    count = sum(1 for n in gm.graph.nodes
+                if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+                and f"torch.ops.{n.target}" in LEAN_CALLS)
     if count == 0 or getattr(gm.graph._codegen, "_mp_lean_calls", False):
         return 0
 
@@ -306,7 +317,6 @@ def lean_calls(gm: torch.fx.GraphModule) -> int:
 
     gm.graph.on_generate_code(make_transformer)
     gm.graph._codegen._mp_lean_calls = True
-    gm.recompile()
     return count
 
 
@@ -340,13 +350,14 @@ def simplify(gm: torch.fx.GraphModule) -> tuple[Fold, ...]:
         folds.append(Fold(node="<forward>", op="_check_input_constraints_pre_hook", kind="hook",
                           why="torch.export's per-call input-structure check (the graph's _guards_fn still checks shapes)"))
     folds.extend(_drop_idle_export_hooks(gm))
-    if any(f.kind != "hook" for f in folds):
+    folded = any(f.kind != "hook" for f in folds)
+    if folded:
         still_called = {n.target for n in gm.graph.nodes if n.op == "call_module"}
         for target in sorted(dropped_modules - still_called):  # parameter-free dropout modules
             gm.delete_submodule(target)
         gm.graph.lint()
+    if _install_lean_calls(gm) or folded:  # one code generation for both
         gm.recompile()
-    lean_calls(gm)
     return tuple(folds)
 
 
