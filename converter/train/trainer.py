@@ -601,17 +601,15 @@ class MixedPrecisionTrainer:
                     owners.setdefault(device, []).append(master)
             group.pin()
             self._flat_groups.append(group)
-        for param in self._direct_fp32_params():
-            owners.setdefault(param.device, []).append(param)
-        self._build_arena(owners)
-
-    def _direct_fp32_params(self) -> list[nn.Parameter]:
-        """Trainable contiguous fp32 params the optimizer steps directly (O2 keeps them fp32: norms)."""
         masters = {id(master) for _pair, master in self._pairs}
-        return [p for p in self._optimizer_params() if id(p) not in masters and p.requires_grad
-                and p.dtype == torch.float32 and p.is_contiguous()]
+        # trainable contiguous fp32 params the optimizer steps directly (O2 keeps them fp32: norms)
+        direct = [p for p in self._optimizer_params() if id(p) not in masters and p.requires_grad
+                  and p.dtype == torch.float32 and p.is_contiguous()]
+        for param in direct:
+            owners.setdefault(param.device, []).append(param)
+        self._build_arena(owners, masters)
 
-    def _build_arena(self, owners: dict[torch.device, list[torch.Tensor]]) -> None:
+    def _build_arena(self, owners: dict[torch.device, list[torch.Tensor]], masters: set[int]) -> None:
         arena = _GradArena()
         for device, tensors in owners.items():
             flat = torch.zeros(sum(t.numel() for t in tensors), dtype=torch.float32, device=device)
@@ -624,7 +622,6 @@ class MixedPrecisionTrainer:
             arena.flats.append(flat)
         self._arena = arena
         self._grad_bufs = [arena.slot_of.get(id(master)) for _param, master in self._pairs]
-        masters = {id(master) for _pair, master in self._pairs}
         self._direct = [(t, view, t.data_ptr()) for t, view in arena.slots if id(t) not in masters]
 
     def _copy_masters_to_model(self) -> None:
