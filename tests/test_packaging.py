@@ -18,16 +18,17 @@ def _run(cmd, **kw):
 
 @pytest.mark.slow
 def test_fresh_venv_non_editable_install(tmp_path):
-    """Issue 2: in a fresh venv, `pip install torch==2.13.0` then a non-editable `pip install .`;
+    """In a fresh venv, `pip install torch==2.13.0` then a non-editable `pip install .` (both with constraints.txt);
     convert() with the default rules works, and the rules are found inside the installed package."""
     venv = tmp_path / "venv"
     made = _run([sys.executable, "-m", "venv", str(venv)])
     assert made.returncode == 0, made.stderr[-2000:]
     py = str(venv / "bin" / "python")
     torch_version = __import__("torch").__version__.split("+")[0]
+    pins = ["-c", str(ROOT / "constraints.txt")]  # the tested releases, as the README installs them
     steps = [
-        [py, "-m", "pip", "install", "-q", f"torch=={torch_version}"],
-        [py, "-m", "pip", "install", "-q", str(ROOT)],
+        [py, "-m", "pip", "install", "-q", *pins, f"torch=={torch_version}"],
+        [py, "-m", "pip", "install", "-q", *pins, str(ROOT)],
     ]
     for step in steps:
         done = _run(step, cwd=tmp_path)

@@ -251,8 +251,14 @@ def test_hf_stable_layer_norm_blocks_keep_their_matmuls_in_half(tmp_path) -> Non
     example = ((torch.randn(2, 400),), {})
     conv = converter.convert(model, example)
     matmuls = [r for r in conv.report.nodes if r["op"] in ("linear", "matmul", "bmm", "conv1d")]
-    assert len(matmuls) == 20 and all(r["precision"] == "bf16" for r in matmuls), [
-        (r["name"], r["rule"]) for r in matmuls if r["precision"] != "bf16"]
+    assert all(r["precision"] == "bf16" for r in matmuls), [(r["name"], r["rule"]) for r in matmuls if r["precision"] != "bf16"]
+    # exactly one node per nn.Linear / nn.Conv1d the forward uses (how many matmuls the attention
+    # itself runs is the library's business); the encoder's linears all among them
+    layers = {path for path, m in model.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv1d))}
+    used = sorted(r["module"] for r in matmuls if r["op"] in ("linear", "conv1d"))
+    assert len(used) == len(set(used)) and set(used) <= layers, used
+    encoder = sorted(p for p in layers if p.startswith("encoder.layers."))
+    assert len(encoder) == 2 * 6 and set(encoder) <= set(used), (encoder, used)
     summary = conv.report.summary
     assert summary["half_flop_fraction"] > 0.95 and summary["warnings"] == [], summary
     old = tmp_path / "old.toml"
