@@ -51,6 +51,7 @@ __all__ = [
     "META_MODE_FLAG",
     "GM_GRAPH",
     "GM_PARAM_DTYPES",
+    "GM_PARAM_STORAGE",
     "GM_CALIBRATION",
     "TORCH_META_KEYS",
     "MetaKey",
@@ -108,6 +109,7 @@ META_REGION = "mp_region"
 META_MODE_FLAG = "mp_mode_flag"
 GM_GRAPH = "mp_graph"
 GM_PARAM_DTYPES = "mp_param_dtypes"
+GM_PARAM_STORAGE = "mp_param_storage"
 GM_CALIBRATION = "mp_calibration"
 #: keys torch itself writes, which the stages only read
 TORCH_META_KEYS = ("val", "stack_trace", "nn_module_stack")
@@ -132,7 +134,7 @@ class MetaKey:
 
 CONTRACT: tuple[MetaKey, ...] = (
     MetaKey(META_INFO, "node", "NodeInfo", ("capture", "lower", "rewrite"),
-            ("decide", "place", "calibrate", "search", "measure", "fp32_math", "report", "export", "train", "api",
+            ("ir", "decide", "place", "calibrate", "search", "measure", "fp32_math", "report", "export", "train", "api",
              "verify", "simplify"),
             "what capture learned: op, module, kind, outputs (lower and rewrite describe the nodes they make)"),
     MetaKey(META_DECISION, "node", "Decision", ("decide", "lower", "place", "calibrate"),
@@ -141,7 +143,7 @@ CONTRACT: tuple[MetaKey, ...] = (
     MetaKey(META_CAST, "node", "CastRecord", ("rewrite",), ("measure", "report", "export", "train", "api", "simplify"),
             "on every cast node: what it converts and which rule made it necessary"),
     MetaKey(META_VALUE, "node", "TensorSpec | tuple | torch.dtype | str", ("capture", "lower", "rewrite"),
-            ("ir", "place", "calibrate", "report", "export", "simplify"),
+            ("ir", "decide", "place", "calibrate", "report", "export", "simplify"),
             "shape propagation: a TensorSpec per tensor (tuples for containers), a dtype, or a type name"),
     MetaKey(META_STATS, "node", "converter.numerics.stats.NodeStats", ("calibrate",), (),
             "forward (and gradient) statistics over the calibration inputs"),
@@ -162,6 +164,8 @@ CONTRACT: tuple[MetaKey, ...] = (
             "the fp32_math setting and region count"),
     MetaKey(GM_PARAM_DTYPES, "graph", "dict[str, torch.dtype]", ("rewrite", "api"), ("report", "export", "train", "api"),
             "fqn -> the dtype each parameter may be stored in (O2); the emitted model.py sets it too"),
+    MetaKey(GM_PARAM_STORAGE, "graph", "dict[str, str]", ("rewrite",), ("report",),
+            "fqn -> why O2 keeps a parameter that the graph casts to half in fp32 storage"),
     MetaKey(GM_CALIBRATION, "graph", "dict", ("calibrate",), ("report",),
             "calibration results for report.json (risky nodes, loss scale, underflow)"),
 )

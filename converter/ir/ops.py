@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 import torch.fx
 
-from converter.ir.meta import META_VALUE
+from converter.ir.meta import META_INFO, META_VALUE
 
 __all__ = [
     "canonical_op",
@@ -23,6 +23,10 @@ __all__ = [
     "CAST_OPS",
     "NORM_OPS",
     "NATIVE_PROMOTE_OPS",
+    "ACCUMULATE_OPS",
+    "MATMUL_CONV_OPS",
+    "RECURRENT_OPS",
+    "non_weight_use",
     "is_inplace",
     "explicit_dtype",
     "castable_arg_positions",
@@ -211,6 +215,21 @@ NORM_OPS = frozenset({"batch_norm", "layer_norm", "group_norm", "rms_norm", "ins
 
 #: pointwise ops whose kernels promote mixed floating inputs themselves (TensorIterator): a
 #: ``promote`` node of these needs no cast when a non-scalar input already has the widest dtype
+#: the matmul class and convolutions (and attention): the ops whose fp32 math backend flags change, and the
+#: only consumers for which O2 stores a parameter in half (see converter.passes.rewrite)
+MATMUL_CONV_OPS = frozenset({
+    "linear", "matmul", "mm", "bmm", "addmm", "addbmm", "baddbmm", "addmv", "addr", "mv", "einsum",
+    "bilinear", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+    "scaled_dot_product_attention", "multi_head_attention",
+})
+#: recurrent ops: matmuls inside one op, which reads the weights directly
+RECURRENT_OPS = frozenset({"lstm", "gru", "rnn", "rnn_tanh", "rnn_relu"})
+#: ops that write or accumulate a floating ``source`` operand into ``self`` and require both to have one
+#: dtype (``index_add_(): self (BFloat16) and source (Float) must have the same scalar type``). In place,
+#: ``self`` is the accumulator: decide gives its producer the precision the op's rule asks for (promote:
+#: its dtype in the fp32 model, as autocast leaves it) and rewrite casts the operands to its dtype.
+ACCUMULATE_OPS = frozenset({"index_add", "scatter_add", "scatter_reduce", "scatter", "index_put", "put", "index_copy",
+                            "masked_scatter"})
 NATIVE_PROMOTE_OPS = frozenset({"add", "sub", "mul", "div", "where", "maximum", "minimum", "addcmul", "addcdiv", "atan2"})
 
 # In-place ops whose name has no trailing underscore.
@@ -352,3 +371,24 @@ def known_op_names() -> frozenset[str]:
             if not attr.startswith("_") and callable(getattr(mod, attr, None)):
                 names.add(_normalise(attr))
     return frozenset(n for n in names if n and not n.startswith("_"))
+
+
+#: layout-only ops between a weight and its matmul (``x @ w.t()``, a reshaped conv kernel)
+_WEIGHT_LAYOUT_OPS = frozenset({"t", "transpose", "permute", "view", "reshape", "unsqueeze", "squeeze", "contiguous",
+                                "flatten", "alias"})
+
+
+def non_weight_use(node: torch.fx.Node) -> Optional[tuple[str, str]]:
+    """(op, node name) of the first reader of ``node`` (through layout-only ops) that is not a matmul,
+    convolution or recurrent op, i.e. that does not use it as a weight; None when every reader does.
+    O2 stores a parameter in half only when this is None (see converter.passes.rewrite)."""
+    for reader in node.users:
+        info = reader.meta.get(META_INFO)
+        op = info.op if info is not None else str(reader.target)
+        if op in _WEIGHT_LAYOUT_OPS:
+            found = non_weight_use(reader)
+            if found is not None:
+                return found
+        elif op not in MATMUL_CONV_OPS and op not in RECURRENT_OPS:
+            return op, reader.name
+    return None

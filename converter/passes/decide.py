@@ -13,6 +13,14 @@ meaning of Hugging Face's ``torch.finfo(torch.float32).min`` masks: a fully mask
 instead of a uniform softmax. The tensor such a node produces may hold the constant, so the
 ``follow``/``promote``/alias nodes that read it stay fp32 too, up to the next node that a rule
 fixes (typically the fp32 ``softmax``), instead of casting the constant to ±inf.
+
+In-place accumulation (``out = zeros_like(x); out.index_add_(0, idx, y)``, ``scatter_add_``,
+``index_put_``…, :data:`~converter.ir.ops.ACCUMULATE_OPS`): the in-place node shares the precision of
+the tensor it mutates, so the op's rule decides that tensor's producer, the *accumulator*, when the
+producer is movable (``follow``/``promote``): ``promote`` keeps it in its fp32-model dtype, as autocast
+leaves a buffer made from an fp32 tensor (the sums run in fp32, as the out-of-place op would promote
+to its widest input); ``half``/``fp32``/… set it. The producer's decision records the in-place node and
+its rule (``<rule> via in-place index_add_ …``); rewrite casts the operands to the accumulator's dtype.
 """
 from __future__ import annotations
 
@@ -23,7 +31,8 @@ import torch.fx
 
 from converter.ir.errors import MpconvertError
 from converter.ir.graphmodule import pauses_gc
-from converter.ir.meta import BUILTIN, META_DECISION, META_INFO, Decision, RuleRef, name_of
+from converter.ir.meta import BUILTIN, META_DECISION, META_INFO, META_VALUE, Decision, RuleRef, TensorSpec, name_of
+from converter.ir.ops import ACCUMULATE_OPS
 from converter.rules.loader import Rules
 from converter.rules.precedence import DEFAULT_LEVEL, PRECEDENCE, SCOPED_LEVELS
 
@@ -105,6 +114,39 @@ def decide(gm: torch.fx.GraphModule, rules: Rules, *, precision: str) -> None:
         _decide_node(node, rules, precision)
         if META_DECISION in node.meta:
             node.meta[META_DECISION] = _keep_for_constant(node, node.meta[META_DECISION], precision, tainted)
+        info = node.meta.get(META_INFO)
+        if info is not None and info.inplace and info.kind == "alias" and info.op in ACCUMULATE_OPS:
+            _decide_accumulator(node, precision)
+
+
+def _decide_accumulator(node: torch.fx.Node, target: str) -> None:
+    """The in-place accumulation ``node``'s rule decides the producer of the tensor it mutates (see
+    the module docstring); ``node`` itself records that rule."""
+    from converter.passes.place.graph import alias_root
+
+    decision: Decision = node.meta[META_DECISION]
+    win = decision.matches[0] if decision.matches else None
+    if win is None or win.precision in ("follow", "alias", "banned"):
+        return
+    root = alias_root(node)
+    spec = root.meta.get(META_VALUE)
+    rooted: Decision | None = root.meta.get(META_DECISION)
+    if rooted is None or not isinstance(spec, TensorSpec) or not spec.dtype.is_floating_point:
+        return
+    if win.precision == "promote":
+        want, how = name_of(spec.dtype), f"kept in {name_of(spec.dtype)}, its dtype in the fp32 model"
+    else:
+        want = target if win.precision == "half" else "fp32" if win.precision == "tf32" else win.precision
+        how = f"set to {want}"
+    rule_text = decision_reason(win.level_name, win.rule.pattern, win.rule.file, win.reason, win.scope)
+    op = f"{node.meta[META_INFO].op}_"
+    node.meta[META_DECISION] = decision.replace(
+        rule=win.rule, reason=f"in-place {op}: accumulates into {root.name!r} and runs in its dtype; {rule_text}")
+    if rooted.requested not in ("follow", "promote") or rooted.precision == want:
+        return  # the accumulator's own rule fixes it (or it already is): rewrite casts the operands to it
+    root.meta[META_DECISION] = rooted.replace(
+        precision=want, requested=want, rule=win.rule,
+        reason=f"accumulator of in-place {op} {node.name!r} ({rule_text}): {how}")
 
 
 def _decide_node(node: torch.fx.Node, rules: Rules, precision: str) -> None:

@@ -55,7 +55,7 @@ from torch.fx.node import has_side_effect
 
 from converter.ir.graphmodule import pauses_gc
 from converter.ir.meta import META_DECISION, META_INFO, META_MATH, FP32Math, MathRecord
-from converter.ir.ops import known_op_names
+from converter.ir.ops import MATMUL_CONV_OPS, RECURRENT_OPS, known_op_names
 
 __all__ = [
     "FP32_MATH_MODES",
@@ -79,13 +79,9 @@ FP32_MATH_MODES: tuple[FP32Math, ...] = ("ieee", "tf32", "inherit")
 #: and nothing at all when the global mode is already "highest"
 DEFAULT_FP32_MATH: FP32Math = "ieee"
 #: ops whose fp32 math the backend precision flags change (matmul class, convolutions, attention)
-MATH_OPS = frozenset({
-    "linear", "matmul", "mm", "bmm", "addmm", "addbmm", "baddbmm", "addmv", "addr", "mv", "einsum",
-    "bilinear", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
-    "scaled_dot_product_attention", "multi_head_attention",
-})
+MATH_OPS = MATMUL_CONV_OPS
 #: fp32 ops with matmuls inside that are not scoped: they run with the global math and end a run
-_OPAQUE = frozenset({"lstm", "gru", "rnn", "rnn_tanh", "rnn_relu"})
+_OPAQUE = RECURRENT_OPS
 _CONV_OPS = frozenset(op for op in MATH_OPS if op.startswith("conv"))
 #: (backend, op) -> precision for IEEE math: cuBLAS, cuDNN conv, oneDNN matmul and conv
 IEEE: dict[tuple[str, str], str] = {("cuda", "matmul"): "ieee", ("cuda", "conv"): "ieee",

@@ -10,8 +10,11 @@
 * Casts the model already performs (``x.float()``, ``softmax(..., dtype=)``) are respected; a
   dtype computed at run time (``x.to(y.dtype)``) is folded to the dtype observed in fp32.
 * Parameters stay fp32 and are cast in the graph (O1); ``gm.meta["mp_param_dtypes"]`` records the
-  dtype each parameter may be stored in for O2 (half only if every consumer wants that half dtype).
+  dtype each parameter may be stored in for O2 (half only if every consumer wants that half dtype and
+  reads it directly as a matmul/conv weight; ``gm.meta["mp_param_storage"]`` says why others stay fp32).
 * Graph outputs get their original dtype back when ``keep_io_types``.
+* In-place accumulation ops (``index_add_``, ``scatter_add_``…: ``ACCUMULATE_OPS``) run in the dtype of
+  the tensor they mutate; their floating operands are cast to it (the ops refuse mixed dtypes).
 * ``aten._assert_tensor_metadata`` checks that torch.export records (before a ``.to()``) are kept
   true: their expected dtype becomes the tensor's dtype after the rewrite.
 
@@ -33,6 +36,7 @@ from converter.ir.meta import (
     BUILTIN,
     DTYPES,
     GM_PARAM_DTYPES,
+    GM_PARAM_STORAGE,
     META_CAST,
     META_DECISION,
     META_INFO,
@@ -44,7 +48,14 @@ from converter.ir.meta import (
     TensorSpec,
     name_of,
 )
-from converter.ir.ops import CAST_OPS, NATIVE_PROMOTE_OPS, explicit_dtype, map_castable_args
+from converter.ir.ops import (
+    ACCUMULATE_OPS,
+    CAST_OPS,
+    NATIVE_PROMOTE_OPS,
+    explicit_dtype,
+    map_castable_args,
+    non_weight_use,
+)
 
 __all__ = ["rewrite", "inserted_casts", "runtime_dtype"]
 
@@ -150,17 +161,24 @@ def rewrite(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, check: Opti
             continue
         if info.kind == "fixed" and info.op in CAST_OPS:
             _fold_dynamic_dtype(node, info)
-        if not _casts_inputs(node) or decision.precision not in DTYPES:
+        accumulates = info.kind == "alias" and info.inplace and info.op in ACCUMULATE_OPS and isinstance(node.args[0], torch.fx.Node)
+        if accumulates:  # the operands take the dtype of the tensor it mutates
+            want = runtime_dtype(node.args[0], cache)
+            if want is None or not want.is_floating_point:
+                continue
+            reason = f"{node.name} ({info.op}_) accumulates in place in {name_of(want)}: {decision.full_reason}"
+        elif not _casts_inputs(node) or decision.precision not in DTYPES:
             _record_user_cast(node, info, cache)
             continue
-        want = DTYPES[decision.precision]
-        if decision.requested == "promote" and _promotes_natively(node, info, want, cache):
-            native.append((node, want))
-            continue
-        reason = f"{node.name} ({info.op}) runs in {decision.precision}: {decision.full_reason}"
+        else:
+            want = DTYPES[decision.precision]
+            if decision.requested == "promote" and _promotes_natively(node, info, want, cache):
+                native.append((node, want))
+                continue
+            reason = f"{node.name} ({info.op}) runs in {decision.precision}: {decision.full_reason}"
 
-        def convert(arg, _want=want, _node=node, _reason=reason, _rule=decision.rule):
-            if not isinstance(arg, torch.fx.Node):
+        def convert(arg, _want=want, _node=node, _reason=reason, _rule=decision.rule, _self=node.args[0] if accumulates else None):
+            if not isinstance(arg, torch.fx.Node) or arg is _self:
                 return arg
             value = arg.meta.get(META_VALUE)
             if not (isinstance(value, TensorSpec) and value.is_convertible):
@@ -276,25 +294,45 @@ def _record_user_cast(node: torch.fx.Node, info: NodeInfo, cache: dict) -> None:
 
 
 def _record_param_dtypes(gm: torch.fx.GraphModule) -> None:
-    """A parameter may be stored in half (O2) only when every use of it is a cast to that dtype."""
+    """The dtype each parameter may be stored in for O2, and why a parameter the graph casts stays fp32.
+
+    Half storage only when every use of the parameter is a cast to that one dtype, and every consumer
+    of those casts is a matmul/convolution (or recurrent op) reading it directly: a weight. Tokens,
+    positional tables, scales and norms that the graph casts for a pointwise op keep fp32 storage:
+    their gradients are sums over the whole batch (a ``cls_token``'s over every image), which
+    overflow fp16 once scaled by the loss scale, and their fp32 copy costs little."""
     wanted: dict[str, set] = {}
+    indirect: dict[str, str] = {}
     for node in gm.graph.nodes:
         if node.op != "get_attr":
             continue
+        target = str(node.target)
         for user in node.users:
             info = user.meta.get(META_INFO)
             if info is not None and info.kind == "passive":
                 continue
             rec = user.meta.get(META_CAST)
             dtype = DTYPES[rec.dtype] if rec is not None and rec.inserted else None
-            wanted.setdefault(str(node.target), set()).add(dtype)
+            wanted.setdefault(target, set()).add(dtype)
+            if dtype is None or target in indirect:
+                continue
+            other = non_weight_use(user)
+            if other is not None:
+                indirect[target] = (f"cast to {rec.dtype} for {other[0]} ({other[1]}), not read by a matmul or convolution as a "
+                                    "weight: kept in fp32 storage under O2 (its gradient sums over the batch)")
     dtypes: dict[str, torch.dtype] = {}
+    kept: dict[str, str] = {}
     for name, param in gm.named_parameters():
         if param.is_floating_point():
             uses = wanted.get(name, {None})
             only = next(iter(uses))
-            dtypes[name] = only if len(uses) == 1 and only is not None else param.dtype
+            half = len(uses) == 1 and only is not None
+            if half and name in indirect:
+                kept[name] = indirect[name]
+                half = False
+            dtypes[name] = only if half else param.dtype
     gm.meta[GM_PARAM_DTYPES] = dtypes
+    gm.meta[GM_PARAM_STORAGE] = kept
 
 
 def inserted_casts(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:

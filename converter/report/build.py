@@ -42,6 +42,7 @@ from converter.ir.meta import (
     GM_CALIBRATION,
     GM_GRAPH,
     GM_PARAM_DTYPES,
+    GM_PARAM_STORAGE,
     HALF_NAMES,
     META_CAST,
     META_DECISION,
@@ -338,6 +339,8 @@ def _memory(gm: torch.fx.GraphModule, casts: list[dict]) -> dict:
         "params_half_in_o2": half,
         "buffer_bytes": sum(b.numel() * b.element_size() for b in gm.buffers()),
         "o1_weight_copy_bytes": weight_copies,
+        # parameters the graph casts to half that O2 still stores in fp32, and why
+        "o2_fp32_params": dict(gm.meta.get(GM_PARAM_STORAGE) or {}),
     }
 
 

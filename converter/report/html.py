@@ -304,7 +304,7 @@ def _casts_html(report: ReportView) -> str:
 def _memory_html(report: ReportView) -> str:
     m = report.memory
     rows = [("Parameters, O1 (fp32, cast in the graph)", fmt_bytes(m.get("param_bytes_o1")), ""),
-            ("Parameters, O2 (half where every use is half)", fmt_bytes(m.get("param_bytes_o2")),
+            ("Parameters, O2 (half where every use is a half matmul/conv weight)", fmt_bytes(m.get("param_bytes_o2")),
              f"{m.get('params_half_in_o2', 0):,} of {m.get('param_count', 0):,} parameters in half"),
             ("O1 half weight copies made per forward", fmt_bytes(m.get("o1_weight_copy_bytes")), "")]
     saved = m.get("saved_activation_bytes")

@@ -89,7 +89,7 @@ def _memory(report: ReportView) -> list[str]:
     if not m:
         return []
     rows = [["parameters, O1 (fp32, cast in the graph)", fmt_bytes(m.get("param_bytes_o1"))],
-            ["parameters, O2 (stored in half where every use is half)", fmt_bytes(m.get("param_bytes_o2"))],
+            ["parameters, O2 (half where every use is a half matmul/conv weight)", fmt_bytes(m.get("param_bytes_o2"))],
             ["O1 weight copies per forward", fmt_bytes(m.get("o1_weight_copy_bytes"))]]
     saved = m.get("saved_activation_bytes")
     if saved:
@@ -104,7 +104,11 @@ def _memory(report: ReportView) -> list[str]:
                      f"{fmt_bytes(copies.get('converted'))} / {fmt_bytes(copies.get('autocast'))}"])
     else:
         rows.append(["saved activations", "not measured (run converter.numerics.measure.measure)"])
-    return ["## Memory", "", _table(["", "bytes"], rows), ""]
+    kept = m.get("o2_fp32_params") or {}
+    notes = [f"- `{md_escape(name)}`: {md_escape(why)}" for name, why in kept.items()]
+    if notes:
+        notes = ["Cast to half in the graph, but stored in fp32 under O2:", ""] + notes + [""]
+    return ["## Memory", "", _table(["", "bytes"], rows), ""] + notes
 
 
 def _numerics(report: ReportView) -> list[str]:

@@ -6,8 +6,10 @@ Model (exact for two labels, ``half`` and ``fp32``):
   one of its consumers runs in the other label — one cast per (producer, dtype), shared;
 * fixed labels: decided compute nodes, explicit casts, graph inputs and parameters (fp32 in O1,
   so weight casts count), and the graph output when ``keep_io_types`` (it must get its dtype back);
-* in O2, parameters are free producers instead: each is stored in the dtype its consumers want
-  (the trainer keeps fp32 master copies), so a weight cast costs nothing unless consumers disagree;
+* in O2, weights are free producers instead: a parameter that only matmuls/convolutions read (through
+  layout ops) is stored in the dtype its consumers want (the trainer keeps fp32 master copies), so its
+  cast costs nothing unless consumers disagree; other parameters (norm scales, tokens, positional
+  tables) stay fp32 in O2 too, and their casts count;
 * free: ``follow`` nodes; ``promote`` nodes are free but must be fp32 when any input is fp32;
 * aliases (tuple elements, in-place ops) share their producer's label.
 """
@@ -17,6 +19,7 @@ import torch
 import torch.fx
 
 from converter.ir.meta import HALF_NAMES, META_DECISION, META_INFO, META_VALUE, TensorSpec
+from converter.ir.ops import non_weight_use
 from converter.passes.place.graph import alias_root, cast_cost, castable_inputs
 from converter.passes.place.solver import PlacementProblem, Tensor, solve_mincut
 
@@ -48,8 +51,8 @@ def build_problem(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, opt_l
         value = node.meta.get(META_VALUE)
         if node.op in ("placeholder", "get_attr"):
             if _convertible(value):
-                if node.op == "get_attr" and str(node.target) in params:
-                    free.append(node.name)  # O2: stored in the dtype its consumers want
+                if node.op == "get_attr" and str(node.target) in params and non_weight_use(node) is None:
+                    free.append(node.name)  # O2: a weight is stored in the dtype its matmuls want
                 else:
                     fixed[node.name] = _dtype_lab(value.dtype)
             continue
