@@ -27,6 +27,7 @@ import torch.fx
 from converter.ir.errors import EXIT_CHECK_FAILED, EXIT_INTERNAL, MpconvertError
 from converter.ir.graphmodule import TwoModeGraphModule, materialize, with_eval_graph
 from converter.ir.meta import GM_GRAPH, GM_PARAM_DTYPES, HALF_NAMES, META_CAST, META_DECISION, META_INFO, Decision, GraphMeta
+from converter.ir.ops import library_op
 from converter.ir.precision import ALIASES, half_precision
 from converter.ir.state import preserved_state
 from converter.numerics.common import output_tensors
@@ -296,13 +297,24 @@ def _two_modes(model: torch.nn.Module, train_gm: torch.fx.GraphModule, eval_gm: 
     return module
 
 
+def _library_ops(gm: torch.fx.GraphModule) -> list[dict]:
+    """The custom ops of other libraries the graph calls: what model.py needs imported to run."""
+    found: dict[str, dict] = {}
+    for node in gm.graph.nodes:
+        op = library_op(node)
+        if op is not None:
+            entry = found.setdefault(op[0], {"op": op[0], "module": op[1], "package": op[1].split(".")[0], "nodes": 0})
+            entry["nodes"] += 1
+    return list(found.values())
+
+
 def _report(captured: Captured, rule_set: Rules, target: str, timings: dict, *, opt_level: str, device) -> Report:
     gm = captured.gm
     return build_report(gm, precision=target, tracer=captured.tracer, rules=rule_set.to_dict(),
                         extra={"capture_errors": captured.errors, "timings": timings, "opt_level": opt_level,
                                "device": device, "lowered": list(gm.meta[GM_GRAPH].extra.get("lowered", ())),
                                "dynamic_dims": captured.dynamic_dims, "shapes": captured.shapes_note,
-                               "modes": captured.modes,
+                               "modes": captured.modes, "library_ops": _library_ops(gm),
                                "simplified": fold_counts(gm.meta[GM_GRAPH].extra.get("simplified", ()))})
 
 

@@ -27,6 +27,8 @@ __all__ = [
     "MATMUL_CONV_OPS",
     "RECURRENT_OPS",
     "non_weight_use",
+    "LIBRARY_OPS",
+    "library_op",
     "is_inplace",
     "explicit_dtype",
     "castable_arg_positions",
@@ -135,6 +137,7 @@ _FUNCTION_OPS = {
 
 # Aliases: aten internals and Python spellings -> the canonical name users write in rules.
 _ALIASES = {
+    "_grouped_mm": "grouped_mm",
     "_softmax": "softmax",
     "_safe_softmax": "softmax",
     "special_softmax": "softmax",
@@ -218,10 +221,18 @@ NORM_OPS = frozenset({"batch_norm", "layer_norm", "group_norm", "rms_norm", "ins
 #: the matmul class and convolutions (and attention): the ops whose fp32 math backend flags change, and the
 #: only consumers for which O2 stores a parameter in half (see converter.passes.rewrite)
 MATMUL_CONV_OPS = frozenset({
-    "linear", "matmul", "mm", "bmm", "addmm", "addbmm", "baddbmm", "addmv", "addr", "mv", "einsum",
+    "linear", "matmul", "mm", "bmm", "addmm", "addbmm", "baddbmm", "addmv", "addr", "mv", "einsum", "grouped_mm",
     "bilinear", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
     "scaled_dot_product_attention", "multi_head_attention",
 })
+#: custom ops of other libraries whose meaning is known: qualified name -> the canonical op they compute
+#: (rules, FLOP counts and O2 storage treat them as that op). transformers 5 runs MoE experts through
+#: its own grouped matmul when torch's cannot be used (fp32 weights, torch.export, odd strides).
+LIBRARY_OPS = {"transformers::grouped_mm_fallback": "grouped_mm"}
+#: operator namespaces that torch itself defines (anything else comes from another library)
+TORCH_NAMESPACES = frozenset({"aten", "prims", "prim", "quantized", "_quantized", "higher_order", "mkldnn", "mkl", "onednn",
+                              "profiler", "_c10d_functional", "_c10d_functional_autograd", "c10d", "rngprims",
+                              "_dtensor", "debugprims", "inductor", "_inductor_test", "mpconvert"})
 #: recurrent ops: matmuls inside one op, which reads the weights directly
 RECURRENT_OPS = frozenset({"lstm", "gru", "rnn", "rnn_tanh", "rnn_relu"})
 #: ops that write or accumulate a floating ``source`` operand into ``self`` and require both to have one
@@ -276,6 +287,8 @@ def canonical_op(node: torch.fx.Node, root: Optional[torch.nn.Module] = None) ->
     if node.op == "call_function":
         target = node.target
         aten = _aten_name(target)
+        if isinstance(target, torch._ops.OpOverload) and target._schema.name in LIBRARY_OPS:
+            return LIBRARY_OPS[target._schema.name]
         if aten is not None:
             if aten in ("convolution", "_convolution"):
                 return _conv_name(node)
@@ -361,7 +374,7 @@ def map_castable_args(node: torch.fx.Node, op_name: str, fn) -> None:
 def known_op_names() -> frozenset[str]:
     """Every canonical op name a rule may use: aten's ops, ``torch`` and ``F`` functions, modules."""
     names: set[str] = set(_MODULE_OPS.values()) | set(_FUNCTION_OPS.values()) | set(_ALIASES.values())
-    names |= {"getitem", "getattr", "to", "identity", "scaled_dot_product_attention", "einsum"}
+    names |= {"getitem", "getattr", "to", "identity", "scaled_dot_product_attention", "einsum"} | set(LIBRARY_OPS.values())
     for qualified in torch._C._dispatch_get_all_op_names():
         ns, _, op = qualified.partition("::")
         if ns == "aten":
@@ -392,3 +405,18 @@ def non_weight_use(node: torch.fx.Node) -> Optional[tuple[str, str]]:
         elif op not in MATMUL_CONV_OPS and op not in RECURRENT_OPS:
             return op, reader.name
     return None
+
+
+def library_op(node: torch.fx.Node) -> Optional[tuple[str, str]]:
+    """(qualified op name, the Python module that registers it) for a call of a custom op that another
+    library defines (``torch.ops.transformers.grouped_mm_fallback``); None for torch's own ops. Code
+    that calls it needs that module imported first."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or target.namespace in TORCH_NAMESPACES:
+        return None
+    qualified = target._schema.name
+    from torch._library import custom_ops
+
+    opdef = custom_ops.OPDEFS.get(qualified)
+    module = getattr(getattr(opdef, "_init_fn", None), "__module__", None) or target.namespace
+    return qualified, module

@@ -7,6 +7,8 @@ for leaf ``call_module`` nodes the weight shape is read from the module. Formula
 * ``linear``: 2 · numel(out) · in_features  (the bias add is not counted)
 * ``matmul``/``mm``/``bmm``/``mv``: 2 · numel(out) · K, with K the last dim of the first operand
   (broadcast batch dimensions are in numel(out); a 1-d first operand has K = its length)
+* ``grouped_mm`` (MoE experts: torch's ``_grouped_mm``, transformers' ``grouped_mm_fallback``): the same,
+  an (S, K) input against one (K, N) expert weight per row group gives 2 · S · N · K
 * ``dot``/``vdot``: 2 · K
 * ``addmm``/``baddbmm``/``addbmm``/``addmv``: as mm/bmm/mv on their two matrix operands
   (``addbmm`` sums over its batch, so it is 2 · numel(batch1) · N)
@@ -37,7 +39,7 @@ from converter.ir.meta import META_VALUE, TensorSpec
 
 __all__ = ["node_flops", "FLOP_OPS", "NORM_FLOPS"]
 
-_MATMUL = ("matmul", "mm", "bmm", "mv")
+_MATMUL = ("matmul", "mm", "bmm", "mv", "grouped_mm")
 _ADDMM = ("addmm", "baddbmm", "addmv")
 #: ops with a non-zero formula (everything else counts 0)
 FLOP_OPS = frozenset(
