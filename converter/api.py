@@ -43,7 +43,8 @@ from converter.passes.verify import check_forward
 from converter.report.build import Report, build_report
 from converter.rules.loader import Rules, load_rules
 
-__all__ = ["convert", "audit", "Conversion", "PassError", "Fp16OverflowError", "normalize_precision", "PRECISION_ALIASES"]
+__all__ = ["convert", "audit", "Conversion", "PassError", "Fp16OverflowError", "FrozenModeError", "normalize_precision",
+           "PRECISION_ALIASES"]
 
 #: the half-precision spellings ``convert`` accepts (see :mod:`converter.ir.precision`)
 PRECISION_ALIASES = {name: value for name, value in ALIASES.items() if value in HALF_NAMES}
@@ -72,6 +73,11 @@ class Fp16OverflowError(MpconvertError, ValueError):
     def __init__(self, message: str, *, node: str = ""):
         super().__init__(message)
         self.node = node
+
+
+class FrozenModeError(MpconvertError, ValueError):
+    """``strict_modes=True`` (CLI ``--strict-modes``) and the model could only be captured frozen in one
+    mode: ``train()``/``eval()`` would change nothing on the converted module (CLI exit 2)."""
 
 
 def _nonfinite(value: Any) -> bool:
@@ -217,7 +223,7 @@ def _run_stage(name: str, done: list[str], fn, *args, **kwargs):
 
 def _pipeline(model, example_inputs, *, settings: PlaceSettings, rules, tracer, calibration=None,
               calibration_options: Optional[CalibrationOptions] = None, device=None, codegen=True,
-              dynamic: bool = True, dynamic_shapes: Any = None, simplify_graph: bool = True):
+              dynamic: bool = True, dynamic_shapes: Any = None, simplify_graph: bool = True, strict_modes: bool = False):
     """capture → decide → lower → place → (calibrate) → rewrite → simplify → fp32_math → (codegen), placing
     with ``settings``; ``simplify_graph=False`` keeps the no-op nodes (benchmarks/graph_step.py times both).
 
@@ -228,6 +234,9 @@ def _pipeline(model, example_inputs, *, settings: PlaceSettings, rules, tracer, 
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     captured: Captured = capture(model, example_inputs, tracer=tracer, dynamic=dynamic, dynamic_shapes=dynamic_shapes)
+    if strict_modes and captured.modes.startswith("frozen"):
+        raise FrozenModeError(f"the converted module would be {captured.modes}; make the model's train mode traceable "
+                              "(see the cause), or convert without strict_modes (CLI: without --strict-modes) to accept it")
     done.append("capture")
     timings["capture_s"] = time.perf_counter() - t0
     graphs = [captured.gm] if captured.eval_gm is None else [captured.gm, captured.eval_gm]
@@ -333,6 +342,7 @@ def convert(
     device: Optional[str] = None,
     dynamic: bool = True,
     dynamic_shapes: Any = None,
+    strict_modes: bool = False,
 ) -> Conversion:
     """Convert ``model`` to mixed precision.
 
@@ -357,7 +367,9 @@ def convert(
     converted module serves other sizes (False: fixed to the example's sizes; symbolic_trace
     graphs are dynamic either way). ``dynamic_shapes``: torch.export-style dims for the example
     inputs instead of the default. ``report.extra["dynamic_dims"]`` lists the dims that are dynamic
-    and ``report.extra["modes"]`` whether ``train()``/``eval()`` work (see :mod:`converter.passes.capture`).
+    and ``report.extra["modes"]`` whether ``train()``/``eval()`` work (see :mod:`converter.passes.capture`);
+    ``strict_modes=True`` raises :class:`FrozenModeError` instead of converting a model whose train mode
+    cannot be traced into a module frozen in one mode (default: converted, with a warning in the report).
     fp16 without ``calibration``: the converted graph runs once on the example inputs beside its
     fp32 twin, and :class:`Fp16OverflowError` names the first node that gives inf/NaN where fp32 is
     finite.
@@ -371,6 +383,7 @@ def convert(
     captured, rule_set, target, timings = _pipeline(
         model, example_inputs, settings=settings, rules=rules, tracer=tracer, calibration=batches,
         calibration_options=options, device=device, dynamic=dynamic, dynamic_shapes=dynamic_shapes,
+        strict_modes=strict_modes,
     )
     if target == "fp16" and batches is None:
         _check_fp16_overflow(captured.gm, captured.args, captured.kwargs)
@@ -386,7 +399,7 @@ def convert(
         example_inputs=(captured.args, captured.kwargs),
         timings=timings,
         options={"keep_io_types": keep_io_types, "placement": placement, "opt_level": opt_level, "device": device,
-                 "dynamic": dynamic, "dynamic_shapes": dynamic_shapes},
+                 "dynamic": dynamic, "dynamic_shapes": dynamic_shapes, "strict_modes": strict_modes},
         calibration=batches,
         calibration_options=options,
     )

@@ -705,3 +705,62 @@ def test_cli_control_flow_and_dynamic_options(tmp_path):
         assert run.returncode == 0, run.stderr
         report = json.loads((out / "report.json").read_text())
         assert report["dynamic_dims"] == want, report["shapes"]
+
+
+# ---------------------------------------------------------------------------------------------
+# a frozen mode is said everywhere, and --strict-modes refuses it
+
+_FROZEN_FILE = """\
+import torch
+from torch import nn
+
+
+class LayerDrop(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        if self.training and torch.rand(()) < 0.5:
+            return x
+        return self.drop(self.fc(x))
+
+
+def build_model():
+    return LayerDrop().eval()
+
+
+def example_inputs():
+    return (torch.randn(4, 8),)
+"""
+
+
+def test_frozen_mode_is_loud_and_strict_modes_refuses_it(tmp_path):
+    model = _LayerDrop().eval()
+    x = torch.randn(4, 8)
+    conv = converter.convert(model, (x,), tracer="export")
+    modes = conv.report.extra["modes"]
+    assert modes.startswith("frozen in eval mode"), modes
+    md = conv.report.to_markdown()
+    assert f"> **Warning:** {modes}"[:60] in md, md[:800]
+    html = conv.report.to_html()
+    assert "train()/eval()" in html and "frozen in eval mode" in html
+    with pytest.raises(converter.FrozenModeError, match="frozen in eval mode.*train mode failed.*strict_modes"):
+        converter.convert(model, (x,), tracer="export", strict_modes=True)
+    # a model whose modes work is not refused
+    assert converter.convert(_RegionModel(), (torch.randn(4, 16),), strict_modes=True).report.extra["modes"].startswith("follows")
+    # the CLI: one warning line on stderr; --strict-modes: one error line, exit 2, nothing written
+    model_file = tmp_path / "frozen.py"
+    model_file.write_text(_FROZEN_FILE)
+    cmd = [sys.executable, "-m", "converter", str(model_file), "--no-measure"]
+    run = subprocess.run([*cmd, "--out", str(tmp_path / "o1")], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert run.returncode == 0, run.stderr
+    warned = [line for line in run.stderr.splitlines() if "frozen in eval mode" in line]
+    assert len(warned) == 1 and warned[0].startswith("mpconvert: warning: frozen.py: frozen in eval mode") \
+        and "--strict-modes" in warned[0], run.stderr
+    run = subprocess.run([*cmd, "--strict-modes", "--out", str(tmp_path / "o2")], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=300)
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert run.returncode == 2 and len(lines) == 1 and "frozen in eval mode" in lines[0], run.stderr
+    assert not (tmp_path / "o2").exists()

@@ -136,6 +136,9 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tune-for", dest="tune_for", choices=("cpu", "cuda"), default=None, help=argparse.SUPPRESS)
     p.add_argument("--no-measure", dest="no_measure", action="store_true",
                    help="skip measuring memory and numerics against fp32 and torch.autocast for the report")
+    p.add_argument("--strict-modes", dest="strict_modes", action="store_true",
+                   help="refuse (exit 2) a model whose train mode cannot be traced, instead of converting it frozen in "
+                        "one mode where train()/eval() change nothing (default: converted, with a warning)")
     p.add_argument("--static", action="store_true",
                    help="fix every input dim to the example's size (default: batch, sequence and other input dims "
                         "stay dynamic under torch.export, or as the model file's dynamic_shapes() says)")
@@ -410,15 +413,21 @@ def _capture_message(exc, model_name: str, model_file: str, tracer: str) -> str:
 def _convert(ns, ui: _UI, mf, precision: str, rules, *, calibration=None, calibration_options=None, measure=True):
     from converter.api import convert
     from converter.passes.capture import CaptureError
+    from converter.report.common import frozen_mode
 
     with ui.status(f"Converting {mf.name} to {precision}…"):
         try:
             conv = convert(mf.model, mf.example_inputs, precision=precision, rules=rules, tracer=ns.tracer,
                            calibration=calibration, calibration_options=calibration_options,
                            opt_level=getattr(ns, "opt_level", "O1"), device=ns.device,
-                           dynamic=not getattr(ns, "static", False), dynamic_shapes=_dynamic_shapes(mf))
+                           dynamic=not getattr(ns, "static", False), dynamic_shapes=_dynamic_shapes(mf),
+                           strict_modes=getattr(ns, "strict_modes", False))
         except CaptureError as exc:
             raise UsageError(_capture_message(exc, type(mf.model).__name__, mf.name, ns.tracer)) from exc
+    frozen = frozen_mode(conv.report)
+    if frozen:
+        ui.warn(f"{mf.name}: {frozen}; training with it runs without its train-mode ops (dropout...); "
+                "--strict-modes makes this an error")
     if measure and not getattr(ns, "no_measure", False):
         from converter.numerics.measure import measure as _measure
 

@@ -17,7 +17,7 @@ from converter.numerics.common import from_json_float
 __all__ = [
     "ReportView", "COLORS", "ORDER", "precision_class", "half_count", "fmt_bytes", "fmt_flops", "fmt_db", "db_sort_key",
     "fmt_pct", "fmt_err", "fmt_ratio", "short_rule", "node_reason", "tuned_for", "calibration_rows", "module_groups",
-    "module_bytes", "split_casts", "fp32_math_facts", "FP32_MATH_NOTE",
+    "module_bytes", "split_casts", "fp32_math_facts", "FP32_MATH_NOTE", "frozen_mode",
 ]
 
 #: precision -> colour, shared by the HTML strip, the plots and the badges
@@ -127,6 +127,13 @@ def tuned_for(report: ReportView, escape: Callable[[str], str]) -> str:
     lowered = report.extra.get("lowered") or []
     what = escape(", ".join(lowered)) if lowered else "nothing to lower"
     return f"{escape(str(device))} · lowered: {what}"
+
+
+def frozen_mode(report: ReportView) -> Optional[str]:
+    """The capture's modes note when the converted module is frozen in one mode (train()/eval() change
+    nothing: training runs without dropout, or evaluation with it); None when it follows the mode."""
+    modes = report.extra.get("modes") or ""
+    return modes if modes.startswith("frozen") else None
 
 
 def calibration_rows(report: ReportView) -> tuple[list[tuple[str, str]], list[dict]]:
