@@ -244,14 +244,15 @@ def _fallback_storage_dtype(module_class: str, half: torch.dtype) -> torch.dtype
     return half
 
 
-def _storage_plan(inner: nn.Module, half: torch.dtype) -> dict[str, torch.dtype]:
-    """fqn -> storage dtype under O2 for every floating (non-fp64) parameter of ``inner``."""
+def _storage_plan(inner: nn.Module, half: torch.dtype, given: dict | None = None) -> dict[str, torch.dtype]:
+    """fqn -> storage dtype under O2 for every floating (non-fp64) parameter of ``inner``: from ``given``,
+    else ``inner.meta["mp_param_dtypes"]``, else the Norm/Embedding fallback."""
     params = {
         name: p for name, p in inner.named_parameters() if p.is_floating_point() and p.dtype != torch.float64
     }
     meta = getattr(inner, "meta", None)
-    if isinstance(meta, dict) and GM_PARAM_DTYPES in meta:
-        recorded = meta[GM_PARAM_DTYPES]
+    if given is not None or (isinstance(meta, dict) and GM_PARAM_DTYPES in meta):
+        recorded = given if given is not None else meta[GM_PARAM_DTYPES]
         if not isinstance(recorded, dict):
             raise TypeError(f"module.meta['mp_param_dtypes'] must be a dict fqn -> torch.dtype, got {type(recorded)}")
         unknown = sorted(set(recorded) - set(dict(inner.named_parameters())))
@@ -363,6 +364,9 @@ class MixedPrecisionTrainer:
             multi-tensor path does the same arithmetic in a few ``_foreach_*`` calls: SGD with
             momentum on the 2-layer d128 encoder takes 170 µs instead of 210 µs). True by default;
             groups with ``foreach``/``fused``/``differentiable`` set explicitly are left alone.
+        param_dtypes: O2's storage plan, fqn -> dtype, instead of ``module.meta["mp_param_dtypes"]``
+            (for a model converted in place with :func:`converter.apply`, which has no ``meta``:
+            pass ``converter.conversion_of(model).module.meta["mp_param_dtypes"]``).
         embedding_grad_shrink: ``alpha`` in (0, 1]: every ``nn.Embedding`` output becomes
             ``alpha*e + (1-alpha)*e.detach()`` (GLM-130B's trick against early loss spikes). None by
             default: it changes the optimisation. Implemented as forward hooks on the ``nn.Embedding``
@@ -412,6 +416,7 @@ class MixedPrecisionTrainer:
         max_consecutive_skips: int | None = _DEFAULT_MAX_CONSECUTIVE_SKIPS,
         spike_guard: SpikeGuard | None = None,
         optimizer_foreach: bool = True,
+        param_dtypes: dict[str, torch.dtype] | None = None,
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
@@ -474,6 +479,7 @@ class MixedPrecisionTrainer:
         # Every parameter of the model, listed once so zero_grad() need not walk the module tree.
         self._model_params: list[nn.Parameter] = list(self._inner.parameters())
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._param_dtypes = param_dtypes  # O2 storage plan (fqn -> dtype) instead of module.meta's
         self.dropped_weight_casts = 0  # O2: converter weight casts made identities by half storage
 
         if master_weights:
@@ -536,7 +542,7 @@ class MixedPrecisionTrainer:
             )
 
     def _setup_master_weights(self) -> None:
-        plan = _storage_plan(self._inner, self._half)
+        plan = _storage_plan(self._inner, self._half, self._param_dtypes)
         master_of: dict[int, nn.Parameter] = {}
         for fqn, param in self._inner.named_parameters():
             if fqn not in plan:
@@ -665,6 +671,11 @@ class MixedPrecisionTrainer:
     def scaler(self) -> LossScaler | None:
         """The loss scaler (None for bf16)."""
         return self._scaler
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer this trainer steps (under O2 its param groups hold the fp32 masters)."""
+        return self._optimizer
 
     @property
     def master_params(self) -> list[nn.Parameter]:
