@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Union
@@ -31,6 +32,7 @@ from converter.ir.ops import library_op
 from converter.ir.precision import ALIASES, half_precision
 from converter.ir.state import preserved_state
 from converter.numerics.common import output_tensors
+from converter.numerics.device import half_speed_advice
 from converter.numerics.options import CalibrationOptions
 from converter.numerics.redecide import PlaceSettings
 from converter.passes.capture import Captured, capture
@@ -43,8 +45,8 @@ from converter.passes.verify import check_forward
 from converter.report.build import Report, build_report
 from converter.rules.loader import Rules, load_rules
 
-__all__ = ["convert", "audit", "Conversion", "PassError", "Fp16OverflowError", "FrozenModeError", "normalize_precision",
-           "PRECISION_ALIASES"]
+__all__ = ["convert", "audit", "Conversion", "PassError", "Fp16OverflowError", "FrozenModeError", "SlowHalfWarning",
+           "normalize_precision", "PRECISION_ALIASES"]
 
 #: the half-precision spellings ``convert`` accepts (see :mod:`converter.ir.precision`)
 PRECISION_ALIASES = {name: value for name, value in ALIASES.items() if value in HALF_NAMES}
@@ -73,6 +75,10 @@ class Fp16OverflowError(MpconvertError, ValueError):
     def __init__(self, message: str, *, node: str = ""):
         super().__init__(message)
         self.node = node
+
+
+class SlowHalfWarning(UserWarning):
+    """The chosen half dtype has no fast math on the device the model will train on (measured)."""
 
 
 class FrozenModeError(MpconvertError, ValueError):
@@ -370,6 +376,9 @@ def convert(
     and ``report.extra["modes"]`` whether ``train()``/``eval()`` work (see :mod:`converter.passes.capture`);
     ``strict_modes=True`` raises :class:`FrozenModeError` instead of converting a model whose train mode
     cannot be traced into a module frozen in one mode (default: converted, with a warning in the report).
+    A half dtype with no fast math where the model will train (fp16 on most CPUs, measured by timing
+    one small matmul; on CUDA, the compute capability) gives a :class:`SlowHalfWarning` naming the
+    alternative, also in ``report.extra["device_advice"]``.
     fp16 without ``calibration``: the converted graph runs once on the example inputs beside its
     fp32 twin, and :class:`Fp16OverflowError` names the first node that gives inf/NaN where fp32 is
     finite.
@@ -385,13 +394,18 @@ def convert(
         calibration_options=options, device=device, dynamic=dynamic, dynamic_shapes=dynamic_shapes,
         strict_modes=strict_modes,
     )
+    advice = half_speed_advice(target, device)
+    if advice is not None:
+        warnings.warn(advice, SlowHalfWarning, stacklevel=2)
     if target == "fp16" and batches is None:
         _check_fp16_overflow(captured.gm, captured.args, captured.kwargs)
         if isinstance(captured.gm, TwoModeGraphModule):  # the check interprets `graph`: the eval graph too
             _check_fp16_overflow(captured.gm.for_mode(False), captured.args, captured.kwargs)
+    report = _report(captured, rule_set, target, timings, opt_level=opt_level, device=device)
+    report.extra["device_advice"] = advice
     return Conversion(
         module=captured.gm,
-        report=_report(captured, rule_set, target, timings, opt_level=opt_level, device=device),
+        report=report,
         precision=target,
         tracer=captured.tracer,
         rules=rule_set,

@@ -32,6 +32,7 @@ import signal
 import sys
 import threading
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -411,11 +412,12 @@ def _capture_message(exc, model_name: str, model_file: str, tracer: str) -> str:
 
 
 def _convert(ns, ui: _UI, mf, precision: str, rules, *, calibration=None, calibration_options=None, measure=True):
-    from converter.api import convert
+    from converter.api import SlowHalfWarning, convert
     from converter.passes.capture import CaptureError
     from converter.report.common import frozen_mode
 
-    with ui.status(f"Converting {mf.name} to {precision}…"):
+    with ui.status(f"Converting {mf.name} to {precision}…"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", SlowHalfWarning)  # said once below, from the report
         try:
             conv = convert(mf.model, mf.example_inputs, precision=precision, rules=rules, tracer=ns.tracer,
                            calibration=calibration, calibration_options=calibration_options,
@@ -428,6 +430,8 @@ def _convert(ns, ui: _UI, mf, precision: str, rules, *, calibration=None, calibr
     if frozen:
         ui.warn(f"{mf.name}: {frozen}; training with it runs without its train-mode ops (dropout...); "
                 "--strict-modes makes this an error")
+    if conv.report.extra.get("device_advice"):
+        ui.warn(conv.report.extra["device_advice"])
     if measure and not getattr(ns, "no_measure", False):
         from converter.numerics.measure import measure as _measure
 

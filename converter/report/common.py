@@ -18,6 +18,7 @@ __all__ = [
     "ReportView", "COLORS", "ORDER", "precision_class", "half_count", "fmt_bytes", "fmt_flops", "fmt_db", "db_sort_key",
     "fmt_pct", "fmt_err", "fmt_ratio", "short_rule", "node_reason", "tuned_for", "calibration_rows", "module_groups",
     "module_bytes", "split_casts", "fp32_math_facts", "FP32_MATH_NOTE", "frozen_mode",
+    "header_warnings",
 ]
 
 #: precision -> colour, shared by the HTML strip, the plots and the badges
@@ -134,6 +135,19 @@ def frozen_mode(report: ReportView) -> Optional[str]:
     nothing: training runs without dropout, or evaluation with it); None when it follows the mode."""
     modes = report.extra.get("modes") or ""
     return modes if modes.startswith("frozen") else None
+
+
+def header_warnings(report: ReportView) -> list[tuple[str, str]]:
+    """(title, text) of what a reader must see first: a frozen train/eval mode, a half dtype with no
+    fast math on the device (:mod:`converter.numerics.device`)."""
+    out = []
+    frozen = frozen_mode(report)
+    if frozen:
+        out.append(("train()/eval()", frozen))
+    advice = report.extra.get("device_advice")
+    if advice:
+        out.append(("speed", advice))
+    return out
 
 
 def calibration_rows(report: ReportView) -> tuple[list[tuple[str, str]], list[dict]]:

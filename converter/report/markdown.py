@@ -15,7 +15,7 @@ from converter.report.common import (
     fmt_pct,
     fmt_ratio,
     fp32_math_facts,
-    frozen_mode,
+    header_warnings,
     node_reason,
     split_casts,
     tuned_for,
@@ -58,8 +58,8 @@ def _header(report: ReportView) -> list[str]:
     files = md_escape(", ".join(report.rules.get("files", [])) or "defaults")
     return [f"# Precision audit: {md_escape(report.model or 'model')}", "", f"**{md_escape(report.line)}**", "",
             f"Target precision `{md_escape(report.precision)}` · tracer `{md_escape(report.tracer)}` · "
-            f"{s['nodes']} graph nodes, {s['compute_nodes']} compute nodes · rule files: {files}", ""] + (
-            [f"> **Warning:** {md_escape(frozen)}", ""] if (frozen := frozen_mode(report)) else [])
+            f"{s['nodes']} graph nodes, {s['compute_nodes']} compute nodes · rule files: {files}", ""] + [
+            line for _title, text in header_warnings(report) for line in (f"> **Warning:** {md_escape(text)}", "")]
 
 
 def _summary(report: ReportView) -> list[str]:
