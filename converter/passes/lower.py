@@ -165,8 +165,10 @@ def _lower_attention(gm: torch.fx.GraphModule, node: torch.fx.Node, info: NodeIn
             scores = emit("call_method", "masked_fill", scores, emit("call_function", torch.logical_not, mask), -math.inf)
         else:
             scores = emit("call_function", torch.add, scores, mask)
-    if call["is_causal"]:
-        above = emit("call_function", torch.triu, emit("call_function", torch.ones_like, scores, dtype=torch.bool), 1)
+    if call["is_causal"]:  # an (L, S) mask broadcast over batch and heads: masked_fill saves it for backward
+        rows, cols = emit("call_method", "size", scores, -2), emit("call_method", "size", scores, -1)
+        ones = emit("call_method", "new_ones", scores, (rows, cols), dtype=torch.bool)
+        above = emit("call_function", torch.triu, ones, 1)
         scores = emit("call_method", "masked_fill", scores, above, -math.inf)
     probs = emit("call_function", torch.softmax, scores, -1)
     if call["dropout"] is not None:  # what the fused op does in train mode (converter.passes.modes)
@@ -182,9 +184,13 @@ def _lower_attention(gm: torch.fx.GraphModule, node: torch.fx.Node, info: NodeIn
 
 def _annotate(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], like: NodeInfo, decision: Decision, why: str) -> None:
     """Shapes (on the meta device), NodeInfo and a Decision for each new node, in graph order."""
+    computed: dict[torch.fx.Node, Any] = {}  # the new nodes' values (sizes are plain ints)
+
     def meta_value(arg: Any) -> Any:
         if isinstance(arg, torch.fx.Node) and arg.meta.get(META_MODE_FLAG):
             return True  # self.training: any bool gives the shapes
+        if isinstance(arg, torch.fx.Node) and arg in computed:
+            return computed[arg]
         if isinstance(arg, torch.fx.Node):
             spec = arg.meta.get(META_VALUE)
             if isinstance(spec, TensorSpec):
@@ -198,6 +204,7 @@ def _annotate(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], like: NodeIn
             value = getattr(args[0], node.target)(*args[1:], **kwargs)
         else:
             value = node.target(*args, **kwargs)
+        computed[node] = value
         node.meta[META_VALUE] = _spec_of(value)
         outputs = tuple(_flat_specs(node.meta[META_VALUE]))
         op = canonical_op(node, gm)
