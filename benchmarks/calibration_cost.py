@@ -1,6 +1,6 @@
 """Cost of calibration: 20 calibration batches of samples/tiny_transformer.py vs 20 fp32 fwd+bwd steps.
 
-Target (issue 5): calibrating costs less than 3x the fp32 training steps on the same batches.
+Target: calibrating costs less than 3x the fp32 training steps on the same batches.
 
 Variants, run interleaved (A B C A B C ...) after a warm-up; the median of each is reported:
 

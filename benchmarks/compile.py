@@ -1,4 +1,4 @@
-"""torch.compile of converted models (issue 18 item 3): compiled-converted vs compiled-autocast step time.
+"""torch.compile of converted models: compiled-converted vs compiled-autocast step time.
 
 Models: the benchmark encoders (``nn.TransformerEncoder``, dropout 0, train mode, bf16, SGD lr 1e-4
 momentum 0.9): ``small`` d128 h4 ff256 ×2, B2×T16; ``large`` d512 h8 ff2048 ×2, B8×T128. Variants,

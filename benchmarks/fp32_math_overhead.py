@@ -1,4 +1,4 @@
-"""Overhead of scoping the fp32 math mode (issue 17): the ``fp32_math`` pass's enter/exit calls.
+"""Overhead of scoping the fp32 math mode: the ``fp32_math`` pass's enter/exit calls.
 
 The converted graph brackets each run of fp32 matmul/conv nodes with two calls that save, set and
 restore the per-backend fp32 precision (``converter.passes.fp32_math``). This script measures what
@@ -122,7 +122,7 @@ def run(names: list[str], *, quick: bool, tmp: Path, clock: str) -> dict:
 def to_markdown(results: dict) -> str:
     m = results["machine"]
     lines = [
-        "# fp32 math scoping overhead (issue 17)",
+        "# fp32 math scoping overhead",
         "",
         f"Machine: {m.get('cpu')}, {m.get('cores')} cores, {m.get('torch_threads')} torch threads, torch {m.get('torch')}, "
         f"{m.get('date')}. bf16 conversion, one forward + backward step, interleaved medians of the "

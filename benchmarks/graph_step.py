@@ -1,4 +1,4 @@
-"""Graph-side overhead (issue 18 item 4): the converted module with and without the simplify pass.
+"""Graph-side overhead: the converted module with and without the simplify pass.
 
 Same model, step and clock as ``benchmarks/trainer_step.py`` (``nn.TransformerEncoder`` d128, 4
 heads, ff 256, 2 layers, B2×T16, dropout 0, bf16, SGD lr 1e-4 momentum 0.9, one torch thread,

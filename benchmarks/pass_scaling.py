@@ -1,6 +1,6 @@
 """Pass time (decide + place + rewrite, capture excluded) from 1k to 50k graph nodes.
 
-Issue 6 / benchmarks/README.md: the time per node at 50k nodes must stay within 1.5× of the time per node at
+benchmarks/README.md: the time per node at 50k nodes must stay within 1.5× of the time per node at
 1k, and the pass must take no longer than ``torch.fx.symbolic_trace`` of the same model.
 
 The model is a stack of transformer-like MLP blocks (Linear → LayerNorm → GELU → Linear, with a

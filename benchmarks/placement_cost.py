@@ -1,6 +1,6 @@
 """Cast bytes of one training step (fwd + bwd) per placement strategy, against torch.autocast.
 
-The cost of the no-extra-rounding invariant (issue 15): ``mincut-bytes`` is the byte-only optimum
+The cost of the no-extra-rounding invariant: ``mincut-bytes`` is the byte-only optimum
 (before), ``mincut`` keeps the invariant (after), ``simple`` casts per consumer. O1 and O2
 conversions (O2 run by MixedPrecisionTrainer with master weights, as in run.py), portable graphs (no device lowering), the benchmark models of ``benchmarks/run.py``.
 

@@ -1,4 +1,4 @@
-"""mpconvert benchmark suite (issue 9, benchmarks/README.md): fp32 vs autocast vs converted O1/O2 vs all-half.
+"""mpconvert benchmark suite (benchmarks/README.md): fp32 vs autocast vs converted O1/O2 vs all-half.
 
 Run from the repository root::
 
@@ -525,7 +525,7 @@ def run_model(spec: ModelSpec, *, device: torch.device, half: torch.dtype, optim
 
 # =========================================================================== targets
 def check_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """benchmarks/README.md / issue 9 acceptance, evaluated on whatever models were run."""
+    """benchmarks/README.md's targets, evaluated on whatever models were run."""
     models = results["models"]
     gpu = results["machine"].get("device") == "cuda"
     rows: list[dict[str, Any]] = []
@@ -536,7 +536,7 @@ def check_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                      "binding": binding, "detail": detail})
 
     portable = bool(results.get("config", {}).get("portable"))
-    # issue 18 item 4: the small encoder converted for the CPU ≤ 0.90×; the portable graph ≤ 1.0×
+    # the small encoder converted for the CPU ≤ 0.90×; the portable graph ≤ 1.0×
     step_limits = {"encoder_large": 1.0 if gpu else 0.95, "encoder_small": None if gpu else (1.0 if portable else 0.90)}
     for model, limit in step_limits.items():
         if model in models and limit is not None:
@@ -549,7 +549,7 @@ def check_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         v = models["encoder_large"]["variants"]
         for variant in ("O2", "O1"):
             ratio = v[variant]["cast_bytes"] / v["autocast"]["cast_bytes"]
-            # issue 6: "in O2 if O1 cannot reach it" -- the O1 row is information, not a target
+            # "in O2 if O1 cannot reach it": the O1 row is information, not a target
             add(f"{variant} cast bytes ≤ 0.5× autocast", "encoder_large", ratio, 0.5, ratio <= 0.5,
                 f"{v[variant]['casts']} casts / {v[variant]['cast_bytes'] / MiB:.1f} MiB vs autocast "
                 f"{v['autocast']['casts']} / {v['autocast']['cast_bytes'] / MiB:.1f} MiB", binding=variant == "O2")

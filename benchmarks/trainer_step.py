@@ -1,4 +1,4 @@
-"""Trainer step overhead (issue 18 item 4): converted model + MixedPrecisionTrainer vs a plain autocast loop.
+"""Trainer step overhead: converted model + MixedPrecisionTrainer vs a plain autocast loop.
 
 Model: ``nn.TransformerEncoder`` d128, 4 heads, ff 256, 2 layers, B2×T16, dropout 0, SGD (lr 1e-4,
 momentum 0.9), bf16. Variants, each on its own copy of the same weights:

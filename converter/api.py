@@ -6,7 +6,7 @@
     conv.module          # torch.fx.GraphModule with the casts inserted: runnable and trainable
     conv.report.summary  # the report.json summary
     conv.decisions       # node name -> Decision (precision, rule, reason)
-    conv.save("out/")    # the artifacts of DESIGN §7
+    conv.save("out/")    # model.py, weights, train.py and the reports (docs/export.md)
 
 Stages (one module each, talking only through ``node.meta``): capture → decide → lower → place
 → rewrite → fp32_math → check (one forward on the example inputs; a failure names the node) →
@@ -184,7 +184,7 @@ class Conversion:
         return {n.name: n.meta[META_DECISION] for n in self.module.graph.nodes if META_DECISION in n.meta and n.meta.get(META_INFO) and n.meta[META_INFO].kind != "passive"}
 
     def save(self, out_dir: Union[str, Path], *, force: bool = False, model_file: Optional[str] = None) -> Path:
-        """Write the artifacts of DESIGN §7 (model.py, weights, train.py, reports) atomically."""
+        """Write model.py, the weights, train.py and the reports (docs/export.md) atomically."""
         from converter.export.emit import emit
 
         return emit(self, Path(out_dir), force=force, model_file=model_file)

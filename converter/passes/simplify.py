@@ -1,8 +1,7 @@
 """simplify: fold the nodes that compute nothing, so the converted module makes fewer Python-level calls.
 
 Runs after *rewrite*, on the final graph. On a small model every node costs a Python call and an
-aten dispatch whatever its size (a few µs), so no-op nodes are a measurable part of a step
-(issue 18 item 4). A node is folded — its uses re-pointed to its input and the node erased — only
+aten dispatch whatever its size (a few µs), so no-op nodes are a measurable part of a step. A node is folded — its uses re-pointed to its input and the node erased — only
 when the graph's own facts prove it is the identity for every input the graph accepts:
 
 * ``dropout``: probability 0, or ``train=False`` (aten/functional dropout and ``nn.Dropout``

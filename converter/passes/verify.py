@@ -27,7 +27,7 @@ class ForwardCheckError(MpconvertError, RuntimeError):
 
     Exit status 1, a check that failed: every conversion checks its example forward, and the message
     names the node, its precision and the rule that decided it, and how to pin it to fp32. Exit 3
-    stays for true internal errors (issue 19)."""
+    stays for true internal errors."""
 
     exit_code = EXIT_CHECK_FAILED
 

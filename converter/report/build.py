@@ -52,6 +52,7 @@ from converter.ir.meta import (
     Decision,
     NodeInfo,
     itemsize,
+    name_of,
 )
 from converter.numerics.common import to_json
 from converter.passes.fp32_math import DEFAULT_FP32_MATH, global_math_settings, reduced_globals
@@ -172,10 +173,17 @@ def summary_line(summary: dict, precision: str) -> str:
     return (
         f"Converted {half}/{summary['compute_nodes']} compute nodes "
         f"({100 * summary['half_flop_fraction']:.1f}% of FLOPs) to {target} with {summary['casts']} casts, "
-        f"{mib:.2f} MiB per forward (+{summary.get('weight_casts', 0)} weight casts, "
-        f"{summary.get('weight_cast_bytes', 0) / 2**20:.2f} MiB)"
+        f"{mib:.2f} MiB per forward ({_weight_part(summary)})"
         + "".join(f"; warning: {w['message']}" for w in summary.get("warnings", ()))
     )
+
+
+def _weight_part(summary: dict) -> str:
+    """O1: the weight casts every forward runs; O2: the weights stored in half (no cast) and the casts left."""
+    left = f"{summary.get('weight_casts', 0)} weight casts, {summary.get('weight_cast_bytes', 0) / 2**20:.2f} MiB"
+    if summary.get("opt_level") != "O2":
+        return f"+{left}"
+    return f"O2: {summary.get('params_half_in_o2', 0)} weights stored in half, no cast; +{left} on fp32-stored parameters"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -444,6 +452,11 @@ def build_report(gm: torch.fx.GraphModule, *, precision: str, tracer: str, rules
     half_flops = sum(r["flops"] for r in nodes if r["precision"] in HALF_NAMES)
     act = [c for c in casts if not c["on_weight"]]
     weight = [c for c in casts if c["on_weight"]]
+    o2 = (extra or {}).get("opt_level") == "O2"
+    if o2:  # a cast of a weight O2 stores in that very dtype is an identity, which the trainer drops
+        stored = dict(gm.meta.get(GM_PARAM_DTYPES) or {})
+        targets = {n.name: str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+        weight = [c for c in weight if name_of(stored.get(targets.get(c["src"], ""), torch.float32)) != c["dtype"]]
     unmatched = sorted({r["op"] for r in nodes if r["unmatched"]})
     fp32_math = _fp32_math(gm, nodes)
     summary = {
@@ -454,6 +467,8 @@ def build_report(gm: torch.fx.GraphModule, *, precision: str, tracer: str, rules
         "cast_bytes": sum(c["bytes"] for c in act),
         "weight_casts": len(weight),
         "weight_cast_bytes": sum(c["bytes"] for c in weight),
+        "opt_level": "O2" if o2 else "O1",
+        "params_half_in_o2": sum(1 for c in casts if c["on_weight"]) - len(weight) if o2 else 0,
         "flops": total_flops,
         "half_flops": half_flops,
         "half_flop_fraction": (half_flops / total_flops) if total_flops else 0.0,

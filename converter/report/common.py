@@ -18,7 +18,7 @@ __all__ = [
     "ReportView", "COLORS", "ORDER", "precision_class", "half_count", "fmt_bytes", "fmt_flops", "fmt_db", "db_sort_key",
     "fmt_pct", "fmt_err", "fmt_ratio", "short_rule", "node_reason", "tuned_for", "calibration_rows", "module_groups",
     "module_bytes", "split_casts", "fp32_math_facts", "FP32_MATH_NOTE", "frozen_mode",
-    "header_warnings",
+    "header_warnings", "weight_cast_label",
 ]
 
 #: precision -> colour, shared by the HTML strip, the plots and the badges
@@ -135,6 +135,13 @@ def frozen_mode(report: ReportView) -> Optional[str]:
     nothing: training runs without dropout, or evaluation with it); None when it follows the mode."""
     modes = report.extra.get("modes") or ""
     return modes if modes.startswith("frozen") else None
+
+
+def weight_cast_label(summary: dict) -> str:
+    """What the summary's weight casts are: every O1 weight cast, or those O2 keeps (fp32-stored parameters)."""
+    if summary.get("opt_level") == "O2":
+        return f"weight casts left in O2 ({summary.get('params_half_in_o2', 0)} weights stored in half)"
+    return "weight casts (O1)"
 
 
 def header_warnings(report: ReportView) -> list[tuple[str, str]]:

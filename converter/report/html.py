@@ -37,6 +37,7 @@ from converter.report.common import (
     short_rule,
     split_casts,
     tuned_for,
+    weight_cast_label,
 )
 from converter.report.plots import plots_html
 from converter.rules.precedence import describe
@@ -83,7 +84,7 @@ def _cards(report: ReportView) -> str:
         _card("FLOPs in half", fmt_pct(s["half_flop_fraction"]), f"{fmt_flops(half_flops)} of {fmt_flops(s['flops'])}",
               bar=_bar({report.precision if report.precision in COLORS else "bf16": half_flops, "fp32": s["flops"] - half_flops})),
         _card("Activation casts", str(s["casts"]), f"{fmt_bytes(s['cast_bytes'])} per forward"),
-        _card("Weight casts (O1)", str(s.get("weight_casts", 0)), f"{fmt_bytes(s.get('weight_cast_bytes', 0))} per forward"),
+        _card(weight_cast_label(s).capitalize(), str(s.get("weight_casts", 0)), f"{fmt_bytes(s.get('weight_cast_bytes', 0))} per forward"),
         _card("Unmatched ops", str(len(s["unmatched_ops"])), ", ".join(s["unmatched_ops"][:4]) or "every op has a rule",
               warn=bool(s["unmatched_ops"])),
     ]

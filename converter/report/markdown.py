@@ -19,6 +19,7 @@ from converter.report.common import (
     node_reason,
     split_casts,
     tuned_for,
+    weight_cast_label,
 )
 
 __all__ = ["to_markdown", "md_escape"]
@@ -70,7 +71,7 @@ def _summary(report: ReportView) -> list[str]:
         ["by precision", f"bf16 {by.get('bf16', 0)} · fp16 {by.get('fp16', 0)} · fp32 {by.get('fp32', 0)}"],
         ["FLOPs in half", f"{fmt_pct(s['half_flop_fraction'])} of {fmt_flops(s['flops'])}"],
         ["activation casts", f"{s['casts']} ({fmt_bytes(s['cast_bytes'])} per forward)"],
-        ["weight casts (O1)", f"{s.get('weight_casts', 0)} ({fmt_bytes(s.get('weight_cast_bytes', 0))} per forward)"],
+        [weight_cast_label(s), f"{s.get('weight_casts', 0)} ({fmt_bytes(s.get('weight_cast_bytes', 0))} per forward)"],
         ["unmatched ops", md_escape(", ".join(s["unmatched_ops"])) or "none"],
         ["tuned for", tuned_for(report, md_escape)],
     ]), ""]
