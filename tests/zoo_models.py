@@ -41,6 +41,15 @@ _HF = {
                     new_decoder_architecture=True, use_cache=False, hidden_dropout=0.1, attention_dropout=0.1)),
     "gpt2": ("decoder", "GPT2Config", "GPT2LMHeadModel",
              dict(vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=2, n_head=4, use_cache=False)),
+    # soft-capped logits and sliding-window attention; ALiBi; partial rotary
+    "gemma2": ("decoder", "Gemma2Config", "Gemma2ForCausalLM",
+               dict(_DEC, head_dim=16, attn_logit_softcapping=50.0, final_logit_softcapping=30.0, sliding_window=8,
+                    query_pre_attn_scalar=16)),
+    "bloom": ("decoder", "BloomConfig", "BloomForCausalLM",
+              dict(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4, hidden_dropout=0.1, attention_dropout=0.1,
+                   use_cache=False)),
+    "phi": ("decoder", "PhiConfig", "PhiForCausalLM",
+            dict(_DEC, partial_rotary_factor=0.5, resid_pdrop=0.1, embd_pdrop=0.1)),
     # encoders
     "bert": ("encoder", "BertConfig", "BertForSequenceClassification", _ENC),
     "roberta": ("encoder", "RobertaConfig", "RobertaForSequenceClassification", dict(_ENC, pad_token_id=1)),
@@ -72,6 +81,10 @@ _HF = {
     "vit": ("vision", "ViTConfig", "ViTForImageClassification",
             dict(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                  intermediate_size=64, num_labels=4, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)),
+    "segformer": ("vision", "SegformerConfig", "SegformerForSemanticSegmentation",
+                  dict(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32], patch_sizes=[7, 3],
+                       strides=[4, 2], num_attention_heads=[1, 2], mlp_ratios=[2, 2], decoder_hidden_size=32,
+                       num_labels=4, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, drop_path_rate=0.0)),
     # speech
     "wav2vec2": ("speech", "Wav2Vec2Config", "Wav2Vec2ForCTC",
                  dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
@@ -185,12 +198,164 @@ class EinsumBlock(nn.Module):
         return self.head(y)
 
 
+class TopKMoE(nn.Module):
+    """Embedding, a top-2 mixture of 4 SiLU experts written the classic way (routing softmax, each
+    expert's weighted output index_add_-ed into a zeros_like buffer), an LM head."""
+
+    def __init__(self, dim: int = 32, experts: int = 4):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(dim, 2 * dim), nn.SiLU(), nn.Linear(2 * dim, dim))
+                                     for _ in range(experts))
+        self.drop = nn.Dropout(0.1)
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        h = self.norm(x).flatten(0, 1)
+        weights, chosen = self.router(h).softmax(-1).topk(2, dim=-1)
+        out = torch.zeros_like(h)
+        tokens = torch.arange(h.shape[0])
+        for e, expert in enumerate(self.experts):
+            gate = (weights * (chosen == e)).sum(-1, keepdim=True)
+            out.index_add_(0, tokens, (expert(h) * gate).to(h.dtype))
+        return self.head(x + self.drop(out.view_as(x)))
+
+
+class ChainGNN(nn.Module):
+    """Two message-passing layers over a chain graph of the tokens (each token sends to the next),
+    PyG style: a linear message, scatter_add_ per destination into new_zeros, a GRU-free update."""
+
+    def __init__(self, dim: int = 32):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.msg = nn.ModuleList(nn.Linear(dim, dim) for _ in range(2))
+        self.upd = nn.ModuleList(nn.Linear(2 * dim, dim) for _ in range(2))
+        self.norm = nn.LayerNorm(dim)
+        self.drop = nn.Dropout(0.1)
+        self.head = nn.Linear(dim, 8)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids).flatten(0, 1)
+        n = x.shape[0]
+        src = torch.arange(n - 1)
+        dst = src + 1
+        for msg, upd in zip(self.msg, self.upd):
+            m = msg(x)[src]
+            agg = x.new_zeros(x.shape)
+            agg.scatter_add_(0, dst.unsqueeze(-1).expand(-1, x.shape[1]), m)
+            x = self.norm(x + self.drop(F.gelu(upd(torch.cat([x, agg], -1)))))
+        return self.head(x).view(*input_ids.shape, -1)
+
+
+class ConformerBlock(nn.Module):
+    """Conformer: half-step feed-forward, self-attention, a convolution module (pointwise conv, GLU,
+    depthwise conv, BatchNorm, SiLU) and a second half-step feed-forward, on embedded tokens."""
+
+    def __init__(self, dim: int = 32):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.ff1 = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 2 * dim), nn.SiLU(), nn.Dropout(0.1), nn.Linear(2 * dim, dim))
+        self.attn_norm = nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, 4, dropout=0.1, batch_first=True)
+        self.conv_norm = nn.LayerNorm(dim)
+        self.pw1 = nn.Conv1d(dim, 2 * dim, 1)
+        self.dw = nn.Conv1d(dim, dim, 5, padding=2, groups=dim)
+        self.bn = nn.BatchNorm1d(dim)
+        self.pw2 = nn.Conv1d(dim, dim, 1)
+        self.ff2 = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 2 * dim), nn.SiLU(), nn.Dropout(0.1), nn.Linear(2 * dim, dim))
+        self.out_norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, 8)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        x = x + 0.5 * self.ff1(x)
+        h = self.attn_norm(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        c = self.conv_norm(x).transpose(1, 2)
+        c = F.glu(self.pw1(c), dim=1)
+        c = self.pw2(F.silu(self.bn(self.dw(c))))
+        x = x + c.transpose(1, 2)
+        x = x + 0.5 * self.ff2(x)
+        return self.head(self.out_norm(x))
+
+
+class ConvVAE(nn.Module):
+    """A convolutional VAE: encoder to (mu, logvar), the reparameterisation noise in train mode only,
+    a transposed-conv decoder; returns the reconstruction (the KL term is the loss's business)."""
+
+    def __init__(self, latent: int = 8):
+        super().__init__()
+        self.enc = nn.Sequential(nn.Conv2d(3, 16, 3, stride=2, padding=1), nn.BatchNorm2d(16), nn.SiLU(),
+                                 nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.SiLU())
+        self.mu = nn.Conv2d(32, latent, 1)
+        self.logvar = nn.Conv2d(32, latent, 1)
+        self.dec = nn.Sequential(nn.ConvTranspose2d(latent, 32, 4, stride=2, padding=1), nn.SiLU(),
+                                 nn.ConvTranspose2d(32, 3, 4, stride=2, padding=1))
+
+    def forward(self, x):
+        h = self.enc(x)
+        mu, logvar = self.mu(h), self.logvar(h)
+        if self.training:
+            mu = mu + torch.randn_like(mu) * torch.exp(0.5 * logvar)
+        return torch.sigmoid(self.dec(mu))
+
+
+class LoraLlama(nn.Module):
+    """A Llama decoder wrapped by peft's LoRA on q_proj/v_proj (r=4, dropout 0.1), as fine-tuning
+    scripts build it; lora_B is initialised non-zero so that the adapters change the output."""
+
+    def __init__(self):
+        super().__init__()
+        import peft
+        import transformers
+
+        cfg = transformers.LlamaConfig(**_DEC)
+        cfg._attn_implementation = "eager"
+        base = transformers.LlamaForCausalLM(cfg)
+        lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.1)
+        self.model = peft.get_peft_model(base, lora)
+        for name, param in self.model.named_parameters():
+            if "lora_B" in name:
+                nn.init.normal_(param, std=0.02)
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids).logits
+
+
+class UNet2D(nn.Module):
+    """diffusers' UNet2DConditionModel (cross-attention down/up blocks, GroupNorm, timestep
+    embedding), the denoiser of latent diffusion: (latents, timestep, text states) -> noise."""
+
+    def __init__(self):
+        super().__init__()
+        import diffusers
+
+        self.unet = diffusers.UNet2DConditionModel(
+            sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+            cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8, dropout=0.1)
+
+    def forward(self, sample, timestep, encoder_hidden_states):
+        return self.unet(sample=sample, timestep=timestep, encoder_hidden_states=encoder_hidden_states).sample
+
+
 _HAND = {
     "lstm_gru": ("hand", RecurrentTagger),
     "mha": ("hand", MHAEncoder),
     "groupnorm_unet": ("hand", GroupNormUNet),
     "einsum_inplace": ("hand", EinsumBlock),
+    "topk_moe": ("hand", TopKMoE),
+    "chain_gnn": ("hand", ChainGNN),
+    "conformer": ("hand", ConformerBlock),
+    "conv_vae": ("hand", ConvVAE),
+    "lora_llama": ("peft", LoraLlama),
+    "unet2d": ("diffusion", UNet2D),
 }
+#: hand-written models that take images (``x``) rather than token ids
+_IMAGE_HAND = ("groupnorm_unet", "conv_vae")
 
 ZOO = {**{k: v[0] for k, v in _HF.items()}, **{k: v[0] for k, v in _HAND.items()}}
 HF_CLASSES = {k: v[2] for k, v in _HF.items()}
@@ -219,10 +384,12 @@ def build_model(name: str) -> nn.Module:
 def second_size(name: str) -> tuple[int, int]:
     """A second (batch, length) that differs from the example's in both dimensions."""
     family = ZOO[name]
-    if family == "vision" or name == "groupnorm_unet":
-        return 3, 64 if name in ("resnet", "convnext", "groupnorm_unet") else 32
+    if family == "vision" or name in _IMAGE_HAND:
+        return 3, 64 if name in ("resnet", "convnext", "segformer", *_IMAGE_HAND) else 32
     if family == "speech":
         return 3, 1200 if name == "wav2vec2" else 7  # whisper: decoder tokens (the encoder wants 16 frames)
+    if family == "diffusion":
+        return 3, 16  # latent side
     return 3, 7
 
 
@@ -231,7 +398,7 @@ def build_inputs(name: str, *, batch: int = 2, length: int | None = None):
     images or audio; ``length`` is tokens, image side or audio samples / mel frames."""
     g = torch.Generator().manual_seed(1000 + batch * 31 + (length or 0))
     family = ZOO[name]
-    if family == "vision" or name == "groupnorm_unet":
+    if family == "vision" or name in _IMAGE_HAND:
         side = length or 32
         return (), {"pixel_values" if family == "vision" else "x": torch.randn(batch, 3, side, side, generator=g)}
     if name == "wav2vec2":
@@ -240,13 +407,17 @@ def build_inputs(name: str, *, batch: int = 2, length: int | None = None):
         # the encoder wants exactly 2 * max_source_positions = 16 frames; ``length`` is decoder tokens
         return (), {"input_features": torch.randn(batch, 16, 16, generator=g),
                     "decoder_input_ids": torch.randint(2, VOCAB, (batch, length or 5), generator=g)}
+    if family == "diffusion":
+        side = length or 8
+        return (torch.randn(batch, 4, side, side, generator=g), torch.randint(0, 1000, (batch,), generator=g),
+                torch.randn(batch, 5, 32, generator=g)), {}
     t = length or DEFAULT_LENGTH
     ids = torch.randint(2, VOCAB, (batch, t), generator=g)
     if name == "mha":
         pad = torch.zeros(batch, t, dtype=torch.bool)
         pad[0, -3:] = True
         return (ids, pad), {}
-    if family == "hand":
+    if family in ("hand", "peft"):
         return (ids,), {}
     kwargs = {"input_ids": ids}
     if family in ("encoder", "seq2seq"):
