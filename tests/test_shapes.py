@@ -289,3 +289,66 @@ def test_packed_sequences_are_left_to_torch():
     # the padded call goes through the stand-in op, which runs aten.lstm below autograd (another kernel)
     diff = (padded - lstm(x)[0]).abs().max().item()
     assert diff < 1e-5, diff
+
+
+# ---------------------------------------------------------------------------------------------
+# honest dynamic dims: a dim that a guard in the model's code pins is not reported dynamic
+
+
+class _PatchPositions(torch.nn.Module):
+    """The number of 4x4 patches picks a code path (a position table for the example's patch
+    count), as ViT-style position embeddings do: torch.export keeps H and W symbolic but guards
+    their patch count to the example's."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Conv2d(3, 8, 4, stride=4)
+        self.pos = torch.nn.Parameter(torch.zeros(16, 8))
+
+    def forward(self, x):
+        h = self.proj(x).flatten(2).transpose(1, 2)
+        if (x.shape[-2] // 4) * (x.shape[-1] // 4) == self.pos.shape[0]:
+            h = h + self.pos
+        return h
+
+
+def test_a_pinned_dim_is_not_reported_dynamic_and_the_guard_line_is_named():
+    import inspect
+
+    model = _PatchPositions()
+    conv = converter.convert(model, (torch.randn(2, 3, 16, 16),), tracer="export")
+    extra = conv.report.extra
+    assert extra["dynamic_dims"] == {"x": [0]}, (extra["dynamic_dims"], extra["narrowed_dims"])
+    line = inspect.getsourcelines(_PatchPositions.forward)[1] + 2
+    narrowed = extra["narrowed_dims"]["x"]
+    assert sorted(narrowed) == [2, 3] and all(f"test_shapes.py:{line} in forward" in w for w in narrowed.values()), narrowed
+    with torch.no_grad():
+        conv.module(torch.randn(3, 3, 16, 16))  # the batch is served
+        with pytest.raises(Exception, match="Guard failed"):  # the image size is not, as the report says
+            conv.module(torch.randn(2, 3, 24, 24))
+    md = conv.report.to_markdown()
+    assert "x dim 2, 3: guard" in md and f"test_shapes.py:{line}" in md, md[:1000]
+
+
+@pytest.mark.parametrize("family", ["dinov2", "mobilevit"])
+def test_vision_models_report_only_the_image_dims_they_serve(family):
+    transformers = pytest.importorskip("transformers")
+    cfg, cls, where = {
+        "dinov2": (lambda: transformers.Dinov2Config(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=1,
+                                                     num_attention_heads=4, intermediate_size=64),
+                   "Dinov2Model", "in interpolate_pos_encoding"),
+        "mobilevit": (lambda: transformers.MobileViTConfig(image_size=32, patch_size=2, hidden_sizes=[16, 24, 32],
+                                                           neck_hidden_sizes=[8, 8, 16, 16, 24, 24, 32], num_labels=4),
+                      "MobileViTForImageClassification", "in unfolding"),
+    }[family]
+    torch.manual_seed(0)
+    model = getattr(transformers, cls)(cfg()).eval()
+    conv = converter.convert(model, ((), {"pixel_values": torch.randn(2, 3, 32, 32)}))
+    extra = conv.report.extra
+    assert extra["dynamic_dims"] == {"pixel_values": [0]}, (extra["dynamic_dims"], extra["narrowed_dims"])
+    narrowed = extra["narrowed_dims"]["pixel_values"]
+    assert sorted(narrowed) == [2, 3] and all(f"modeling_{family}.py:" in w and where in w for w in narrowed.values()), narrowed
+    with torch.no_grad():
+        conv.module(pixel_values=torch.randn(3, 3, 32, 32))  # the batch is served
+        with pytest.raises(Exception, match="Guard failed"):  # the image size is not, as the report says
+            conv.module(pixel_values=torch.randn(2, 3, 48, 48))

@@ -414,7 +414,7 @@ def _capture_message(exc, model_name: str, model_file: str, tracer: str) -> str:
 def _convert(ns, ui: _UI, mf, precision: str, rules, *, calibration=None, calibration_options=None, measure=True):
     from converter.api import SlowHalfWarning, convert
     from converter.passes.capture import CaptureError
-    from converter.report.common import frozen_mode
+    from converter.report.common import frozen_mode, narrowed_text
 
     with ui.status(f"Converting {mf.name} to {precision}…"), warnings.catch_warnings():
         warnings.simplefilter("ignore", SlowHalfWarning)  # said once below, from the report
@@ -432,6 +432,9 @@ def _convert(ns, ui: _UI, mf, precision: str, rules, *, calibration=None, calibr
                 "--strict-modes makes this an error")
     if conv.report.extra.get("device_advice"):
         ui.warn(conv.report.extra["device_advice"])
+    narrowed = narrowed_text(conv.report.extra.get("narrowed_dims") or {})
+    if narrowed:
+        ui.warn(f"{mf.name}: {narrowed}")
     if measure and not getattr(ns, "no_measure", False):
         from converter.numerics.measure import measure as _measure
 

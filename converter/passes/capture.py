@@ -80,6 +80,7 @@ from converter.ir.graphmodule import new_graph_module
 from converter.ir.meta import META_INFO, META_SOURCE, META_VALUE, NodeInfo, TensorSpec
 from converter.ir.ops import CAST_OPS, NORM_OPS, canonical_op, explicit_dtype, is_inplace
 from converter.ir.state import preserved_state
+from converter.passes.guards import narrowed_dims
 from converter.passes.modes import is_random, make_mode_aware, random_ops
 from converter.passes.recurrent import RecurrentOps, restore_aten_ops
 from converter.passes.regions import inline_regions
@@ -131,6 +132,8 @@ class Captured:
     dynamic_dims: dict = field(default_factory=dict)
     #: how the dims were chosen, or why they are static
     shapes_note: str = ""
+    #: input name -> {dim: why} for dims a guard in the model's code narrows (not in ``dynamic_dims``)
+    narrowed_dims: dict = field(default_factory=dict)
     #: whether train()/eval() work on the captured graph, and why not if they do not
     modes: str = ""
     #: the graph of the model in eval mode, when it branches on self.training (``gm`` is then the train graph)
@@ -259,10 +262,12 @@ def _trace_export(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Sh
         if "val" in node.meta:
             node.meta[META_VALUE] = _spec_of(node.meta["val"])
     shapes.dims = {}
-    for node, name in zip(_placeholders(gm), _input_names(gm, model, args, kwargs)):
-        val = node.meta.get("val")
+    named = list(zip(_input_names(gm, model, args, kwargs), (n.meta.get("val") for n in _placeholders(gm))))
+    # dims a recorded guard pins to a few sizes are not served: the converted module would refuse others
+    shapes.narrowed = narrowed_dims(named)
+    for name, val in named:
         if isinstance(val, torch.Tensor):
-            dims = [i for i, s in enumerate(val.shape) if not is_concrete_int(s)]
+            dims = [i for i, s in enumerate(val.shape) if not is_concrete_int(s) and i not in shapes.narrowed.get(name, {})]
             if dims:
                 shapes.dims[name] = dims
     return gm
@@ -312,6 +317,8 @@ class _Shapes:
     dynamic: bool = True
     user_spec: Any = None
     dims: dict = field(default_factory=dict)
+    #: input name -> {dim: why}: dims the graph keeps symbolic but a guard of the model narrows (not in ``dims``)
+    narrowed: dict = field(default_factory=dict)
     note: str = ""
     #: why every-dim-dynamic export was stopped (SizesTooComplex), kept for a second trace of the model
     too_complex: Any = None
@@ -560,7 +567,8 @@ def capture(
     if eval_gm is not None:
         annotate(eval_gm, root_type=type(model).__name__)
     return Captured(gm=gm, tracer=used, args=args, kwargs=kwargs, errors=errors,
-                    dynamic_dims=shapes.dims, shapes_note=shapes.note, modes=modes, eval_gm=eval_gm)
+                    dynamic_dims=shapes.dims, shapes_note=shapes.note, modes=modes, eval_gm=eval_gm,
+                    narrowed_dims=shapes.narrowed)
 
 
 def _capture_one(name: str, model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Shapes) -> tuple:

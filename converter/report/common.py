@@ -18,7 +18,7 @@ __all__ = [
     "ReportView", "COLORS", "ORDER", "precision_class", "half_count", "fmt_bytes", "fmt_flops", "fmt_db", "db_sort_key",
     "fmt_pct", "fmt_err", "fmt_ratio", "short_rule", "node_reason", "tuned_for", "calibration_rows", "module_groups",
     "module_bytes", "split_casts", "fp32_math_facts", "FP32_MATH_NOTE", "frozen_mode",
-    "header_warnings", "weight_cast_label",
+    "header_warnings", "weight_cast_label", "narrowed_text",
 ]
 
 #: precision -> colour, shared by the HTML strip, the plots and the badges
@@ -154,7 +154,24 @@ def header_warnings(report: ReportView) -> list[tuple[str, str]]:
     advice = report.extra.get("device_advice")
     if advice:
         out.append(("speed", advice))
+    narrowed = narrowed_text(report.extra.get("narrowed_dims") or {})
+    if narrowed:
+        out.append(("input sizes", narrowed))
     return out
+
+
+def narrowed_text(narrowed: dict) -> str:
+    """One line on the input dims a guard in the model's code pins (converter.passes.guards)."""
+    parts = []
+    for name, dims in narrowed.items():
+        reasons: dict[str, list[str]] = {}
+        for dim, why in sorted(dims.items(), key=lambda kv: int(kv[0])):
+            reasons.setdefault(why, []).append(str(dim))
+        parts += [f"{name} dim {', '.join(d)}: {why}" for why, d in reasons.items()]
+    if not parts:
+        return ""
+    return ("the converted model serves only the example's size (or the range named) of "
+            + "; ".join(parts) + ": a guard in the model's code pins them")
 
 
 def calibration_rows(report: ReportView) -> tuple[list[tuple[str, str]], list[dict]]:
