@@ -73,7 +73,10 @@ def narrowed_dims(named_values: list[tuple[str, Any]]) -> dict[str, dict[int, st
     def readable(expr: Any) -> str:
         return str(expr.xreplace({sym: sympy.Symbol(text) for sym, text in label.items()}))
 
-    hints = {sym: sympy.Integer(int(val)) for sym, val in getattr(shape_env, "var_to_val", {}).items()}
+    examples = getattr(shape_env, "backed_var_to_val", None)
+    if examples is None:  # torch before backed_var_to_val
+        examples = getattr(shape_env, "var_to_val", {})
+    hints = {sym: sympy.Integer(int(val)) for sym, val in examples.items()}
     out: dict[str, dict[int, str]] = {}
     for guard in getattr(shape_env, "guards", ()):
         expr = guard.expr.xreplace(replacements) if replacements else guard.expr
