@@ -303,6 +303,23 @@ class ConvVAE(nn.Module):
         return torch.sigmoid(self.dec(mu))
 
 
+class TiedLM(nn.Module):
+    """A GRU language model whose output layer shares the embedding matrix (``head.weight is embed.weight``)."""
+
+    def __init__(self, dim: int = 32):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.gru = nn.GRU(dim, dim, batch_first=True)
+        self.drop = nn.Dropout(0.1)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, input_ids):
+        x, _ = self.gru(self.drop(self.embed(input_ids)))
+        return self.head(self.norm(x))
+
+
 class LoraLlama(nn.Module):
     """A Llama decoder wrapped by peft's LoRA on q_proj/v_proj (r=4, dropout 0.1), as fine-tuning
     scripts build it; lora_B is initialised non-zero so that the adapters change the output."""
@@ -351,6 +368,7 @@ _HAND = {
     "chain_gnn": ("hand", ChainGNN),
     "conformer": ("hand", ConformerBlock),
     "conv_vae": ("hand", ConvVAE),
+    "tied_lm": ("hand", TiedLM),
     "lora_llama": ("peft", LoraLlama),
     "unet2d": ("diffusion", UNet2D),
 }

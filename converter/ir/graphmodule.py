@@ -170,13 +170,42 @@ def _dispatching_forward(train_forward):
 def _keep_non_persistent(root: torch.nn.Module, module: torch.nn.Module) -> None:
     """GraphModule registers every copied buffer as persistent; keep the ones ``root`` did not save
     (HF Swin's ``relative_position_index``, a model's ``register_buffer(..., persistent=False)``) out
-    of ``state_dict`` as they were. Every GraphModule built here from another module goes through it."""
+    of ``state_dict`` as they were. Every GraphModule built here from another module goes through it,
+    and through :func:`_keep_tied_names`."""
     for path, sub in module.named_modules():
         try:
             original = root.get_submodule(path) if path else root
         except AttributeError:
             continue
         sub._non_persistent_buffers_set |= set(getattr(original, "_non_persistent_buffers_set", ())) & set(sub._buffers)
+    _keep_tied_names(root, module)
+
+
+def _keep_tied_names(root: torch.nn.Module, module: torch.nn.Module) -> None:
+    """Every name ``root`` gives a tied tensor (``head.weight is emb.weight``) stays a name of it.
+
+    A GraphModule copies only the attributes its graph reads, under the one name the tracer used, so
+    ``emb.weight`` vanished from ``state_dict`` and the converted module no longer loaded strictly
+    into the original class. Each missing alias is registered again on the same Parameter or buffer
+    (in an empty container module where the path does not exist)."""
+    have = {id(t): t for _n, t in module.named_parameters(remove_duplicate=False)}
+    have.update({id(t): t for _n, t in module.named_buffers(remove_duplicate=False)})
+    for kind, members in (("parameter", root.named_parameters(remove_duplicate=False)),
+                          ("buffer", root.named_buffers(remove_duplicate=False))):
+        for name, tensor in members:
+            if id(tensor) not in have or _has_path(module, name):
+                continue
+            *path, leaf = name.split(".")
+            owner = module
+            for part in path:
+                if not hasattr(owner, part):
+                    owner.add_module(part, torch.nn.Module())
+                owner = getattr(owner, part)
+            if kind == "parameter":
+                owner.register_parameter(leaf, tensor)
+            else:
+                original = root.get_submodule(".".join(path)) if path else root
+                owner.register_buffer(leaf, tensor, persistent=leaf not in original._non_persistent_buffers_set)
 
 
 def _has_path(module: torch.nn.Module, target: str) -> bool:
