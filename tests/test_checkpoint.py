@@ -336,3 +336,18 @@ def test_hf_gradient_checkpointing_is_kept(tmp_path):
     assert torch.equal(out, lout)
     for name in grads:
         assert torch.equal(grads[name], lgrads[name]), name
+
+
+def test_deepcopy_keeps_the_checkpoints(converted):
+    """The code generator is the graph's own class with regions mixed in: a copy regenerates the same code
+    (an export graph's copy needs isinstance(_PyTreeCodeGen) for its input spec)."""
+    import copy
+
+    _, _, conv, _ = converted
+    twin = copy.deepcopy(conv.module)
+    assert count_checkpoint_calls(twin.code) == LAYERS
+    x = _x()
+    out, grads = _grads(conv.module, x, seed=11)
+    tout, tgrads = _grads(twin, x, seed=11)
+    assert torch.equal(out, tout)
+    assert all(torch.equal(grads[n], tgrads[n]) for n in grads)

@@ -49,11 +49,11 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.fx
 import torch.utils.checkpoint as _ckpt
-from torch.fx.graph import CodeGen, PythonCode
+from torch.fx.graph import CodeGen, PythonCode, _PyTreeCodeGen
 
 from converter.ir.meta import META_CAST, META_CHECKPOINT, META_INFO, CheckpointTag
 
-__all__ = ["CheckpointMarks", "active_tag", "tag_export_graph", "checkpoint_regions", "CheckpointCodeGen",
+__all__ = ["CheckpointMarks", "active_tag", "tag_export_graph", "checkpoint_regions", "CheckpointCodeGen", "CheckpointPyTreeCodeGen",
            "Region", "find_regions", "with_checkpoints", "count_checkpoint_calls", "regions_in"]
 
 #: the ``torch.fx.traceback.annotate`` key export records a region id under
@@ -289,46 +289,18 @@ def _split(graph: torch.fx.Graph, regions: list[Region], namespace) -> tuple[tor
     return outer, parts
 
 
-class CheckpointCodeGen(CodeGen):
+class _CheckpointRegions:
     """Code generation that runs each checkpoint region as a nested function under checkpoint.
 
-    Wraps the graph's own code generator (plain, torch.export's pytree one, or model.py's) and
-    forwards everything else to it."""
-
-    def __init__(self, inner: CodeGen):
-        super().__init__()
-        self.__dict__["_inner"] = inner
-
-    def __getattr__(self, name: str) -> Any:
-        inner = self.__dict__.get("_inner")
-        if inner is None:
-            raise AttributeError(name)
-        return getattr(inner, name)
-
-    @property
-    def inner(self) -> CodeGen:
-        return self.__dict__["_inner"]
-
-    def gen_fn_def(self, *args, **kwargs):  # noqa: D102 - the wrapped generator's
-        return self.inner.gen_fn_def(*args, **kwargs)
-
-    def generate_output(self, *args, **kwargs):  # noqa: D102
-        return self.inner.generate_output(*args, **kwargs)
-
-    def process_inputs(self, *args):  # noqa: D102
-        return self.inner.process_inputs(*args)
-
-    def process_outputs(self, *args):  # noqa: D102
-        return self.inner.process_outputs(*args)
-
-    def additional_globals(self):  # noqa: D102
-        return self.inner.additional_globals()
+    Mixed into the graph's own code generator class (plain, torch.export's pytree one, or
+    model.py's) by :func:`with_checkpoints`, so that everything else, ``isinstance`` checks
+    included (GraphModule sets ``_in_spec`` only for a ``_PyTreeCodeGen``), stays the same."""
 
     def _gen_python_code(self, nodes, root_module: str, namespace, **kwargs) -> PythonCode:
         graph = nodes.graph
         regions, _ = find_regions(graph)
         if not regions:
-            return self.inner._gen_python_code(nodes, root_module, namespace, **kwargs)
+            return super()._gen_python_code(nodes, root_module, namespace, **kwargs)
         outer, parts = _split(graph, regions, namespace)
 
         def node_repr(n: torch.fx.Node) -> str:
@@ -337,8 +309,8 @@ class CheckpointCodeGen(CodeGen):
         for g in (outer, *(p[2] for p in parts)):
             for n in g.nodes:
                 n._repr_fn = node_repr
-        outer._codegen = self.inner
-        code = self.inner._gen_python_code(outer.nodes, root_module, namespace, **kwargs)
+        outer._codegen = self
+        code = super()._gen_python_code(outer.nodes, root_module, namespace, **kwargs)
         for _, _, inner in parts:  # a region's parameters take their unique names (no `x_1 = x` line)
             for n in inner.nodes:
                 if n.op == "placeholder":
@@ -367,9 +339,28 @@ def _insert_before(src: str, call_name: str, function: str) -> str:
     raise RuntimeError(f"internal error: checkpoint call {call_name!r} not found in the generated code")
 
 
+class CheckpointCodeGen(_CheckpointRegions, CodeGen):
+    """FX's plain code generator, with checkpoint regions."""
+
+
+class CheckpointPyTreeCodeGen(_CheckpointRegions, _PyTreeCodeGen):
+    """torch.export's pytree code generator, with checkpoint regions."""
+
+
+_WITH_REGIONS: dict[type, type] = {CodeGen: CheckpointCodeGen, _PyTreeCodeGen: CheckpointPyTreeCodeGen}
+
+
 def with_checkpoints(codegen: CodeGen) -> CodeGen:
-    """``codegen`` wrapped in :class:`CheckpointCodeGen` (once); a graph without regions generates as before."""
-    return codegen if isinstance(codegen, CheckpointCodeGen) else CheckpointCodeGen(codegen)
+    """``codegen`` (its state kept) with checkpoint regions; a graph without regions generates as before."""
+    if isinstance(codegen, _CheckpointRegions):
+        return codegen
+    base = type(codegen)
+    cls = _WITH_REGIONS.get(base)
+    if cls is None:  # model.py's generator: a class made here (never pickled: it lives on a throwaway graph)
+        cls = _WITH_REGIONS[base] = type(f"Checkpoint{base.__name__}", (_CheckpointRegions, base), {})
+    new = cls.__new__(cls)
+    new.__dict__.update(codegen.__dict__)
+    return new
 
 
 def count_checkpoint_calls(source: str) -> int:
