@@ -36,6 +36,7 @@ from converter.numerics.device import half_speed_advice
 from converter.numerics.options import CalibrationOptions
 from converter.numerics.redecide import PlaceSettings
 from converter.passes.capture import Captured, capture
+from converter.passes.checkpoint import checkpoint_regions, regions_in
 from converter.passes.decide import decide
 from converter.passes.fp32_math import DEFAULT_FP32_MATH, fp32_math
 from converter.passes.lower import lower
@@ -77,8 +78,9 @@ class Fp16OverflowError(MpconvertError, ValueError):
         self.node = node
 
 
-class SlowHalfWarning(UserWarning):
-    """The chosen half dtype has no fast math on the device the model will train on (measured)."""
+class SlowHalfWarning(MpconvertError, UserWarning):
+    """The chosen half dtype has no fast math on the device the model will train on (measured; a warning,
+    derived from :class:`MpconvertError` like every mpconvert exception class)."""
 
 
 class FrozenModeError(MpconvertError, ValueError):
@@ -292,6 +294,8 @@ def _convert_graph(gm: torch.fx.GraphModule, done: list[str], rule_set: Rules, *
     math_setting = rule_set.setting("fp32_math", DEFAULT_FP32_MATH)
     regions = _run_stage("fp32_math", done, fp32_math, gm, setting=math_setting)
     gm.meta[GM_GRAPH].extra.update(fp32_math=math_setting, fp32_math_regions=regions)
+    # torch.utils.checkpoint regions run under checkpoint in the generated code (conv.module, model.py)
+    gm.meta[GM_GRAPH].extra.update(checkpoint=_run_stage("checkpoint", done, checkpoint_regions, gm))
 
 
 def _two_modes(model: torch.nn.Module, train_gm: torch.fx.GraphModule, eval_gm: torch.fx.GraphModule) -> TwoModeGraphModule:
@@ -323,6 +327,14 @@ def _library_ops(gm: torch.fx.GraphModule) -> list[dict]:
     return list(found.values())
 
 
+def _checkpoint_extra(gm: torch.fx.GraphModule) -> dict:
+    """report.extra["checkpoint"]: the torch.utils.checkpoint regions kept (train graph; the eval graph's too)."""
+    found = dict(gm.meta[GM_GRAPH].extra.get("checkpoint") or {"regions": [], "count": 0, "notes": []})
+    if isinstance(gm, TwoModeGraphModule):
+        found["eval_count"] = sum(1 for _ in regions_in(gm.eval_graph))
+    return found
+
+
 def _report(captured: Captured, rule_set: Rules, target: str, timings: dict, *, opt_level: str, device) -> Report:
     gm = captured.gm
     return build_report(gm, precision=target, tracer=captured.tracer, rules=rule_set.to_dict(),
@@ -331,6 +343,7 @@ def _report(captured: Captured, rule_set: Rules, target: str, timings: dict, *, 
                                "dynamic_dims": captured.dynamic_dims, "shapes": captured.shapes_note,
                                "narrowed_dims": captured.narrowed_dims,
                                "modes": captured.modes, "library_ops": _library_ops(gm),
+                               "checkpoint": _checkpoint_extra(gm),
                                "simplified": fold_counts(gm.meta[GM_GRAPH].extra.get("simplified", ()))})
 
 

@@ -50,6 +50,7 @@ from converter.export.source_text import (
 )
 from converter.ir.graphmodule import TwoModeGraphModule
 from converter.ir.meta import GM_PARAM_DTYPES, META_CAST, META_DECISION, META_INFO
+from converter.passes.checkpoint import with_checkpoints
 from converter.passes.fp32_math import RUNTIME_HELPERS, runtime_source
 
 __all__ = ["ModelSource", "generate_model_source", "WEIGHTS_FILE"]
@@ -370,6 +371,7 @@ def _forward_source(gm: torch.fx.GraphModule, prepared: _Graph, original: Option
     else:
         graph._codegen = _EmitCodeGen(None, [], None)
         io_note = "The forward takes the same arguments as the original model's forward and returns the same structure."
+    graph._codegen = with_checkpoints(graph._codegen)  # checkpoint regions as nested functions (passes.checkpoint)
     python = graph.python_code(root_module="self")
     body = python.src[python.src.index("def forward("):]  # drop FX's `wrap(...)` statements before it
     _check_defaults(body)
@@ -481,10 +483,10 @@ def _annotate_lines(src: str, gm_nodes: dict[str, torch.fx.Node], roots: Iterabl
     """Add a module comment before each group of lines and the precision after each op line."""
     out: list[str] = []
     current: Optional[str] = None
-    line_re = re.compile(r"^    (\w+)(?:\s*:[^=]*)? = ")
+    line_re = re.compile(r"^( {4,})(\w+)(?:\s*:[^=]*)? = ")  # deeper: inside a checkpoint region's function
     for line in src.splitlines():
         m = line_re.match(line)
-        node = gm_nodes.get(m.group(1)) if m else None
+        node = gm_nodes.get(m.group(2)) if m else None
         info = node.meta.get(META_INFO) if node is not None else None
         if node is None or info is None or node.op in ("placeholder", "output") or (node.op == "get_attr" and not info.module):
             out.append(line)
@@ -495,7 +497,7 @@ def _annotate_lines(src: str, gm_nodes: dict[str, torch.fx.Node], roots: Iterabl
         if module != current:
             kind = info.module_type or _class_name(roots, module)
             label = f"{module} ({kind})" if module else f"(top level: {kind})"
-            out.append(f"    # --- {comment_text(label)}")
+            out.append(f"{m.group(1)}# --- {comment_text(label)}")
             current = module
         if cast is not None and cast.inserted:
             line += f"  # cast to {comment_text(cast.dtype)}"

@@ -49,6 +49,7 @@ __all__ = [
     "META_MATH",
     "META_REGION",
     "META_MODE_FLAG",
+    "META_CHECKPOINT",
     "GM_GRAPH",
     "GM_PARAM_DTYPES",
     "GM_PARAM_STORAGE",
@@ -66,6 +67,7 @@ __all__ = [
     "Decision",
     "CastRecord",
     "MathRecord",
+    "CheckpointTag",
     "GraphMeta",
     "BUILTIN",
     "dtype_of",
@@ -107,12 +109,13 @@ META_TRAINER = "mp_trainer"
 META_MATH = "mp_math"
 META_REGION = "mp_region"
 META_MODE_FLAG = "mp_mode_flag"
+META_CHECKPOINT = "mp_checkpoint"
 GM_GRAPH = "mp_graph"
 GM_PARAM_DTYPES = "mp_param_dtypes"
 GM_PARAM_STORAGE = "mp_param_storage"
 GM_CALIBRATION = "mp_calibration"
 #: keys torch itself writes, which the stages only read
-TORCH_META_KEYS = ("val", "stack_trace", "nn_module_stack")
+TORCH_META_KEYS = ("val", "stack_trace", "nn_module_stack", "custom")
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,7 @@ class MetaKey:
     """One entry of the meta contract: where the key lives, what it holds, who writes and reads it.
 
     ``writers`` and ``readers`` name stages (``capture``, ``decide``, ``lower``, ``place``,
-    ``rewrite``, ``simplify``, ``verify``, ``calibrate``, ``search``, ``measure``, ``report``, ``export``,
+    ``rewrite``, ``simplify``, ``checkpoint``, ``verify``, ``calibrate``, ``search``, ``measure``, ``report``, ``export``,
     ``train``, ``api``, ``cli``, ``ir``); ``tests/test_ir_contract.py`` checks them against the code.
     """
 
@@ -135,12 +138,13 @@ class MetaKey:
 CONTRACT: tuple[MetaKey, ...] = (
     MetaKey(META_INFO, "node", "NodeInfo", ("capture", "lower", "rewrite"),
             ("ir", "decide", "place", "calibrate", "search", "measure", "fp32_math", "report", "export", "train", "api",
-             "verify", "simplify"),
+             "verify", "simplify", "checkpoint"),
             "what capture learned: op, module, kind, outputs (lower and rewrite describe the nodes they make)"),
     MetaKey(META_DECISION, "node", "Decision", ("decide", "lower", "place", "calibrate"),
             ("rewrite", "fp32_math", "search", "measure", "report", "export", "api", "verify"),
             "the node's precision and its provenance; later stages amend it with Decision.noted"),
-    MetaKey(META_CAST, "node", "CastRecord", ("rewrite",), ("measure", "report", "export", "train", "api", "simplify"),
+    MetaKey(META_CAST, "node", "CastRecord", ("rewrite",),
+            ("measure", "report", "export", "train", "api", "simplify", "checkpoint"),
             "on every cast node: what it converts and which rule made it necessary"),
     MetaKey(META_VALUE, "node", "TensorSpec | tuple | torch.dtype | str", ("capture", "lower", "rewrite"),
             ("ir", "decide", "place", "calibrate", "report", "export", "simplify"),
@@ -159,10 +163,14 @@ CONTRACT: tuple[MetaKey, ...] = (
             "the no_grad/autocast regions (outermost first) capture inlined the node from; casts are not shared across"),
     MetaKey(META_MODE_FLAG, "node", "bool", ("modes",), ("lower",),
             "marks the node reading self.training (or p * self.training) that capture put in a mode-dependent op"),
+    MetaKey(META_CHECKPOINT, "node", "CheckpointTag", ("capture", "regions", "rewrite", "lower", "fp32_math"),
+            ("checkpoint", "rewrite", "fp32_math"),
+            "the torch.utils.checkpoint region the node ran in; casts take their consumer's; code generation "
+            "runs each region under checkpoint (converter.passes.checkpoint)"),
     MetaKey(GM_GRAPH, "graph", "GraphMeta", ("api",), ("report",),
             "graph-level facts: tracer, precision, capture errors, rule files; in extra: lower's list, "
             "the fp32_math setting and region count"),
-    MetaKey(GM_PARAM_DTYPES, "graph", "dict[str, torch.dtype]", ("rewrite", "api"), ("report", "export", "train", "api"),
+    MetaKey(GM_PARAM_DTYPES, "graph", "dict[str, torch.dtype]", ("rewrite", "api"), ("report", "export", "train", "api", "lightning"),
             "fqn -> the dtype each parameter may be stored in (O2); the emitted model.py sets it too"),
     MetaKey(GM_PARAM_STORAGE, "graph", "dict[str, str]", ("rewrite",), ("report",),
             "fqn -> why O2 keeps a parameter that the graph casts to half in fp32 storage"),
@@ -187,6 +195,16 @@ def name_of(dtype: torch.dtype) -> str:
 
 def itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class CheckpointTag:
+    """The ``torch.utils.checkpoint`` call a node ran inside (``node.meta["mp_checkpoint"]``)."""
+
+    region: int
+    preserve_rng_state: bool = True
+    #: the model called it with use_reentrant=True (kept as a non-reentrant checkpoint)
+    reentrant: bool = False
 
 
 @dataclass(frozen=True)

@@ -77,9 +77,10 @@ from torch.overrides import TorchFunctionMode
 
 from converter.ir.errors import MpconvertError
 from converter.ir.graphmodule import new_graph_module
-from converter.ir.meta import META_INFO, META_SOURCE, META_VALUE, NodeInfo, TensorSpec
+from converter.ir.meta import META_CHECKPOINT, META_INFO, META_SOURCE, META_VALUE, NodeInfo, TensorSpec
 from converter.ir.ops import CAST_OPS, NORM_OPS, canonical_op, explicit_dtype, is_inplace
 from converter.ir.state import preserved_state
+from converter.passes.checkpoint import CheckpointMarks, active_tag, tag_export_graph
 from converter.passes.guards import narrowed_dims
 from converter.passes.modes import is_random, make_mode_aware, random_ops
 from converter.passes.recurrent import RecurrentOps, restore_aten_ops
@@ -203,6 +204,9 @@ class _Tracer(torch.fx.Tracer):
         where = _user_location(sys._getframe(1))
         if where and hasattr(proxy, "node"):
             proxy.node.meta[META_SOURCE] = where
+        tag = active_tag()  # inside a torch.utils.checkpoint call (converter.passes.checkpoint)
+        if tag is not None and hasattr(proxy, "node"):
+            proxy.node.meta[META_CHECKPOINT] = tag
         return proxy
 
 
@@ -236,7 +240,7 @@ def _user_location(frame) -> str:
 
 def _trace_fx(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Shapes) -> torch.fx.GraphModule:
     tracer = _Tracer()
-    with _EagerRandom():
+    with _EagerRandom(), CheckpointMarks():
         graph = tracer.trace(model)
     gm = new_graph_module(tracer.root, graph, type(model).__name__)
     shapes.dims = {
@@ -256,6 +260,7 @@ def _trace_export(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Sh
     for name in ("train", "eval"):
         if name in vars(gm):
             delattr(gm, name)
+    tag_export_graph(gm)  # checkpoint regions (before inlining: the inlined nodes keep their tags)
     inline_regions(gm)
     _drop_metadata_asserts(gm)
     for node in gm.graph.nodes:
@@ -364,7 +369,7 @@ def _run_export(model: torch.nn.Module, args: tuple, kwargs: dict, spec: Any, *,
 
     # RecurrentOps: LSTM/GRU/RNN keep their sequence dim dynamic (converter.passes.recurrent)
     with fx_config.patch(backed_size_oblivious=oblivious), RecurrentOps(), \
-            (SizeBudget() if budget else contextlib.nullcontext()):
+            (SizeBudget() if budget else contextlib.nullcontext()), CheckpointMarks(annotate=True):
         ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=spec)
     restore_aten_ops(ep.graph_module)
     return ep

@@ -54,7 +54,7 @@ import torch.fx
 from torch.fx.node import has_side_effect
 
 from converter.ir.graphmodule import pauses_gc
-from converter.ir.meta import META_DECISION, META_INFO, META_MATH, FP32Math, MathRecord
+from converter.ir.meta import META_CHECKPOINT, META_DECISION, META_INFO, META_MATH, FP32Math, MathRecord
 from converter.ir.ops import MATMUL_CONV_OPS, RECURRENT_OPS, known_op_names
 
 __all__ = [
@@ -226,6 +226,8 @@ def _bracket(graph: torch.fx.Graph, region: int, mode: FP32Math, members: list[t
         enter = graph.create_node("call_function", mp_fp32_math_enter, (settings,), name=f"fp32_math_enter_{region}")
     with graph.inserting_after(members[-1]):
         leave = graph.create_node("call_function", mp_fp32_math_exit, (enter,), name=f"fp32_math_exit_{region}")
+    if META_CHECKPOINT in members[0].meta:  # the scope runs inside the checkpoint region too
+        enter.meta[META_CHECKPOINT] = leave.meta[META_CHECKPOINT] = members[0].meta[META_CHECKPOINT]
     for node, scope in ((enter, "enter"), (leave, "exit")):
         node.meta[META_MATH] = MathRecord(mode=mode, enforced=True, reason=f"region {region}: {len(members)} nodes",
                                           region=region, scope=scope)
@@ -243,7 +245,9 @@ def fp32_math(gm: torch.fx.GraphModule, *, setting: FP32Math = DEFAULT_FP32_MATH
         want, why = _want(node, setting)
         if want is None:
             continue  # no fp32 math flag affects it: it may sit inside a run
-        if current is not None and current[0] != want:
+        if current is not None and (current[0] != want or
+                                    current[1][-1].meta.get(META_CHECKPOINT) != node.meta.get(META_CHECKPOINT)):
+            # a run never crosses a checkpoint region's edge: the region is recomputed on its own
             runs.append(current)
             current = None
         region = -1

@@ -48,7 +48,17 @@ import torch
 import torch.fx
 
 from converter.ir.graphmodule import pauses_gc
-from converter.ir.meta import META_DECISION, META_INFO, META_LOWERED, META_MODE_FLAG, META_VALUE, Decision, NodeInfo, TensorSpec
+from converter.ir.meta import (
+    META_CHECKPOINT,
+    META_DECISION,
+    META_INFO,
+    META_LOWERED,
+    META_MODE_FLAG,
+    META_VALUE,
+    Decision,
+    NodeInfo,
+    TensorSpec,
+)
 from converter.ir.ops import canonical_op
 from converter.passes.capture import _classify, _flat_specs, _spec_of
 
@@ -155,6 +165,8 @@ def _lower_attention(gm: torch.fx.GraphModule, node: torch.fx.Node, info: NodeIn
     def emit(op: str, target: Any, *args: Any, **kwargs: Any) -> torch.fx.Node:
         with graph.inserting_before(node):
             created = graph.create_node(op, target, args, kwargs, name=f"{node.name}_{getattr(target, '__name__', target)}")
+        if META_CHECKPOINT in node.meta:  # inside a checkpoint region (converter.passes.checkpoint)
+            created.meta[META_CHECKPOINT] = node.meta[META_CHECKPOINT]
         new.append(created)
         return created
 

@@ -31,7 +31,7 @@ from typing import Any, Optional
 import torch
 import torch.fx
 
-from converter.ir.meta import META_REGION
+from converter.ir.meta import META_CHECKPOINT, META_REGION
 
 __all__ = ["inline_regions", "REGION_OPS"]
 
@@ -81,10 +81,12 @@ def _inline_one(gm: torch.fx.GraphModule, node: torch.fx.Node, *, region_id: int
     inline_regions(sub)  # nested regions first
     graph = gm.graph
     tag = (f"{'grad' if node.target is _GRAD else 'autocast'}{region_id}",)
+    first = node.prev
     with graph.inserting_before(node):
         enter, leave = _bracket(graph, node, bracket)
         outputs = _copy_body(gm, sub, operands, str(sub_node.target), tag)
         leave()
+    _keep_checkpoint(first, node)
     for user in list(node.users):
         user.replace_all_uses_with(outputs[user.args[1]])
         graph.erase_node(user)
@@ -94,6 +96,20 @@ def _inline_one(gm: torch.fx.GraphModule, node: torch.fx.Node, *, region_id: int
         if not any(n.op == "get_attr" and n.target == sub_node.target for n in graph.nodes):
             delattr(gm, str(sub_node.target))
     return True
+
+
+def _keep_checkpoint(first: torch.fx.Node, end: torch.fx.Node) -> None:
+    """A region inside a torch.utils.checkpoint call stays inside it, brackets included
+    (:mod:`converter.passes.checkpoint`): the new nodes after ``first`` take the call's tag."""
+    made = []
+    new = first.next
+    while new is not end:
+        made.append(new)
+        new = new.next
+    tag = end.meta.get(META_CHECKPOINT) or next((n.meta[META_CHECKPOINT] for n in made if META_CHECKPOINT in n.meta), None)
+    if tag is not None:
+        for n in made:
+            n.meta.setdefault(META_CHECKPOINT, tag)
 
 
 def _bracket(graph: torch.fx.Graph, node: torch.fx.Node, bracket: tuple):

@@ -6,7 +6,8 @@
   (weights and running statistics stay fp32).
 * A cast is not shared between consumers inside and outside a ``no_grad``/autocast region that
   capture inlined (``meta["mp_region"]``): made under ``no_grad``, it would cut the gradient of
-  the consumers outside.
+  the consumers outside; nor across a checkpoint region's edge (``meta["mp_checkpoint"]``): a
+  checkpointed consumer's cast runs, and is recomputed, inside the region.
 * Casts the model already performs (``x.float()``, ``softmax(..., dtype=)``) are respected; a
   dtype computed at run time (``x.to(y.dtype)``) is folded to the dtype observed in fp32.
 * Parameters stay fp32 and are cast in the graph (O1); ``gm.meta["mp_param_dtypes"]`` records the
@@ -38,6 +39,7 @@ from converter.ir.meta import (
     GM_PARAM_DTYPES,
     GM_PARAM_STORAGE,
     META_CAST,
+    META_CHECKPOINT,
     META_DECISION,
     META_INFO,
     META_REGION,
@@ -100,7 +102,10 @@ def rewrite(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, check: Opti
 
     def get_cast(src: torch.fx.Node, dtype: torch.dtype, consumer: torch.fx.Node, rule: RuleRef, reason: str) -> torch.fx.Node:
         region = consumer.meta.get(META_REGION, ())
-        key = (src, dtype, region)  # never share a cast across a no_grad region's edge (see passes.regions)
+        checkpoint = consumer.meta.get(META_CHECKPOINT)
+        # never share a cast across a no_grad region's edge (see passes.regions) nor a checkpoint's:
+        # a cast for a checkpointed consumer runs inside the region (passes.checkpoint)
+        key = (src, dtype, region, checkpoint)
         if key in casts:
             cast = casts[key]
             rec: CastRecord = cast.meta[META_CAST]
@@ -116,6 +121,8 @@ def rewrite(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, check: Opti
         cast.args = (src, dtype)
         if region:
             cast.meta[META_REGION] = region
+        if checkpoint is not None:
+            cast.meta[META_CHECKPOINT] = checkpoint
         out = TensorSpec(spec.shape, dtype)
         cast.meta[META_VALUE] = out
         cast.meta[META_INFO] = NodeInfo(op="to", module=consumer.meta.get(META_INFO, NodeInfo("")).module, kind="cast", outputs=(out,))
@@ -222,7 +229,7 @@ def _share_casts_with_promotes(native: list, casts: dict, cache: dict) -> None:
     position = {n: i for i, n in enumerate(native[0][0].graph.nodes)}
     for node, want in native:
         for arg in list(node.all_input_nodes):
-            cast = casts.get((arg, want, node.meta.get(META_REGION, ())))  # within its own region only
+            cast = casts.get((arg, want, node.meta.get(META_REGION, ()), node.meta.get(META_CHECKPOINT)))  # own region only
             have = runtime_dtype(arg, cache)
             if cast is None or have is None or have == want:
                 continue
