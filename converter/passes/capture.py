@@ -76,6 +76,7 @@ import contextlib
 import copy
 import re
 import sys
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -257,7 +258,7 @@ def _trace_fx(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Shapes
 
 def _trace_export(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Shapes) -> torch.fx.GraphModule:
     ep = _export_dynamic(model, args, kwargs, shapes)
-    gm = ep.module()
+    gm = _module_of(ep)
     # ep.module() replaces train()/eval() on the instance by ones that raise NotImplementedError;
     # the graph reads self.training instead (converter.passes.modes), so the class's methods serve
     for name in ("train", "eval"):
@@ -446,10 +447,21 @@ def _check_example_guards(ep: Any, args: tuple, kwargs: dict) -> None:
     Size-oblivious tracing may unify a broadcast dim of size 1 (a ``(B, 1, T)`` mask) with the
     size it broadcasts to; the graph would then refuse the very inputs it was captured from.
     """
-    gm = ep.module()
+    gm = _module_of(ep)
     guard = getattr(gm, "_guards_fn", None)
     if guard is not None:
         guard(*placeholder_values(gm, args, kwargs))
+    _UNLIFTED[ep] = gm  # the capture's graph module: ep.module() builds a new one (and its code) per call
+
+
+#: ExportedProgram -> the ``ep.module()`` built for its guard check, which capture then uses
+_UNLIFTED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _module_of(ep: Any) -> torch.fx.GraphModule:
+    """``ep.module()``, built once per program (it copies the graph and generates its code)."""
+    gm = _UNLIFTED.pop(ep, None)
+    return gm if gm is not None else ep.module()
 
 
 def _placeholders(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
