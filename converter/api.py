@@ -368,7 +368,7 @@ def convert(
 
     ``precision``: the half dtype that ``half`` rules mean (bf16 by default: it has fp32's range,
     so it needs no loss scaling). ``rules``: rule files layered over the defaults. ``tracer``:
-    ``auto`` tries FX then torch.export. ``keep_io_types``: outputs keep their original dtype.
+    ``auto`` tries FX then torch.export (torch.export first for a Hugging Face model). ``keep_io_types``: outputs keep their original dtype.
     ``placement``: ``mincut`` (fewest cast bytes that round nothing autocast keeps in fp32),
     ``mincut-bytes`` (fewest cast bytes only: it may round values that per-consumer casting keeps
     in fp32, see :mod:`converter.passes.place.stage`) or ``simple``. ``calibration``: an iterable of
@@ -396,6 +396,16 @@ def convert(
     fp16 without ``calibration``: the converted graph runs once on the example inputs beside its
     fp32 twin, and :class:`Fp16OverflowError` names the first node that gives inf/NaN where fp32 is
     finite.
+
+    **Weights are shared, not copied.** ``conv.module`` holds its own parameter objects (its own
+    ``requires_grad`` and ``.grad``) over the *same storage* as ``model``'s parameters, and
+    ``model``'s buffers, so converting costs no copy of the weights. As with ``torch.compile``,
+    training ``conv.module`` (O1) updates ``model``'s weights in place, and a train-mode forward
+    updates the shared batch-norm statistics; ``copy.deepcopy(conv.module)`` gives an independent
+    module. The O2 :class:`~converter.train.trainer.MixedPrecisionTrainer` gives the parameters
+    storage of their own when it is built, so O2 training leaves ``model`` as it was. ``model``
+    itself is left exactly as it was by conversion: its modes, ``config``, buffers, parameters and
+    hooks (capture traces a shell of it, see :mod:`converter.passes.capture`), also when it fails.
     """
     options = CalibrationOptions.coerce(calibration_options) if calibration is not None else None
     batches = None

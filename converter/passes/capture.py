@@ -1,8 +1,18 @@
 """Capture: turn an ``nn.Module`` into a GraphModule whose nodes all carry :class:`NodeInfo`.
 
 ``tracer="auto"`` tries ``torch.fx.symbolic_trace`` first (fast, keeps Python-level structure) and
-falls back to ``torch.export`` (training IR, ``.module()``) when symbolic tracing fails, which it
-does on every Hugging Face model. ``"fx"`` and ``"export"`` force one.
+falls back to ``torch.export`` (training IR, ``.module()``) when symbolic tracing fails. A
+transformers ``PreTrainedModel`` (recognised without importing transformers) goes to torch.export
+first, since symbolic tracing fails on every Hugging Face model; ``capture_errors["fx"]`` says so.
+``"fx"`` and ``"export"`` force one.
+
+**No weight is copied, the model is left as it was.** Every trace runs on a :func:`shell` of the
+model: new module objects (own modes, hooks, attribute tables, and a copy of ``config`` where
+LayerDrop is switched off) over the *same* parameter storage and buffers. The captured graph and
+so the converted module therefore share every weight with the user's model (no copy of W), and
+nothing capture does to modes, config or hooks reaches the user's model. Runs that write buffers
+(shape propagation, the eval check) run under :func:`~converter.ir.state.preserved_state`, and the
+whole capture under one more, so a batch norm's statistics are put back also when a tracer raises.
 
 The FX tracer traces *into* ``Linear``, ``Conv*``, ``LayerNorm``, ``GroupNorm``, ``RMSNorm`` and
 ``Embedding`` so that their weights become ``get_attr`` nodes the rewrite can cast (O1) and the op
@@ -45,8 +55,8 @@ way (stochastic depth: ``if not training: return x``; its ``rand``/``bernoulli_`
 graph only) is traced again in eval mode: ``Captured.eval_gm`` holds that graph, ``convert`` converts
 both and combines them into a :class:`~converter.ir.graphmodule.TwoModeGraphModule` that runs each in
 its mode on shared parameters. Hugging Face LayerDrop (``if self.training and torch.rand([]) <
-config.layerdrop``, a branch on a random number) is switched off in a copy for the train trace, and
-the note says so. symbolic_trace would draw a random tensor of no traced input (``torch.rand(())``)
+config.layerdrop``, a branch on a random number) is switched off in the shell's copy of ``config`` for
+the train trace, and the note says so. symbolic_trace would draw a random tensor of no traced input (``torch.rand(())``)
 once and bake the branch on it into the graph; such a trace is refused, naming the line. A model
 whose train mode cannot be traced at all is captured in its own mode, its mode frozen. Either
 way ``Captured.modes`` (``report.extra["modes"]``) says what happened and why. The converted module
@@ -66,6 +76,7 @@ import contextlib
 import copy
 import re
 import sys
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -254,7 +265,7 @@ def _trace_fx(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Shapes
 
 def _trace_export(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Shapes) -> torch.fx.GraphModule:
     ep = _export_dynamic(model, args, kwargs, shapes)
-    gm = ep.module()
+    gm = _module_of(ep)
     # ep.module() replaces train()/eval() on the instance by ones that raise NotImplementedError;
     # the graph reads self.training instead (converter.passes.modes), so the class's methods serve
     for name in ("train", "eval"):
@@ -448,10 +459,21 @@ def _check_example_guards(ep: Any, args: tuple, kwargs: dict) -> None:
     Size-oblivious tracing may unify a broadcast dim of size 1 (a ``(B, 1, T)`` mask) with the
     size it broadcasts to; the graph would then refuse the very inputs it was captured from.
     """
-    gm = ep.module()
+    gm = _module_of(ep)
     guard = getattr(gm, "_guards_fn", None)
     if guard is not None:
         guard(*placeholder_values(gm, args, kwargs))
+    _UNLIFTED[ep] = gm  # the capture's graph module: ep.module() builds a new one (and its code) per call
+
+
+#: ExportedProgram -> the ``ep.module()`` built for its guard check, which capture then uses
+_UNLIFTED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _module_of(ep: Any) -> torch.fx.GraphModule:
+    """``ep.module()``, built once per program (it copies the graph and generates its code)."""
+    gm = _UNLIFTED.pop(ep, None)
+    return gm if gm is not None else ep.module()
 
 
 def _placeholders(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
@@ -538,10 +560,35 @@ def capture(
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     args, kwargs = normalize_inputs(example_inputs)
     errors: dict[str, str] = {}
-    advice: Optional[str] = None
     order = {"auto": ("fx", "export"), "fx": ("fx",), "export": ("export",)}[tracer]
-    result = None
-    used = None
+    if tracer == "auto" and _is_hf_model(model):
+        # symbolic_trace fails on every Hugging Face model: torch.export first, FX only if it fails
+        order = ("export", "fx")
+    # every trace runs on a shell of the model (see shell); this guard puts back any buffer a run
+    # writes in place, also when a tracer raises
+    with preserved_state(model):
+        result, used, shapes, advice = _first_capture(order, model, args, kwargs, dynamic, dynamic_shapes, errors)
+        if result is not None and used == "export" and order[0] == "export" and "fx" not in errors:
+            errors["fx"] = (f"not tried: {type(model).__name__} is a Hugging Face PreTrainedModel, which "
+                            "symbolic_trace cannot trace (Python control flow on inputs and config); used torch.export")
+        if result is None:
+            raise CaptureError(errors, advice=advice)
+        return _finish_capture(result, used, shapes, tracer, model, args, kwargs, dynamic, dynamic_shapes, errors)
+
+
+def _is_hf_model(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is a transformers ``PreTrainedModel`` (never imports transformers)."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    base = getattr(modeling, "PreTrainedModel", None)
+    return isinstance(base, type) and isinstance(model, base)
+
+
+def _first_capture(order: tuple, model: torch.nn.Module, args: tuple, kwargs: dict, dynamic: bool, dynamic_shapes: Any,
+                   errors: dict) -> tuple:
+    """(result of the first tracer in ``order`` that works or None, its name, its shapes, advice); each
+    failure goes into ``errors`` with its reason."""
+    advice: Optional[str] = None
+    result = used = shapes = None
     for name in order:
         shapes = _Shapes(dynamic=dynamic, user_spec=dynamic_shapes)
         try:
@@ -552,8 +599,12 @@ def capture(
             plain = _control_flow(exc)
             advice = advice or plain
             errors[name] = plain or _short(exc)
-    if result is None:
-        raise CaptureError(errors, advice=advice)
+    return result, used, shapes, advice
+
+
+def _finish_capture(result: tuple, used: str, shapes: _Shapes, tracer: str, model: torch.nn.Module, args: tuple,
+                    kwargs: dict, dynamic: bool, dynamic_shapes: Any, errors: dict) -> Captured:
+    """Annotate the captured graph(s); under ``auto``, an FX graph with opaque leaves is exported instead."""
     gm, eval_gm, modes = result
     annotate(gm, root_type=type(model).__name__)
     opaque = _opaque_leaves(gm)
@@ -612,19 +663,72 @@ def _capture_one(name: str, model: torch.nn.Module, args: tuple, kwargs: dict, s
 
 def _trace_in_mode(trace, name: str, model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Shapes, *,
                    training: Optional[bool] = None, config: Optional[dict] = None) -> tuple:
-    """(graph, mode-dependent nodes made to read self.training) of a copy of ``model`` traced in
-    train mode (``training=True``: mode-aware), eval mode (False) or its own (None), with the
-    ``config`` fields set on the copy's ``config``."""
-    copied = copy.deepcopy(model)
+    """(graph, mode-dependent nodes made to read self.training) of ``model`` traced in train mode
+    (``training=True``: mode-aware), eval mode (False) or its own (None), with the ``config``
+    fields set. The trace runs on a :func:`shell` of ``model``: the graph shares its tensors, and
+    the mode and config changes stay on the shell."""
+    shelled = shell(model, config=config)
     if training is not None:
-        copied.train(training)
-    for field_name, value in (config or {}).items():
-        setattr(copied.config, field_name, value)
-    gm = trace(copied, args, kwargs, shapes)
+        shelled.train(training)
+    gm = trace(shelled, args, kwargs, shapes)
     changed = make_mode_aware(gm) if training else []
     if name == "fx":
         _propagate(gm, args, kwargs)
     return gm, changed
+
+
+#: what a module's ``__dict__`` holds per instance that a shell must not share with the original
+#: (hooks, parameter/buffer/submodule tables: everything ``nn.Module.__init__`` makes a dict or set)
+_OWN_TABLES = tuple(k for k, v in vars(torch.nn.Module()).items() if isinstance(v, (dict, set)))
+
+
+def shell(model: torch.nn.Module, *, config: Optional[dict] = None) -> torch.nn.Module:
+    """A copy of ``model``'s module tree over the same tensors: no weight is copied.
+
+    Every submodule is a new object of its class with its own attribute, hook, parameter, buffer
+    and submodule tables, so ``train()``/``eval()``, a registered hook or a replaced attribute on
+    the shell leave ``model`` as it is. Each parameter is a new ``nn.Parameter`` over the same
+    storage (tied weights stay tied; its ``requires_grad`` and ``.grad`` are the shell's own);
+    buffers are the same tensors, so code that writes one in place (a train-mode batch norm) must
+    run under :func:`~converter.ir.state.preserved_state`. ``config``: fields set on a copy of the
+    model's ``config``, which every submodule of the shell that shared it reads instead.
+    """
+    original_config = getattr(model, "config", None) if config else None
+    new_config = None
+    if original_config is not None:
+        new_config = copy.copy(original_config)
+        for field_name, value in config.items():
+            setattr(new_config, field_name, value)
+    params: dict[int, Any] = {}
+    modules: dict[int, torch.nn.Module] = {}
+
+    def clone(module: torch.nn.Module) -> torch.nn.Module:
+        if id(module) in modules:  # a module reached by two paths stays one module
+            return modules[id(module)]
+        new = object.__new__(type(module))
+        modules[id(module)] = new
+        state = dict(vars(module))
+        for key in _OWN_TABLES:
+            if key in state:
+                state[key] = copy.copy(state[key])
+        if new_config is not None:
+            state.update({k: new_config for k, v in state.items() if v is original_config})
+        state["_parameters"] = {k: _shared_param(p, params) for k, p in module._parameters.items()}
+        state["_modules"] = {k: None if m is None else clone(m) for k, m in module._modules.items()}
+        new.__dict__.update(state)
+        return new
+
+    return clone(model)
+
+
+def _shared_param(param: Optional[torch.Tensor], memo: dict) -> Optional[torch.Tensor]:
+    """A new ``nn.Parameter`` over ``param``'s storage (one per original: tied weights stay tied).
+    Parameter subclasses (quantised weights...) are kept as they are."""
+    if param is None or type(param) is not torch.nn.Parameter:
+        return param
+    if id(param) not in memo:
+        memo[id(param)] = torch.nn.Parameter(param.detach(), requires_grad=param.requires_grad)
+    return memo[id(param)]
 
 
 #: Hugging Face config fields of LayerDrop (skip a whole layer with probability p in train mode)
@@ -685,8 +789,8 @@ def _set_modes(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
 
 def _eval_mismatch(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tuple, kwargs: dict) -> Optional[str]:
     """Why ``gm`` in eval mode does not compute what ``model`` computes in eval mode (None: it does)."""
-    reference = copy.deepcopy(model).eval()
-    with preserved_state(gm), torch.no_grad():
+    reference = shell(model).eval()  # the model's own modes are left as they are
+    with preserved_state(gm, reference), torch.no_grad():
         torch.manual_seed(0)  # the same random numbers for both (noise a model adds in eval mode too)
         want = pytree.tree_leaves(reference(*args, **kwargs))
         gm.eval()

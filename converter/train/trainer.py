@@ -12,6 +12,12 @@ Two modes, named after Apex's opt levels:
   in fp32, unscaled, checked for inf/NaN, clipped, the optimizer steps the masters, and the
   masters are copied back into the half parameters with one ``torch._foreach_copy_`` per dtype.
 
+The model's weights: a converted module shares its parameters' storage with the original model
+(``converter.convert`` copies no weight), so O1 training updates the original model's weights in
+place too. O2 gives every trainable parameter storage of its own when the trainer is built (half
+copies, and copies of the ones kept fp32), so O2 training leaves the original model as it was;
+the trained weights are the module's (``trainer.state_dict()``, or its masters).
+
 Which parameters stay fp32 under O2: the converter records the storage dtype of each parameter
 in ``module.meta["mp_param_dtypes"]`` (fqn -> dtype); parameters the map does not name stay fp32.
 Without that map (a hand-written model) the fallback keeps fp32 every parameter of a module whose
@@ -555,6 +561,12 @@ class MixedPrecisionTrainer:
                 master_of[id(param)] = master
             if param.dtype != target:
                 param.data = original.to(target)
+            elif param.requires_grad:
+                # a converted module shares its weights' storage with the original model (O1 trains
+                # both); O2 trains half copies and fp32 masters, so the parameters kept fp32 get
+                # storage of their own too: the original model keeps all its weights as they were
+                # (a storage nothing else holds is freed right away: no memory is added)
+                param.data = original.clone()
         for group in self._optimizer.param_groups:
             group["params"] = [master_of.get(id(p), p) for p in group["params"]]
         for param in list(self._optimizer.state.keys()):
