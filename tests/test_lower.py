@@ -17,7 +17,7 @@ from torch import nn
 import converter
 from converter.ir.graphmodule import TwoModeGraphModule
 from converter.passes.lower import lower
-from tests.helpers import CastCounter, DtypeRecorder, first_tensor, load_sample, split_inputs, sqnr
+from tests.helpers import ROOT, CastCounter, DtypeRecorder, first_tensor, load_sample, split_inputs, sqnr
 
 SDPA_KERNELS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math",
                 "scaled_dot_product_attention")
@@ -384,3 +384,43 @@ def test_hf_gpt2_sdpa_attention_is_lowered_under_export():
         a = sqnr(ref, first_tensor(lowered.module(*args, **kwargs)))
         b = sqnr(ref, first_tensor(portable.module(*args, **kwargs)))
     assert a > b - 1.0, f"GPT-2 sdpa: lowered {a:.2f} dB vs fused {b:.2f} dB against fp32"
+
+
+def test_lowered_causal_attention_is_recomputed_and_saves_no_more_than_autocast(monkeypatch):
+    """device="cpu": the lowered attention runs in a checkpoint region of its own, so autograd keeps
+    q, k, v (as the fused kernel does) instead of every layer's (B, H, T, T) probabilities and a
+    full-size causal mask; outputs and gradients equal the lowering kept in memory, bit for bit."""
+    import importlib.util
+
+    from benchmarks.common import SavedTensorMeter
+    from converter.passes import lower as lower_mod
+
+    spec = importlib.util.spec_from_file_location("cpu_attention", ROOT / "benchmarks" / "cpu_attention.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    Decoder = bench.Decoder  # the benchmark's causal decoder
+
+    torch.manual_seed(0)
+    model = Decoder(layers=2).train()
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
+    recomputed = converter.convert(model, (ids,), device="cpu")
+    monkeypatch.setattr(lower_mod, "RECOMPUTE_ATTENTION", False)
+    kept = converter.convert(model, (ids,), device="cpu")
+    assert recomputed.report.extra["checkpoint"]["count"] == 2 and kept.report.extra["checkpoint"]["count"] == 0
+    assert recomputed.module.code.count("torch.utils.checkpoint.checkpoint(") == 2
+
+    def saved(module, autocast=False):
+        meter = SavedTensorMeter(exclude=list(module.parameters()) + [ids])
+        with meter, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            module(ids)
+        return meter.bytes
+
+    ours, theirs, unfused = saved(recomputed.module), saved(model, autocast=True), saved(kept.module)
+    assert ours <= theirs < unfused, (ours, theirs, unfused)
+    a, b = copy.deepcopy(recomputed.module), copy.deepcopy(kept.module)
+    torch.manual_seed(3)
+    a(ids).float().pow(2).mean().backward()
+    torch.manual_seed(3)
+    b(ids).float().pow(2).mean().backward()
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(pa.grad, pb.grad), name

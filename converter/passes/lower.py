@@ -55,6 +55,7 @@ from converter.ir.meta import (
     META_LOWERED,
     META_MODE_FLAG,
     META_VALUE,
+    CheckpointTag,
     Decision,
     NodeInfo,
     TensorSpec,
@@ -62,9 +63,13 @@ from converter.ir.meta import (
 from converter.ir.ops import canonical_op
 from converter.passes.capture import _classify, _flat_specs, _spec_of
 
-__all__ = ["lower", "DEVICES"]
+__all__ = ["lower", "DEVICES", "RECOMPUTE_ATTENTION"]
 
 DEVICES = ("cpu", "cuda")
+#: the lowered attention runs inside a checkpoint region of its own: backward recomputes the scores and
+#: probabilities instead of keeping the (B, H, L, S) probability matrix of every layer, so it saves what
+#: the fused kernel saves (q, k, v) at the price of a second attention forward (benchmarks/cpu_attention.py)
+RECOMPUTE_ATTENTION = True
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
 _LOWERED_PRECISIONS = ("bf16",)
@@ -162,11 +167,17 @@ def _lower_attention(gm: torch.fx.GraphModule, node: torch.fx.Node, info: NodeIn
            f"{decision.precision} and accumulates in fp32 inside its kernel, as it did inside the fused op")
     new: list[torch.fx.Node] = []
 
+    # inside the model's own checkpoint region, the region's tag; else a region of its own when the
+    # attention is recomputed in backward (RECOMPUTE_ATTENTION), so that it saves q, k, v as the fused op does
+    tag = node.meta.get(META_CHECKPOINT)
+    if tag is None and RECOMPUTE_ATTENTION:
+        tag = CheckpointTag(region=_free_region(graph), preserve_rng_state=True)
+
     def emit(op: str, target: Any, *args: Any, **kwargs: Any) -> torch.fx.Node:
         with graph.inserting_before(node):
             created = graph.create_node(op, target, args, kwargs, name=f"{node.name}_{getattr(target, '__name__', target)}")
-        if META_CHECKPOINT in node.meta:  # inside a checkpoint region (converter.passes.checkpoint)
-            created.meta[META_CHECKPOINT] = node.meta[META_CHECKPOINT]
+        if tag is not None:  # run (and recomputed) inside a checkpoint region (converter.passes.checkpoint)
+            created.meta[META_CHECKPOINT] = tag
         new.append(created)
         return created
 
@@ -192,6 +203,12 @@ def _lower_attention(gm: torch.fx.GraphModule, node: torch.fx.Node, info: NodeIn
     if isinstance(p, torch.fx.Node) and not p.users:
         graph.erase_node(p)
     _annotate(gm, new, info, decision, why)
+
+
+def _free_region(graph: torch.fx.Graph) -> int:
+    """A checkpoint region id no node of ``graph`` uses yet."""
+    used = [n.meta[META_CHECKPOINT].region for n in graph.nodes if META_CHECKPOINT in n.meta]
+    return max(used, default=-1) + 1
 
 
 def _annotate(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], like: NodeInfo, decision: Decision, why: str) -> None:
