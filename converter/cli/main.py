@@ -49,7 +49,7 @@ PRECISION_HELP = "fp16 or bf16 (aliases: float16, half, 16-mixed, bfloat16, bf16
 
 _EPILOG = """\
 commands:
-  mpconvert MODEL [options]             convert; writes MODEL_mp/ (model.py, weights.pt, train.py, reports)
+  mpconvert MODEL [options]             convert; writes MODEL_mp/ (model.py, model.safetensors, train.py, reports)
   mpconvert audit MODEL [options]       the report only; writes MODEL_audit/ (report.json, .md, .html)
   mpconvert explain OUT_DIR|MODEL NODE  every rule that matched NODE, its precedence, and the winner
   mpconvert rules check FILE...         validate rule files (exit 2 on the first problem of each file)
