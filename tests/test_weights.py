@@ -271,3 +271,17 @@ def test_check_weights_finds_one_flipped_bit(tmp_path):
     save_file({"a": tensors["a"]}, path)
     with pytest.raises(VerificationError, match=r"lack \['b'\]"):
         check_weights(tensors, tmp_path)
+
+
+def test_cli_max_shard_size(tmp_path, capfd):
+    from converter.cli.main import main
+    from tests.helpers import SAMPLES
+
+    out = tmp_path / "o"
+    assert main([str(SAMPLES / "mlp.py"), "--out", str(out), "-q", "--max-shard-size", "10kB"]) == 0
+    index = json.loads((out / WEIGHTS_INDEX).read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert files == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]  # fc2.weight (16 KiB) alone in one
+    assert all((out / f).stat().st_mode & 0o777 == (out / "model.py").stat().st_mode & 0o777 for f in files)
+    assert main([str(SAMPLES / "mlp.py"), "--out", str(tmp_path / "p"), "-q", "--max-shard-size", "lots"]) == 2
+    assert "not a size" in capfd.readouterr().err

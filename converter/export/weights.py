@@ -112,6 +112,19 @@ def _untangle(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _umask() -> int:
+    """The process umask, read without changing it where /proc says it (Linux)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_weights(tensors: Mapping[str, torch.Tensor], directory: Path, *,
                   dtypes: Optional[Mapping[str, torch.dtype]] = None,
                   max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE) -> list[str]:
@@ -140,6 +153,7 @@ def write_weights(tensors: Mapping[str, torch.Tensor], directory: Path, *,
     for file_name, shard in zip(names, shards):
         part = _untangle({name: _stored(tensors[name], dtypes.get(name, tensors[name].dtype)) for name in shard})
         save_file(part, str(directory / file_name), metadata={"format": "pt"})
+        os.chmod(directory / file_name, 0o666 & ~_umask())  # safetensors creates its files 0600
         del part  # the half/contiguous copies of this shard go before the next one is made
         weight_map.update(dict.fromkeys(shard, file_name))
     if len(shards) > 1:
