@@ -185,11 +185,17 @@ class Conversion:
         """Node name -> decision, for every compute node."""
         return {n.name: n.meta[META_DECISION] for n in self.module.graph.nodes if META_DECISION in n.meta and n.meta.get(META_INFO) and n.meta[META_INFO].kind != "passive"}
 
-    def save(self, out_dir: Union[str, Path], *, force: bool = False, model_file: Optional[str] = None) -> Path:
-        """Write model.py, the weights, train.py and the reports (docs/export.md) atomically."""
-        from converter.export.emit import emit
+    def save(self, out_dir: Union[str, Path], *, force: bool = False, model_file: Optional[str] = None,
+             max_shard_size: Union[int, str, None] = None) -> Path:
+        """Write model.py, the weights, train.py and the reports (docs/export.md) atomically.
 
-        return emit(self, Path(out_dir), force=force, model_file=model_file)
+        ``max_shard_size``: bytes (or ``"500MB"``, ``"2GiB"``) above which the safetensors weights are
+        split into shards with an index (docs/export.md); None: 2 GiB.
+        """
+        from converter.export.emit import DEFAULT_MAX_SHARD_SIZE, emit
+
+        return emit(self, Path(out_dir), force=force, model_file=model_file,
+                    max_shard_size=DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size)
 
     def variant(self, precision: Union[str, torch.dtype]) -> "Conversion":
         """The same conversion in another half dtype: same model, inputs, rules, tracer and options,

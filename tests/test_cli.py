@@ -94,7 +94,7 @@ def test_convert_quiet_on_success_with_default_out(work, capfd):
     assert len(lines) == 2
     assert lines[0].startswith("Converted ") and lines[1] == str(work / "mlp_mp")
     assert "Traceback" not in err and "error" not in err
-    assert {"model.py", "weights.pt", "train.py", "report.json", "report.md", "report.html"} <= set(os.listdir(work / "mlp_mp"))
+    assert {"model.py", "model.safetensors", "train.py", "report.json", "report.md", "report.html"} <= set(os.listdir(work / "mlp_mp"))
     # -q: just the path; --force replaces the directory
     code, out, err = run(capfd, MLP, "-q", "--force")
     assert code == 0 and out.strip() == str(work / "mlp_mp") and err == ""
@@ -107,7 +107,7 @@ def test_convert_json_summary(work, capfd):
     assert payload["ok"] is True and payload["exit_code"] == 0
     assert payload["out"] == str(work / "o") and payload["precision"] == "bf16" and payload["tracer"] == "fx"
     assert payload["summary"]["compute_nodes"] > 0
-    assert {"model.py", "weights.pt", "train.py", "report.json"} <= set(payload["files"])
+    assert {"model.py", "model.safetensors", "train.py", "report.json"} <= set(payload["files"])
     assert any("bit-exactly" in c for c in payload["checks"])
 
 

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 import converter
@@ -30,9 +31,10 @@ from converter.export.emit import (
     generate_model_source,
     import_file,
 )
+from converter.export.weights import write_weights
 from tests.helpers import ROOT, SAMPLES, load_sample
 
-STDLIB_OK = {"os", "math", "operator", "builtins", "torch"}
+STDLIB_OK = {"os", "json", "math", "operator", "builtins", "torch"}
 
 
 def _convert(name: str, **kwargs):
@@ -84,6 +86,7 @@ _STANDALONE = textwrap.dedent(
     # also holds torch) the package is blocked outright: any import of it now fails.
     if importlib.util.find_spec("converter") is not None:
         sys.modules["converter"] = None
+    sys.modules["safetensors"] = None  # model.py reads its weights with torch alone
     import torch
     assert importlib.util.find_spec("converter") is None, "converter must not be importable here"
     try:
@@ -144,7 +147,7 @@ def test_model_py_is_readable_torch_only_code(outputs):
         assert imported <= STDLIB_OK, (name, imported)
         assert "def load(device=\"cpu\")" in code
         assert f".to(torch.{'bfloat16'})" in code  # explicit casts
-        assert "weights_only=True" in code
+        assert "torch.from_file(path, shared=False" in code and "torch.load" not in code and "pickle" not in code
         assert "converter" not in imported and "import converter" not in code
     tt = (outputs["tiny_transformer"][1] / "model.py").read_text()
     assert "'layers.0.attn.qkv.weight'" in tt  # original parameter names
@@ -167,8 +170,8 @@ def test_loaded_model_structure_and_weights(outputs):
     assert set(names) == set(dict(conv.module.named_parameters()))
     assert model.lm_head.weight is model.transformer.wte.weight
     assert model.meta["mp_param_dtypes"] == {k: v for k, v in conv.module.meta["mp_param_dtypes"].items() if k in names}
-    state = torch.load(out / "weights.pt", weights_only=True)
-    assert all(isinstance(v, torch.Tensor) for v in state.values())
+    state = load_file(out / "model.safetensors")
+    assert set(state) == set(dict(conv.module.named_parameters())) | set(dict(conv.module.named_buffers()))
     conv_cnn, out_cnn = outputs["cnn"]
     cnn = import_file(out_cnn / "model.py").load()
     assert isinstance(cnn.b1.bn, nn.BatchNorm2d) and cnn.training == conv_cnn.module.training
@@ -428,7 +431,7 @@ def test_torch_leaf_modules_are_recreated_exactly(tmp_path):
     source = generate_model_source(_fake_conv(model, gm, example))
     path = tmp_path / "model.py"
     path.write_text(source.code)
-    torch.save(source.tensors, tmp_path / "weights.pt")
+    write_weights(source.tensors, tmp_path)
     loaded = import_file(path).load()
     assert loaded.training
     for name, sub in model.named_children():

@@ -5,7 +5,7 @@
 * the output directory is portable: train.py reads only its own files (a copy of the model file);
 * publishing never replaces what appeared at ``--out`` meanwhile (no-replace rename), ``--force``
   swaps atomically, and temp directories of killed runs are cleaned up by the next run;
-* ``model.load()`` checks the name, shape and dtype of every tensor in weights.pt;
+* ``model.load()`` checks the name, shape and dtype of every tensor in model.safetensors;
 * train.py runs under ``torchrun`` with DDP and matches a single-process run on the same global batch.
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 import converter
@@ -255,7 +256,7 @@ def test_two_concurrent_cli_runs_one_wins(tmp_path):
     loser_err = next(err for code, _, err in results if code == 2)
     assert len(loser_err.strip().splitlines()) == 1 and "Traceback" not in loser_err
     assert re.search(r"already exists|appeared while this run was converting", loser_err), loser_err
-    assert {"model.py", "weights.pt", "train.py", "user_model.py", "report.json"} <= set(os.listdir(out))
+    assert {"model.py", "model.safetensors", "train.py", "user_model.py", "report.json"} <= set(os.listdir(out))
     loaded = import_file(out / "model.py").load()
     assert loaded(torch.randn(5, 32)).shape == (5, 10)
     assert _leftovers(tmp_path, "shared") == ["shared"]
@@ -316,12 +317,12 @@ def test_temp_dirs_of_killed_runs_are_cleaned_by_the_next_run(mlp_conv, tmp_path
 @pytest.fixture
 def emitted_mlp(mlp_conv, tmp_path):
     out = emit(mlp_conv, tmp_path / "o")
-    return out, torch.load(out / "weights.pt", weights_only=True)
+    return out, load_file(out / "model.safetensors")
 
 
 @pytest.mark.parametrize("change, message", [
     (lambda s: s.__setitem__("fc1.bias", torch.zeros(1)), r"'fc1.bias' is \(1,\) torch.float32, but the model expects \(64,\) torch.float32"),
-    (lambda s: s.__setitem__("fc2.weight", s["fc2.weight"].t().contiguous()[:, :32]), r"'fc2.weight' is \(64, 32\)"),
+    (lambda s: s.__setitem__("fc2.weight", s["fc2.weight"].t()[:, :32].contiguous()), r"'fc2.weight' is \(64, 32\)"),
     (lambda s: s.__setitem__("head.weight", s["head.weight"].double()), r"'head.weight' is \(10, 64\) torch.float64, but the model expects \(10, 64\) torch.float32"),
     (lambda s: s.__setitem__("extra.weight", torch.zeros(2)), r"has 'extra.weight', which this model does not have"),
     (lambda s: s.pop("norm.weight"), r"lacks \['norm.weight'\]"),
@@ -329,7 +330,7 @@ def emitted_mlp(mlp_conv, tmp_path):
 def test_load_checks_every_tensor_in_the_weights_file(emitted_mlp, change, message):
     out, state = emitted_mlp
     change(state)
-    torch.save(state, out / "weights.pt")
+    save_file(state, out / "model.safetensors")
     module = import_file(out / "model.py")
     with pytest.raises(ValueError, match=message):
         module.load()
@@ -373,7 +374,7 @@ def test_train_py_under_torchrun_matches_one_process(mlp_conv, tmp_path):
     assert loss_diff <= 1e-5, f"losses differ by {loss_diff:g}: {ddp_losses} vs {one_losses}"
     a, b = torch.load(tmp_path / "ddp.pt", weights_only=True), torch.load(tmp_path / "one.pt", weights_only=True)
     assert set(a) == set(b)
-    start = torch.load(out / "weights.pt", weights_only=True)
+    start = load_file(out / "model.safetensors")
     assert not torch.equal(a["fc1.weight"], start["fc1.weight"])  # it trained
     worst = max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)).item() for k in a)
     assert worst <= 1e-5, f"parameters differ by {worst:g} (relative to each tensor's max)"

@@ -50,7 +50,7 @@ PRECISION_HELP = "fp16 or bf16 (aliases: float16, half, 16-mixed, bfloat16, bf16
 
 _EPILOG = """\
 commands:
-  mpconvert MODEL [options]             convert; writes MODEL_mp/ (model.py, weights.pt, train.py, reports)
+  mpconvert MODEL [options]             convert; writes MODEL_mp/ (model.py, model.safetensors, train.py, reports)
   mpconvert audit MODEL [options]       the report only; writes MODEL_audit/ (report.json, .md, .html)
   mpconvert explain OUT_DIR|MODEL NODE  every rule that matched NODE, its precedence, and the winner
   mpconvert rules check FILE...         validate rule files (exit 2 on the first problem of each file)
@@ -130,6 +130,9 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--opt-level", dest="opt_level", choices=("O1", "O2"), default="O1",
                    help="how parameters will be stored for training: O1 fp32 (weight casts count in placement), "
                         "O2 half where every consumer is half, with fp32 master weights in the trainer (default O1)")
+    p.add_argument("--max-shard-size", dest="max_shard_size", type=_shard_size, default=None, metavar="SIZE",
+                   help="split the safetensors weights into files of at most SIZE bytes (500MB, 2GiB, or a number) "
+                        "listed in model.safetensors.index.json (default 2GiB)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="the device the model will train on. It enables that device's lowerings (cpu: bf16 attention as "
                         "matmul/softmax/matmul, 2-4x faster than the CPU flash kernel), and model.py is also checked there "
@@ -143,6 +146,15 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--static", action="store_true",
                    help="fix every input dim to the example's size (default: batch, sequence and other input dims "
                         "stay dynamic under torch.export, or as the model file's dynamic_shapes() says)")
+
+
+def _shard_size(text: str) -> int:
+    from converter.export.weights import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 500MB, 2GiB or a number of bytes") from None
 
 
 def _positive_int(text: str) -> int:
@@ -541,7 +553,9 @@ def _write_conversion(ns, ui: _UI, conv, out: Path, check_device: str) -> int:
 
     with ui.status(f"Writing {out}" + (" and exporting model.onnx…" if ns.onnx else "…")):
         with _writing(out):
-            emit(conv, out, force=ns.force, model_file=_model_file_for_emit(ns), device=check_device, extra=export_into, messages=notes)
+            shard = getattr(ns, "max_shard_size", None)
+            emit(conv, out, force=ns.force, model_file=_model_file_for_emit(ns), device=check_device, extra=export_into, messages=notes,
+                 **({} if shard is None else {"max_shard_size": shard}))
     for note in notes:
         if note.startswith("model.py reproduces") or note.startswith("model.py runs on"):
             if check_device != "cpu" and not (ui.quiet or ui.json):

@@ -4,15 +4,22 @@
 
     OUT/
       model.py       readable PyTorch code of the rewritten graph; depends only on torch
-      weights.pt     every parameter, buffer and tensor constant, read with torch.load(weights_only=True)
+      model.safetensors  every parameter, buffer and tensor constant (above max_shard_size:
+                     model-00001-of-0000N.safetensors ... and model.safetensors.index.json)
       train.py       a training loop with converter.MixedPrecisionTrainer (torchrun-ready)
       user_model.py  a copy of the model file (train.py uses its loss_fn/train_batches)
       report.json, report.md, report.html
 
-**Weights**: ``weights.pt`` is a flat ``{name: tensor}`` dict written with ``torch.save``. It
-includes non-persistent buffers and tensor constants, which ``state_dict()`` would drop but the
-forward needs for bit-exact outputs. Tied parameters are stored once and re-tied by ``model.py``.
-(safetensors is not used: it is not a dependency, and it refuses tied tensors.)
+**Weights** (:mod:`converter.export.weights`): safetensors files holding a flat ``{name: tensor}``
+map. It includes non-persistent buffers and tensor constants, which ``state_dict()`` would drop but
+the forward needs for bit-exact outputs. Tied parameters are stored once and re-tied by
+``model.py``. Under O2 the half-stored parameters are written in half. The files are written one
+shard at a time from the converted model's own tensors (no copy of the model), and model.py maps
+them instead of reading them.
+
+**Checks** (``verify``): model.py's code is run with the converted model's own tensors attached
+(no second copy of the weights) and must reproduce ``conv.module`` bit for bit; the weight files
+are compared with those tensors, in their stored dtype, one tensor at a time.
 
 **Publishing**: everything is written to a hidden temporary sibling ``.OUT.tmp-PID-XXXXXXXX`` and
 renamed into place at the end.
@@ -41,18 +48,19 @@ import sys
 import threading
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 
 from converter.export.errors import EmitError, OutputExistsError
-from converter.export.model_py import WEIGHTS_FILE, generate_model_source
+from converter.export.model_py import generate_model_source
 from converter.export.train_py import (
     USER_MODEL_FILE,
     model_file_to_copy,
     render_train_py,
 )
 from converter.export.verify import verify_emitted
+from converter.export.weights import DEFAULT_MAX_SHARD_SIZE, check_weights, parse_size, write_weights
 
 __all__ = ["emit", "emit_reports", "publish_directory", "check_output_dir", "clean_stale_temporaries"]
 
@@ -252,8 +260,9 @@ def emit(
     verify: bool = True,
     extra: Optional[Callable[[Path], Any]] = None,
     messages: Optional[list] = None,
+    max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
 ) -> Path:
-    """Write model.py, weights.pt, train.py (with a copy of the model file) and the reports atomically.
+    """Write model.py, the weights, train.py (with a copy of the model file) and the reports atomically.
 
     ``model_file``: the model file the conversion came from; it is copied next to train.py as
     ``user_model.py`` (train.py imports its ``loss_fn`` and ``train_batches`` from there).
@@ -261,7 +270,8 @@ def emit(
     model.py reproduces ``conv.module`` before publishing. ``extra``: called with the temporary
     directory before it is published (the CLI exports ONNX there), so its files are part of the
     atomic output. ``messages``: a list that receives warnings and check results.
-    Returns the output directory.
+    ``max_shard_size``: bytes (or ``"500MB"``, ``"2GiB"``) above which the weights are split into
+    several safetensors files with an index. Returns the output directory.
     """
     out_dir = Path(out_dir)
     check_output_dir(out_dir, force=force)
@@ -270,6 +280,7 @@ def emit(
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         raise EmitError("--device cuda was given but CUDA is not available on this machine; use --device cpu")
     notes = messages if messages is not None else []
+    shard_size = parse_size(max_shard_size)
     source = generate_model_source(conv, model_file=model_file)
     notes.extend(source.warnings)
     train_py = render_train_py(conv, model_file=model_file)
@@ -277,15 +288,16 @@ def emit(
 
     def fill(tmp: Path) -> None:
         _write_text(tmp / "model.py", source.code)
-        torch.save(source.tensors, tmp / WEIGHTS_FILE)
+        write_weights(source.tensors, tmp, dtypes=source.dtypes, max_shard_size=shard_size)
         _write_text(tmp / "train.py", train_py)
         if user_model is not None:
             shutil.copyfile(user_model, tmp / USER_MODEL_FILE)
         notes.extend(_write_reports(conv.report, tmp))
         if verify:
-            notes.append(verify_emitted(conv, tmp, device="cpu"))
+            notes.append(check_weights(source.tensors, tmp, dtypes=source.dtypes))
+            notes.append(verify_emitted(conv, tmp, device="cpu", tensors=source.tensors))
             if str(device).startswith("cuda"):
-                notes.append(verify_emitted(conv, tmp, device=device))
+                notes.append(verify_emitted(conv, tmp, device=device, tensors=source.tensors))
         if extra is not None:
             extra(tmp)
 

@@ -48,6 +48,7 @@ from converter.export.source_text import (
     doc_text,
     render_template,
 )
+from converter.export.weights import WEIGHTS_FILE, WEIGHTS_INDEX
 from converter.ir.graphmodule import TwoModeGraphModule
 from converter.ir.meta import GM_PARAM_DTYPES, META_CAST, META_DECISION, META_INFO
 from converter.passes.checkpoint import with_checkpoints
@@ -55,17 +56,20 @@ from converter.passes.fp32_math import RUNTIME_HELPERS, runtime_source
 
 __all__ = ["ModelSource", "generate_model_source", "WEIGHTS_FILE"]
 
-WEIGHTS_FILE = "weights.pt"
-
 
 @dataclass
 class ModelSource:
-    """Everything :func:`generate_model_source` produces: the code and the tensors it loads."""
+    """Everything :func:`generate_model_source` produces: the code and the tensors it loads.
+
+    ``tensors`` are the converted model's own tensors (not copies), each once (ties are in the
+    code); ``dtypes`` names those stored in another dtype than their own (O2: half parameters).
+    """
 
     code: str
     tensors: dict[str, torch.Tensor]
     class_name: str
     warnings: list[str] = field(default_factory=list)
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -538,7 +542,8 @@ def _resolve(root: nn.Module, target: str) -> Any:
 
 @dataclass
 class _Tensors:
-    """The tensors model.py declares, and the values weights.pt holds."""
+    """The tensors model.py declares, and the values the weight files hold (the model's own
+    tensors, detached: nothing is copied)."""
 
     values: dict[str, torch.Tensor] = field(default_factory=dict)
     parameters: list[tuple[str, torch.Tensor, str]] = field(default_factory=list)
@@ -553,7 +558,7 @@ class _Tensors:
             self.tied.append((name, self.seen[id(tensor)], kind))
             return False
         self.seen[id(tensor)] = name
-        self.values[name] = tensor.detach().clone()
+        self.values[name] = tensor.detach()
         return True
 
 
@@ -607,8 +612,21 @@ def _dtype_source(dtype: Any) -> str:
     return str(dtype)
 
 
-def _table(rows: list[tuple[str, torch.Tensor, str]]) -> str:
-    return "".join(f"    {name!r}: ({tuple(t.shape)!r}, {_dtype_source(t.dtype)}{extra}),\n" for name, t, extra in rows)
+def _table(rows: list[tuple[str, torch.Tensor, str]], stored: Optional[dict[str, torch.dtype]] = None) -> str:
+    stored = stored or {}
+    return "".join(f"    {name!r}: ({tuple(t.shape)!r}, {_dtype_source(stored.get(name, t.dtype))}{extra}),\n" for name, t, extra in rows)
+
+
+def _storage_dtypes(conv, gm: torch.fx.GraphModule, found: "_Tensors") -> dict[str, torch.dtype]:
+    """O2: name -> the half dtype each parameter is stored in (``gm.meta["mp_param_dtypes"]``);
+    O1: nothing (every tensor is stored in its own dtype)."""
+    if (getattr(conv, "options", None) or {}).get("opt_level", "O1") != "O2":
+        return {}
+    recorded = gm.meta.get(GM_PARAM_DTYPES) or {}
+    params = {name for name, _, _ in found.parameters}
+    return {name: dtype for name, dtype in recorded.items()
+            if name in found.values and name in params and dtype != found.values[name].dtype
+            and dtype in (torch.float16, torch.bfloat16) and found.values[name].dtype == torch.float32}
 
 
 def _identifier(name: str) -> str:
@@ -643,6 +661,7 @@ def generate_model_source(conv, *, model_file: Optional[str] = None) -> ModelSou
     training = {path: sub.training for path, sub in gm.named_modules() if not _is_guard_path(gm, path)}
     modes = {p: t for p, t in training.items() if p and t != gm.training and not _owner_of(p, leaf_paths)}
     param_dtypes = dict(gm.meta.get(GM_PARAM_DTYPES) or {})
+    stored = _storage_dtypes(conv, gm, found)
     summary = conv.report.line if getattr(conv, "report", None) is not None else ""
     code = render_template(
         "model.py.tmpl",
@@ -654,7 +673,9 @@ def generate_model_source(conv, *, model_file: Optional[str] = None) -> ModelSou
         precision=repr(str(conv.precision)),
         source=repr(Path(model_file).name if model_file else root_name),
         weights_file=repr(WEIGHTS_FILE),
-        parameters=_table(found.parameters),
+        weights_index=repr(WEIGHTS_INDEX),
+        opt_level=repr("O2" if stored else "O1"),
+        parameters=_table(found.parameters, stored),
         buffers=_table(found.buffers),
         constants=_table(found.constants),
         tied="".join(f"    {a!r}: ({b!r}, {k!r}),\n" for a, b, k in found.tied),
@@ -670,4 +691,4 @@ def generate_model_source(conv, *, model_file: Optional[str] = None) -> ModelSou
         compile(code, "model.py", "exec")
     except SyntaxError as exc:  # a bug in this generator; never publish broken code
         raise EmitError(f"internal error: generated model.py does not compile ({exc.msg} at line {exc.lineno}); please report it") from exc
-    return ModelSource(code=code, tensors=found.values, class_name=class_name, warnings=warnings)
+    return ModelSource(code=code, tensors=found.values, class_name=class_name, warnings=warnings, dtypes=stored)

@@ -1,11 +1,18 @@
-"""Check an emitted model.py against ``conv.module`` before the output directory is published."""
+"""Check an emitted model.py against ``conv.module`` before the output directory is published.
+
+The code is checked with ``conv.module``'s own tensors attached to the emitted class (model.py's
+``_build``): no second copy of the weights is made, so saving a big model needs no second copy of
+it in memory. The weight files are checked separately against the same tensors, bit for bit
+(:func:`converter.export.weights.check_weights`); together the two checks are what ``load()``
+gives. Tests load emitted folders fresh, from the files, end to end.
+"""
 from __future__ import annotations
 
 import importlib.util
 import math
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Optional
 
 import torch
 from torch import nn
@@ -42,8 +49,15 @@ def _run_restoring(module: nn.Module, args: tuple, kwargs: dict, seed: int) -> A
         return module(*args, **kwargs)
 
 
-def _verify_cpu(ref: list[torch.Tensor], emitted: Any, args: tuple, kwargs: dict) -> str:
-    got = output_tensors(_run_restoring(emitted.load(device="cpu"), args, kwargs, seed=0))
+def _emitted_model(emitted: Any, tensors: Optional[Mapping[str, torch.Tensor]]) -> nn.Module:
+    """model.py's class with ``tensors`` attached as they are; without them, ``load()`` from the files."""
+    if tensors is None:
+        return emitted.load(device="cpu")
+    return emitted._build(dict(tensors), stored=False)
+
+
+def _verify_cpu(ref: list[torch.Tensor], model: nn.Module, args: tuple, kwargs: dict) -> str:
+    got = output_tensors(_run_restoring(model, args, kwargs, seed=0))
     if len(got) != len(ref):
         raise VerificationError(f"emitted model.py returns {len(got)} tensors, the converted model {len(ref)}; please report this bug")
     for i, (a, b) in enumerate(zip(ref, got)):
@@ -53,8 +67,12 @@ def _verify_cpu(ref: list[torch.Tensor], emitted: Any, args: tuple, kwargs: dict
     return f"model.py reproduces the converted model bit-exactly on CPU ({len(ref)} output tensors)"
 
 
-def verify_emitted(conv, out_dir: Path, *, device: str = "cpu") -> str:
+def verify_emitted(conv, out_dir: Path, *, device: str = "cpu", tensors: Optional[Mapping[str, torch.Tensor]] = None) -> str:
     """Load ``out_dir/model.py`` in-process and compare it with ``conv.module`` on the example inputs.
+
+    ``tensors``: name -> ``conv.module``'s own tensor (``ModelSource.tensors``), attached to the
+    emitted class instead of loading the weight files (which :func:`~converter.export.weights.check_weights`
+    checks); without it, model.py's ``load()`` reads them.
 
     On CPU the outputs must be bit-identical. On CUDA the model is moved there and its outputs must
     be finite, with the CPU model's shapes and dtypes and an SQNR of at least 30 dB against it.
@@ -63,10 +81,11 @@ def verify_emitted(conv, out_dir: Path, *, device: str = "cpu") -> str:
     args, kwargs = conv.example_inputs
     emitted = import_file(Path(out_dir) / "model.py")
     ref = output_tensors(_run_restoring(conv.module, args, kwargs, seed=0))
+    model = _emitted_model(emitted, tensors)
     if device == "cpu":
-        return _verify_cpu(ref, emitted, args, kwargs)
+        return _verify_cpu(ref, model, args, kwargs)
     dev = torch.device(device)
-    model = emitted.load(device=dev)
+    model = model.to(dev)
     got = output_tensors(_run_restoring(model, _to_device(args, dev), _to_device(kwargs, dev), seed=0))
     if len(got) != len(ref):
         raise VerificationError(f"on {device}, model.py returns {len(got)} tensors instead of {len(ref)}")
