@@ -746,6 +746,9 @@ def test_frozen_mode_is_loud_and_strict_modes_refuses_it(tmp_path):
     assert f"> **Warning:** {modes}"[:60] in md, md[:800]
     html = conv.report.to_html()
     assert "train()/eval()" in html and "frozen in eval mode" in html
+    conv.save(tmp_path / "saved")
+    doc = (tmp_path / "saved" / "model.py").read_text().split('"""')[1]
+    assert "WARNING: this model is frozen in eval mode" in doc, doc
     with pytest.raises(converter.FrozenModeError, match="frozen in eval mode.*train mode failed.*strict_modes"):
         converter.convert(model, (x,), tracer="export", strict_modes=True)
     # a model whose modes work is not refused

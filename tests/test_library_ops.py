@@ -58,3 +58,39 @@ def test_hf_moe_experts_run_in_half_and_are_counted():
     dtypes = o2.module.meta["mp_param_dtypes"]
     experts = {k: v for k, v in dtypes.items() if ".experts." in k}
     assert len(experts) == 4 and set(experts.values()) == {torch.bfloat16}, experts
+
+
+def test_model_py_names_the_package_a_library_op_needs(tmp_path):
+    """model.py imports the module that registers the custom op (so it runs where transformers is
+    installed, bit-identical), says so in its docstring, and fails with one clear line elsewhere;
+    the CLI's emit notes say it once."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    model = _mixtral()
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    conv = converter.convert(model, ((ids,), {}))
+    notes: list[str] = []
+    from converter.export.emit import emit
+
+    emit(conv, tmp_path / "out", messages=notes)
+    needs = [n for n in notes if n.startswith("model.py needs the package 'transformers'")]
+    assert len(needs) == 1 and "torch.ops.transformers.grouped_mm_fallback" in needs[0], notes
+    source = (tmp_path / "out" / "model.py").read_text()
+    assert "Depends on torch and transformers (custom ops)" in source and "import transformers.integrations.moe" in source
+    spec = importlib.util.spec_from_file_location("moe_emitted", tmp_path / "out" / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with torch.no_grad():
+        assert torch.equal(module.load()(ids)["logits"], conv.module(ids)["logits"])
+    # without transformers: one clear ImportError naming the package
+    blocker = "import sys\nclass _Block:\n    def find_spec(self, name, path=None, target=None):\n" \
+              "        if name.split('.')[0] == 'transformers':\n            raise ImportError('blocked')\n" \
+              "sys.meta_path.insert(0, _Block())\n"
+    run = subprocess.run([sys.executable, "-c", blocker + f"import runpy; runpy.run_path({str(tmp_path / 'out' / 'model.py')!r})"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0
+    last = run.stderr.strip().splitlines()[-1]
+    assert last == ("ImportError: model.py calls torch.ops.transformers.grouped_mm_fallback, which the package "
+                    "'transformers' defines: pip install transformers"), run.stderr[-1500:]

@@ -51,6 +51,7 @@ from converter.export.source_text import (
 from converter.export.weights import WEIGHTS_FILE, WEIGHTS_INDEX
 from converter.ir.graphmodule import TwoModeGraphModule
 from converter.ir.meta import GM_PARAM_DTYPES, META_CAST, META_DECISION, META_INFO
+from converter.ir.ops import library_op
 from converter.passes.checkpoint import with_checkpoints
 from converter.passes.fp32_math import RUNTIME_HELPERS, runtime_source
 
@@ -477,6 +478,25 @@ def _import_line(name: str, obj: Any, warnings: list[str]) -> Optional[str]:
     return f"from {module} import {qual}" + (f" as {name}" if name != qual else "")
 
 
+def _library_imports(graphs: Iterable[torch.fx.Graph], warnings: list[str]) -> list[str]:
+    """Import lines for the custom ops of other libraries the graphs call (importing the module that
+    defines an op registers it), each failing with one clear line; a warning per package."""
+    found: dict[str, list[str]] = {}
+    for graph in graphs:
+        for node in graph.nodes:
+            op = library_op(node)
+            if op is not None and op[0] not in found.setdefault(op[1], []):
+                found[op[1]].append(op[0])
+    lines: list[str] = []
+    for module, ops in found.items():
+        package = module.split(".")[0]
+        names = ", ".join(f"torch.ops.{op.replace('::', '.')}" for op in ops)
+        warnings.append(f"model.py needs the package '{package}': the graph calls {names} (defined in {module})")
+        lines += ["try:  # registers " + names, f"    import {module}", "except ImportError as exc:",
+                  f"    raise ImportError({f'model.py calls {names}, which the package {package!r} defines: pip install {package}'!r}) from exc"]
+    return lines
+
+
 def _import_lines(globals_: dict[str, Any], warnings: list[str]) -> list[str]:
     lines = [_import_line(name, obj, warnings) for name, obj in sorted(globals_.items())]
     lines = [line for line in lines if line is not None]
@@ -662,13 +682,23 @@ def generate_model_source(conv, *, model_file: Optional[str] = None) -> ModelSou
     modes = {p: t for p, t in training.items() if p and t != gm.training and not _owner_of(p, leaf_paths)}
     param_dtypes = dict(gm.meta.get(GM_PARAM_DTYPES) or {})
     stored = _storage_dtypes(conv, gm, found)
-    summary = conv.report.line if getattr(conv, "report", None) is not None else ""
+    report = getattr(conv, "report", None)
+    summary = report.line if report is not None else ""
+    graphs = [gm.graph] + ([gm.eval_graph] if isinstance(gm, TwoModeGraphModule) else [])
+    library = _library_imports(graphs, warnings)
+    imports = library + imports
+    packages = sorted({line.split()[1].split(".")[0] for line in library if line.startswith("    import ")})
+    modes_note = (report.extra.get("modes") or "") if report is not None else ""
     code = render_template(
         "model.py.tmpl",
         title=doc_text(f"{root_name} converted to mixed precision ({conv.precision}) by mpconvert {__version__}."),
         summary=doc_text(f"{summary}." if summary else ""),
         tracer=doc_text(conv.tracer),
+        depends=doc_text(f"on torch and {', '.join(packages)} (custom ops)" if packages else "only on torch"),
         io_note=doc_text(io_note),
+        modes_note=doc_text(f"WARNING: this model is {modes_note}: a model whose train mode could not be traced "
+                            "(the report says why); training it runs the other mode's ops (e.g. no dropout).\n"
+                            if modes_note.startswith("frozen") else ""),
         imports="".join(line + "\n" for line in imports),
         precision=repr(str(conv.precision)),
         source=repr(Path(model_file).name if model_file else root_name),
