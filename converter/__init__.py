@@ -38,6 +38,7 @@ __all__ = [
     "SpikeGuard",
     "TrainingStalledError",
     "load_rules",
+    "empty_weights",
     "normalize_precision",
     "__version__",
 ]
@@ -67,6 +68,7 @@ _LAZY = {
     "Rules": "converter.rules.loader",
     "RulesError": "converter.rules.loader",
     "load_rules": "converter.rules.loader",
+    "empty_weights": "converter.ir.empty",
     "ToleranceNotMet": "converter.numerics.search",
     "LossScaler": "converter.train.scaler",
     "MixedPrecisionTrainer": "converter.train.trainer",

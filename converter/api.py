@@ -427,7 +427,8 @@ def convert(
     advice = half_speed_advice(target, device)
     if advice is not None:
         warnings.warn(advice, SlowHalfWarning, stacklevel=2)
-    if target == "fp16" and batches is None:
+    without_weights = any(p.is_meta for p in captured.gm.parameters())  # nothing to run: no values
+    if target == "fp16" and batches is None and not without_weights:
         _check_fp16_overflow(captured.gm, captured.args, captured.kwargs)
         if isinstance(captured.gm, TwoModeGraphModule):  # the check interprets `graph`: the eval graph too
             _check_fp16_overflow(captured.gm.for_mode(False), captured.args, captured.kwargs)

@@ -145,7 +145,7 @@ def test_model_py_is_readable_torch_only_code(outputs):
             elif isinstance(node, ast.ImportFrom):
                 imported.add(node.module.split(".")[0])
         assert imported <= STDLIB_OK, (name, imported)
-        assert "def load(device=\"cpu\")" in code
+        assert "def load(device=\"cpu\", weights=None)" in code  # the contract's signature, plus an optional checkpoint
         assert f".to(torch.{'bfloat16'})" in code  # explicit casts
         assert "torch.from_file(path, shared=False" in code and "torch.load" not in code and "pickle" not in code
         assert "converter" not in imported and "import converter" not in code

@@ -41,6 +41,8 @@ _HF = {
                     new_decoder_architecture=True, use_cache=False, hidden_dropout=0.1, attention_dropout=0.1)),
     "gpt2": ("decoder", "GPT2Config", "GPT2LMHeadModel",
              dict(vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=2, n_head=4, use_cache=False)),
+    # a mixture-of-experts decoder (transformers' grouped_mm_fallback custom op runs the experts)
+    "mixtral": ("decoder", "MixtralConfig", "MixtralForCausalLM", dict(_DEC, num_local_experts=4, num_experts_per_tok=2)),
     # soft-capped logits and sliding-window attention; ALiBi; partial rotary
     "gemma2": ("decoder", "Gemma2Config", "Gemma2ForCausalLM",
                dict(_DEC, head_dim=16, attn_logit_softcapping=50.0, final_logit_softcapping=30.0, sliding_window=8,

@@ -82,7 +82,36 @@ def _offline():
             os.environ["HF_HUB_OFFLINE"] = saved
 
 
-def _build(folder: Path):
+#: a checkpoint whose weight files take more than this share of the machine's memory is converted
+#: without its weights (on the meta device) unless --load-weights says otherwise
+_EMPTY_ABOVE = 0.25
+
+
+def _weight_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for pattern in ("*.safetensors", "*.bin", "*.pt", "*.pth") for p in folder.glob(pattern))
+
+
+def _memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not POSIX: assume the weights fit
+        return 1 << 62
+
+
+def without_weights(folder: Path, choice: Optional[bool] = None) -> tuple[bool, str]:
+    """Whether to build ``folder``'s model on the meta device (``choice``: --empty-weights / --load-weights),
+    and why: a folder with no weight files, or weights larger than a quarter of this machine's memory."""
+    if choice is not None:
+        return choice, "--empty-weights" if choice else "--load-weights"
+    size = _weight_bytes(folder)
+    if size == 0:
+        return True, "the folder has no weight files (config only)"
+    if size > _EMPTY_ABOVE * _memory_bytes():
+        return True, f"its weights ({size / 2**30:.1f} GiB) exceed a quarter of this machine's memory"
+    return False, ""
+
+
+def _build(folder: Path, *, empty: bool = False):
     try:
         import transformers
     except ImportError:
@@ -95,6 +124,12 @@ def _build(folder: Path):
             if hasattr(config, "use_cache"):
                 config.use_cache = False
             auto = _auto_class(transformers, config, architectures[0])
+            if empty:  # parameters on meta, buffers real: model.py then loads the folder's weights
+                from converter.ir.empty import empty_weights
+
+                with empty_weights():
+                    model = auto.from_config(config)
+                return model.eval(), config, f"{auto.__name__}.from_config (without weights)"
             model = auto.from_pretrained(str(folder), config=config, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError, ImportError) as exc:
         text = " ".join(str(exc).split())[:300]
@@ -137,9 +172,13 @@ def example_inputs_for(model: Any, config: Any, *, batch: Optional[int] = None, 
                                 "write a model file with build_model() and example_inputs() instead")
 
 
-def load_pretrained_folder(folder: Path, *, batch: Optional[int] = None, seq_len: Optional[int] = None) -> ModelFile:
-    """Build the model in ``folder`` (offline) and make its example inputs; see the module docstring."""
+def load_pretrained_folder(folder: Path, *, batch: Optional[int] = None, seq_len: Optional[int] = None,
+                           empty: Optional[bool] = None) -> ModelFile:
+    """Build the model in ``folder`` (offline) and make its example inputs; see the module docstring.
+
+    ``empty``: build it without its weights (True), with them (False), or decide (None, see
+    :func:`without_weights`)."""
     folder = Path(folder)
-    model, config, how = _build(folder)
+    model, config, how = _build(folder, empty=without_weights(folder, empty)[0])
     inputs = example_inputs_for(model, config, batch=batch, seq_len=seq_len)
     return ModelFile(path=folder, module=None, model=model, entry=how, example_inputs=inputs)

@@ -127,6 +127,14 @@ def _model_options(p: argparse.ArgumentParser) -> None:
                    help="checkpoint folders only: the batch size of the example inputs made from config.json (default 2)")
     p.add_argument("--seq-len", dest="seq_len", type=_positive_int, default=None, metavar="T",
                    help="checkpoint folders only: the sequence length of text inputs (default 16; audio: samples)")
+    weights = p.add_mutually_exclusive_group()
+    weights.add_argument("--empty-weights", dest="empty_weights", action="store_const", const=True, default=None,
+                         help="checkpoint folders only: build the model without its weights (parameters on the meta device); "
+                              "model.py then loads them with load(weights=FOLDER). Default when the folder has no weight "
+                              "files or they exceed a quarter of this machine's memory")
+    weights.add_argument("--load-weights", dest="empty_weights", action="store_const", const=False,
+                         help="checkpoint folders only: load the weights even when they are large (model.py is then checked "
+                              "bit-exactly and the report measured)")
     p.add_argument("--opt-level", dest="opt_level", choices=("O1", "O2"), default="O1",
                    help="how parameters will be stored for training: O1 fp32 (weight casts count in placement), "
                         "O2 half where every consumer is half, with fp32 master weights in the trainer (default O1)")
@@ -355,9 +363,14 @@ def _load_model(ns, ui: "_UI"):
         raise UsageError(str(exc)) from None
     path = Path(ns.model)
     if path.is_dir() and (path / "config.json").is_file():
-        from converter.cli.hfmodel import load_pretrained_folder
+        from converter.cli.hfmodel import load_pretrained_folder, without_weights
 
-        return load_pretrained_folder(path, batch=ns.batch, seq_len=ns.seq_len)
+        empty, why = without_weights(path, getattr(ns, "empty_weights", None))
+        loaded = load_pretrained_folder(path, batch=ns.batch, seq_len=ns.seq_len, empty=empty)
+        if empty:
+            ui.warn(f"{path}: converted without its weights ({why}); model.py loads them with load(weights={str(path)!r}), "
+                    "and the report has no measurements")
+        return loaded
     if ns.batch is not None or ns.seq_len is not None:
         ui.warn("--batch and --seq-len apply to checkpoint folders only; a model file's example_inputs() sets its sizes")
     from converter.cli.modelfile import load_model_file
@@ -447,7 +460,7 @@ def _convert(ns, ui: _UI, mf, precision: str, rules, *, calibration=None, calibr
     narrowed = narrowed_text(conv.report.extra.get("narrowed_dims") or {})
     if narrowed:
         ui.warn(f"{mf.name}: {narrowed}")
-    if measure and not getattr(ns, "no_measure", False):
+    if measure and not getattr(ns, "no_measure", False) and not any(p.is_meta for p in mf.model.parameters()):
         from converter.numerics.measure import measure as _measure
 
         with ui.status("Measuring memory and numerics against fp32 and torch.autocast…"):

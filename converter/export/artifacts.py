@@ -286,15 +286,23 @@ def emit(
     train_py = render_train_py(conv, model_file=model_file)
     user_model = model_file_to_copy(model_file)
 
+    own = source.own
+    if source.external:  # converted on the meta device: the weights come from the user's checkpoint
+        notes.append(f"model.py takes {len(source.external)} tensors from a checkpoint of yours: "
+                     "model.load(weights='FOLDER_OR_FILE.safetensors') (the model was converted without its weights, "
+                     "on the meta device, so model.py was not run here)")
+
     def fill(tmp: Path) -> None:
         _write_text(tmp / "model.py", source.code)
-        write_weights(source.tensors, tmp, dtypes=source.dtypes, max_shard_size=shard_size)
+        if own:
+            write_weights(own, tmp, dtypes=source.dtypes, max_shard_size=shard_size)
         _write_text(tmp / "train.py", train_py)
         if user_model is not None:
             shutil.copyfile(user_model, tmp / USER_MODEL_FILE)
         notes.extend(_write_reports(conv.report, tmp))
-        if verify:
-            notes.append(check_weights(source.tensors, tmp, dtypes=source.dtypes))
+        if verify and own:
+            notes.append(check_weights(own, tmp, dtypes=source.dtypes))
+        if verify and not source.external:
             notes.append(verify_emitted(conv, tmp, device="cpu", tensors=source.tensors))
             if str(device).startswith("cuda"):
                 notes.append(verify_emitted(conv, tmp, device=device, tensors=source.tensors))

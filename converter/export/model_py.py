@@ -71,6 +71,14 @@ class ModelSource:
     class_name: str
     warnings: list[str] = field(default_factory=list)
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    #: tensors on the meta device (a model converted without its weights): model.py takes them from
+    #: ``load(weights=...)``, a checkpoint of the user's; the others are written next to it
+    external: list[str] = field(default_factory=list)
+
+    @property
+    def own(self) -> dict[str, torch.Tensor]:
+        """The tensors written next to model.py (every one that has values)."""
+        return {name: t for name, t in self.tensors.items() if not t.is_meta}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -705,6 +713,7 @@ def generate_model_source(conv, *, model_file: Optional[str] = None) -> ModelSou
         weights_file=repr(WEIGHTS_FILE),
         weights_index=repr(WEIGHTS_INDEX),
         opt_level=repr("O2" if stored else "O1"),
+        external=repr(sorted(name for name, t in found.values.items() if t.is_meta)),
         parameters=_table(found.parameters, stored),
         buffers=_table(found.buffers),
         constants=_table(found.constants),
@@ -721,4 +730,5 @@ def generate_model_source(conv, *, model_file: Optional[str] = None) -> ModelSou
         compile(code, "model.py", "exec")
     except SyntaxError as exc:  # a bug in this generator; never publish broken code
         raise EmitError(f"internal error: generated model.py does not compile ({exc.msg} at line {exc.lineno}); please report it") from exc
-    return ModelSource(code=code, tensors=found.values, class_name=class_name, warnings=warnings, dtypes=stored)
+    return ModelSource(code=code, tensors=found.values, class_name=class_name, warnings=warnings, dtypes=stored,
+                       external=sorted(name for name, t in found.values.items() if t.is_meta))

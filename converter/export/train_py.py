@@ -34,7 +34,7 @@ def _input_spec(value: Any) -> Any:
     """A literal description of one example input, for synthetic data in train.py."""
     if isinstance(value, torch.Tensor):
         entry = {"shape": list(value.shape), "dtype": str(value.dtype).replace("torch.", "")}
-        if value.numel() and not value.is_floating_point() and not value.is_complex():
+        if value.numel() and not value.is_floating_point() and not value.is_complex() and not value.is_meta:
             entry["low"] = int(value.min())
             entry["high"] = int(value.max())
         return {"tensor": entry}
