@@ -13,10 +13,12 @@ Stages:
 * ``save``    build + convert + ``Conversion.save`` (model.py, weights, train.py, reports);
 * ``cli``     ``mpconvert FOLDER --no-measure`` on a ``save_pretrained`` folder written beforehand;
 * ``apply``   build + ``converter.apply`` (in place);
-* ``load``    a fresh process that imports the model.py written by ``save`` and calls ``load()``.
+* ``load``    a fresh process that imports the model.py written by ``save`` and calls ``load()`` (for the
+  meta sizes nothing: their weights would come from ``load(weights=CHECKPOINT)``).
 
 W is the fp32 parameter bytes. Sizes ``0.06b``, ``0.3b``, ``0.6b``, ``1.1b`` are built with real (random)
-weights; ``8b`` and ``70b`` are Llama-3-8B/70B shapes on the meta device (no weights exist). Nothing is
+weights; ``8b`` and ``70b`` are Llama-3-8B/70B shapes built with ``converter.empty_weights()`` (parameters
+on the meta device; no weights exist), and their ``cli`` stage converts a config-only folder. Nothing is
 downloaded.
 
     python benchmarks/scale.py --sizes 0.06b 0.3b --out benchmarks/results/scale.json
@@ -69,10 +71,12 @@ def _build(size: str):
     import torch
     import transformers
 
+    import converter
+
     config = _config(size)
     on_meta = SIZES[size][1]
     torch.manual_seed(0)
-    with torch.device("meta") if on_meta else torch.device("cpu"):
+    with converter.empty_weights() if on_meta else torch.device("cpu"):  # parameters on meta, buffers real
         model = transformers.AutoModelForCausalLM.from_config(config)
     return model.eval()
 
@@ -133,8 +137,11 @@ def _child(stage: str, size: str, work: Path) -> dict:
         import converter
 
         converter.apply(model, example)
-    elif stage == "pretrained":  # not a measured stage: writes the folder the cli stage reads
-        model.save_pretrained(work / "pretrained")
+    elif stage == "pretrained":  # not a measured stage: writes the folder the cli stage reads (config only on meta)
+        if SIZES[size][1]:
+            model.config.save_pretrained(work / "pretrained")
+        else:
+            model.save_pretrained(work / "pretrained")
     out["stage_s"] = time.perf_counter() - t1
     return out
 
@@ -219,8 +226,8 @@ def main(argv=None) -> int:
             for stage in args.stages:
                 if stage == "cli":
                     _run_stage("pretrained", size, work)
-                if stage == "load" and not (work / "save" / "model.py").is_file():
-                    stages[stage] = {"error": "needs the save stage"}
+                if stage == "load" and (SIZES[size][1] or not (work / "save" / "model.py").is_file()):
+                    stages[stage] = {"error": "no weights (meta)" if SIZES[size][1] else "needs the save stage"}
                     continue
                 stages[stage] = _run_stage(stage, size, work)
                 print(f"{size:>6} {stage:>8}: {json.dumps(stages[stage])}", flush=True)
