@@ -322,6 +322,44 @@ class TiedLM(nn.Module):
         return self.head(self.norm(x))
 
 
+class CheckpointedStack(nn.Module):
+    """Four pre-norm MLP-attention blocks, each run through ``torch.utils.checkpoint`` in train mode
+    (as Hugging Face's gradient checkpointing does): the conversion must keep the checkpoints."""
+
+    def __init__(self, dim: int = 32, heads: int = 4):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.blocks = nn.ModuleList(MHABlock(dim, heads) for _ in range(4))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, input_ids):
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if self.training else block(x)
+        return self.head(self.norm(x))
+
+
+class MHABlock(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Dropout(0.1), nn.Linear(2 * dim, dim))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(a)
+        return x + self.mlp(self.norm2(x))
+
+
 class LoraLlama(nn.Module):
     """A Llama decoder wrapped by peft's LoRA on q_proj/v_proj (r=4, dropout 0.1), as fine-tuning
     scripts build it; lora_B is initialised non-zero so that the adapters change the output."""
@@ -371,6 +409,7 @@ _HAND = {
     "conformer": ("hand", ConformerBlock),
     "conv_vae": ("hand", ConvVAE),
     "tied_lm": ("hand", TiedLM),
+    "checkpointed": ("hand", CheckpointedStack),
     "lora_llama": ("peft", LoraLlama),
     "unet2d": ("diffusion", UNet2D),
 }
