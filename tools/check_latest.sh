@@ -23,8 +23,12 @@ rm -rf "$venv"
 python3 -m venv "$venv"
 . "$venv/bin/activate"
 python -m pip install -q --upgrade pip
-python -m pip install -q torch==2.13.0   # the CPU wheel first (torch itself stays on the release the project targets)
-python -m pip install -q --upgrade --upgrade-strategy eager ".[test]"
+# torch stays on the release the project targets (the CPU wheel; an eager upgrade would pull the newest
+# CUDA build): a one-line constraint holds it while everything else goes to its newest release
+pin="$venv/torch-pin.txt"
+echo "torch==2.13.0" > "$pin"
+python -m pip install -q -c "$pin" torch==2.13.0
+python -m pip install -q -c "$pin" --upgrade --upgrade-strategy eager ".[test]"
 frozen=$(python -m pip freeze --exclude-editable | grep -v -E '^(mpconvert|-e )' | sed 's/^torch==\([0-9.]*\)+cpu$/torch==\1/')
 echo "newest releases that differ from constraints.txt:"
 diff <(grep -v '^#' constraints.txt | sort -f) <(echo "$frozen" | sort -f) | grep '^>' || echo "  (none)"
