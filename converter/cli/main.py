@@ -570,7 +570,8 @@ def _write_conversion(ns, ui: _UI, conv, out: Path, check_device: str) -> int:
             emit(conv, out, force=ns.force, model_file=_model_file_for_emit(ns), device=check_device, extra=export_into, messages=notes,
                  **({} if shard is None else {"max_shard_size": shard}))
     for note in notes:
-        if note.startswith("model.py reproduces") or note.startswith("model.py runs on"):
+        # passed checks are results, not warnings (they are in --json's "checks")
+        if note.startswith(("model.py reproduces", "model.py runs on", "the weight files")):
             if check_device != "cpu" and not (ui.quiet or ui.json):
                 ui.err(f"mpconvert: {note}")
             continue
