@@ -73,7 +73,7 @@ def test_o2_fp16_trainer_keeps_tokens_in_fp32_and_steps():
     assert {n for n, p in params.items() if p.dtype == torch.float16} == WEIGHTS
     # the summary line says what O2 does: the casts of the half-stored weights are the ones the trainer drops
     summary = conv.report.summary
-    assert trainer.dropped_weight_casts == summary["params_half_in_o2"] == 5, (trainer.dropped_weight_casts, summary)
+    assert trainer.dropped_weight_casts == summary["weight_casts_dropped_in_o2"] == 5, (trainer.dropped_weight_casts, summary)
     assert summary["weight_casts"] == 3 and "O2: 5 weights stored in half, no cast; +3 weight casts" in conv.report.line, conv.report.line
     assert {n for n, p in params.items() if p.dtype == torch.float32} == set(KEPT)
     losses = []

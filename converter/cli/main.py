@@ -439,7 +439,7 @@ def _capture_message(exc, model_name: str, model_file: str, tracer: str) -> str:
 def _convert(ns, ui: _UI, mf, precision: str, rules, *, calibration=None, calibration_options=None, measure=True):
     from converter.api import SlowHalfWarning, convert
     from converter.passes.capture import CaptureError
-    from converter.report.common import frozen_mode, narrowed_text
+    from converter.report.common import header_warnings
 
     with ui.status(f"Converting {mf.name} to {precision}…"), warnings.catch_warnings():
         warnings.simplefilter("ignore", SlowHalfWarning)  # said once below, from the report
@@ -451,15 +451,14 @@ def _convert(ns, ui: _UI, mf, precision: str, rules, *, calibration=None, calibr
                            strict_modes=getattr(ns, "strict_modes", False))
         except CaptureError as exc:
             raise UsageError(_capture_message(exc, type(mf.model).__name__, mf.name, ns.tracer)) from exc
-    frozen = frozen_mode(conv.report)
-    if frozen:
-        ui.warn(f"{mf.name}: {frozen}; training with it runs without its train-mode ops (dropout...); "
-                "--strict-modes makes this an error")
-    if conv.report.extra.get("device_advice"):
-        ui.warn(conv.report.extra["device_advice"])
-    narrowed = narrowed_text(conv.report.extra.get("narrowed_dims") or {})
-    if narrowed:
-        ui.warn(f"{mf.name}: {narrowed}")
+    for warning in header_warnings(conv.report):  # what report.md/html put first, one line each
+        if warning.kind == "speed":
+            ui.warn(warning.text)
+        elif warning.kind == "modes":
+            ui.warn(f"{mf.name}: {warning.text}; training with it runs without its train-mode ops (dropout...); "
+                    "--strict-modes makes this an error")
+        else:
+            ui.warn(f"{mf.name}: {warning.text}")
     if measure and not getattr(ns, "no_measure", False) and not any(p.is_meta for p in mf.model.parameters()):
         from converter.numerics.measure import measure as _measure
 

@@ -486,9 +486,10 @@ def _import_line(name: str, obj: Any, warnings: list[str]) -> Optional[str]:
     return f"from {module} import {qual}" + (f" as {name}" if name != qual else "")
 
 
-def _library_imports(graphs: Iterable[torch.fx.Graph], warnings: list[str]) -> list[str]:
+def _library_imports(graphs: Iterable[torch.fx.Graph], warnings: list[str]) -> tuple[list[str], list[str]]:
     """Import lines for the custom ops of other libraries the graphs call (importing the module that
-    defines an op registers it), each failing with one clear line; a warning per package."""
+    defines an op registers it), each failing with one clear line, and the packages they need; a
+    warning per package."""
     found: dict[str, list[str]] = {}
     for graph in graphs:
         for node in graph.nodes:
@@ -496,13 +497,15 @@ def _library_imports(graphs: Iterable[torch.fx.Graph], warnings: list[str]) -> l
             if op is not None and op[0] not in found.setdefault(op[1], []):
                 found[op[1]].append(op[0])
     lines: list[str] = []
+    packages: list[str] = []
     for module, ops in found.items():
         package = module.split(".")[0]
+        packages += [package] if package not in packages else []
         names = ", ".join(f"torch.ops.{op.replace('::', '.')}" for op in ops)
         warnings.append(f"model.py needs the package '{package}': the graph calls {names} (defined in {module})")
         lines += ["try:  # registers " + names, f"    import {module}", "except ImportError as exc:",
                   f"    raise ImportError({f'model.py calls {names}, which the package {package!r} defines: pip install {package}'!r}) from exc"]
-    return lines
+    return lines, sorted(packages)
 
 
 def _import_lines(globals_: dict[str, Any], warnings: list[str]) -> list[str]:
@@ -693,9 +696,9 @@ def generate_model_source(conv, *, model_file: Optional[str] = None) -> ModelSou
     report = getattr(conv, "report", None)
     summary = report.line if report is not None else ""
     graphs = [gm.graph] + ([gm.eval_graph] if isinstance(gm, TwoModeGraphModule) else [])
-    library = _library_imports(graphs, warnings)
+    library, packages = _library_imports(graphs, warnings)
     imports = library + imports
-    packages = sorted({line.split()[1].split(".")[0] for line in library if line.startswith("    import ")})
+    external = sorted(name for name, t in found.values.items() if t.is_meta)
     modes_note = (report.extra.get("modes") or "") if report is not None else ""
     code = render_template(
         "model.py.tmpl",
@@ -713,7 +716,7 @@ def generate_model_source(conv, *, model_file: Optional[str] = None) -> ModelSou
         weights_file=repr(WEIGHTS_FILE),
         weights_index=repr(WEIGHTS_INDEX),
         opt_level=repr("O2" if stored else "O1"),
-        external=repr(sorted(name for name, t in found.values.items() if t.is_meta)),
+        external=repr(external),
         parameters=_table(found.parameters, stored),
         buffers=_table(found.buffers),
         constants=_table(found.constants),
@@ -731,4 +734,4 @@ def generate_model_source(conv, *, model_file: Optional[str] = None) -> ModelSou
     except SyntaxError as exc:  # a bug in this generator; never publish broken code
         raise EmitError(f"internal error: generated model.py does not compile ({exc.msg} at line {exc.lineno}); please report it") from exc
     return ModelSource(code=code, tensors=found.values, class_name=class_name, warnings=warnings, dtypes=stored,
-                       external=sorted(name for name, t in found.values.items() if t.is_meta))
+                       external=external)

@@ -216,8 +216,6 @@ CAST_OPS = frozenset({"to"})
 #: statistics must keep being updated in place)
 NORM_OPS = frozenset({"batch_norm", "layer_norm", "group_norm", "rms_norm", "instance_norm"})
 
-#: pointwise ops whose kernels promote mixed floating inputs themselves (TensorIterator): a
-#: ``promote`` node of these needs no cast when a non-scalar input already has the widest dtype
 #: the matmul class and convolutions (and attention): the ops whose fp32 math backend flags change, and the
 #: only consumers for which O2 stores a parameter in half (see converter.passes.rewrite)
 MATMUL_CONV_OPS = frozenset({
@@ -241,6 +239,8 @@ RECURRENT_OPS = frozenset({"lstm", "gru", "rnn", "rnn_tanh", "rnn_relu"})
 #: its dtype in the fp32 model, as autocast leaves it) and rewrite casts the operands to its dtype.
 ACCUMULATE_OPS = frozenset({"index_add", "scatter_add", "scatter_reduce", "scatter", "index_put", "put", "index_copy",
                             "masked_scatter"})
+#: pointwise ops whose kernels promote mixed floating inputs themselves (TensorIterator): a
+#: ``promote`` node of these needs no cast when a non-scalar input already has the widest dtype
 NATIVE_PROMOTE_OPS = frozenset({"add", "sub", "mul", "div", "where", "maximum", "minimum", "addcmul", "addcdiv", "atan2"})
 
 # In-place ops whose name has no trailing underscore.

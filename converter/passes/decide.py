@@ -20,7 +20,8 @@ the tensor it mutates, so the op's rule decides that tensor's producer, the *acc
 producer is movable (``follow``/``promote``): ``promote`` keeps it in its fp32-model dtype, as autocast
 leaves a buffer made from an fp32 tensor (the sums run in fp32, as the out-of-place op would promote
 to its widest input); ``half``/``fp32``/… set it. The producer's decision records the in-place node and
-its rule (``<rule> via in-place index_add_ …``); rewrite casts the operands to the accumulator's dtype.
+its rule (``accumulator of in-place index_add_ 'index_add_' (<rule>): …``); rewrite casts the operands
+to the accumulator's dtype.
 """
 from __future__ import annotations
 
@@ -119,6 +120,12 @@ def decide(gm: torch.fx.GraphModule, rules: Rules, *, precision: str) -> None:
             _decide_accumulator(node, precision)
 
 
+def _resolved(requested: str, target: str) -> str:
+    """A rule's precision as a node's: ``half`` is the target dtype; tf32 is fp32 storage (placement and
+    rewrite treat it as fp32; fp32_math scopes its math); the others as they are."""
+    return target if requested == "half" else "fp32" if requested == "tf32" else requested
+
+
 def _decide_accumulator(node: torch.fx.Node, target: str) -> None:
     """The in-place accumulation ``node``'s rule decides the producer of the tensor it mutates (see
     the module docstring); ``node`` itself records that rule."""
@@ -136,7 +143,7 @@ def _decide_accumulator(node: torch.fx.Node, target: str) -> None:
     if win.precision == "promote":
         want, how = name_of(spec.dtype), f"kept in {name_of(spec.dtype)}, its dtype in the fp32 model"
     else:
-        want = target if win.precision == "half" else "fp32" if win.precision == "tf32" else win.precision
+        want = _resolved(win.precision, target)
         how = f"set to {want}"
     rule_text = decision_reason(win.level_name, win.rule.pattern, win.rule.file, win.reason, win.scope)
     op = f"{node.meta[META_INFO].op}_"
@@ -186,8 +193,7 @@ def _decide_node(node: torch.fx.Node, rules: Rules, precision: str) -> None:
     if ban is not None and (win.level_name != PRECEDENCE[0] or win.precision == "banned"):  # a node rule may lift a ban
         message = rules.rule_for(ban).message
         raise BannedOpError(f"node {node.name!r} (op {info.op}) is banned by {ban.rule}: {message}")
-    # tf32 is fp32 storage (placement and rewrite treat it as fp32); fp32_math scopes its math
-    resolved = precision if win.precision == "half" else "fp32" if win.precision == "tf32" else win.precision
+    resolved = _resolved(win.precision, precision)
     reason = decision_reason(win.level_name, win.rule.pattern, win.rule.file, win.reason, win.scope)
     if win.level_name == DEFAULT_LEVEL:
         reason = f"no rule matches op {info.op!r}: {win.rule.file} default is {win.precision}"

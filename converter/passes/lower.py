@@ -40,9 +40,10 @@ bf16 (its activations' dtype) and its reason says why.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import operator
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.fx
@@ -86,7 +87,10 @@ def lower(gm: torch.fx.GraphModule, *, device: Optional[str]) -> list[str]:
     if device != "cpu":
         return []
     lowered = []
-    for node in list(gm.graph.nodes):
+    nodes = list(gm.graph.nodes)
+    # checkpoint region ids for the recomputed attentions: after every id the model's own regions use
+    regions = itertools.count(1 + max((n.meta[META_CHECKPOINT].region for n in nodes if META_CHECKPOINT in n.meta), default=-1))
+    for node in nodes:
         info: Optional[NodeInfo] = node.meta.get(META_INFO)
         decision: Optional[Decision] = node.meta.get(META_DECISION)
         if info is None or decision is None:
@@ -102,7 +106,7 @@ def lower(gm: torch.fx.GraphModule, *, device: Optional[str]) -> list[str]:
         call = _sdpa_call(node)
         if call is None:
             continue
-        _lower_attention(gm, node, info, decision, call)
+        _lower_attention(gm, node, info, decision, call, regions)
         lowered.append(node.name)
     return lowered
 
@@ -157,7 +161,7 @@ def _sdpa_call(node: torch.fx.Node) -> Optional[dict[str, Any]]:
 
 
 def _lower_attention(gm: torch.fx.GraphModule, node: torch.fx.Node, info: NodeInfo, decision: Decision,
-                     call: dict[str, Any]) -> None:
+                     call: dict[str, Any], regions: Iterator[int]) -> None:
     graph = gm.graph
     q, k, v, mask = call["query"], call["key"], call["value"], call["attn_mask"]
     head_dim = q.meta[META_VALUE].shape[-1]
@@ -171,7 +175,7 @@ def _lower_attention(gm: torch.fx.GraphModule, node: torch.fx.Node, info: NodeIn
     # attention is recomputed in backward (RECOMPUTE_ATTENTION), so that it saves q, k, v as the fused op does
     tag = node.meta.get(META_CHECKPOINT)
     if tag is None and RECOMPUTE_ATTENTION:
-        tag = CheckpointTag(region=_free_region(graph), preserve_rng_state=True)
+        tag = CheckpointTag(region=next(regions), preserve_rng_state=True)
 
     def emit(op: str, target: Any, *args: Any, **kwargs: Any) -> torch.fx.Node:
         with graph.inserting_before(node):
@@ -203,12 +207,6 @@ def _lower_attention(gm: torch.fx.GraphModule, node: torch.fx.Node, info: NodeIn
     if isinstance(p, torch.fx.Node) and not p.users:
         graph.erase_node(p)
     _annotate(gm, new, info, decision, why)
-
-
-def _free_region(graph: torch.fx.Graph) -> int:
-    """A checkpoint region id no node of ``graph`` uses yet."""
-    used = [n.meta[META_CHECKPOINT].region for n in graph.nodes if META_CHECKPOINT in n.meta]
-    return max(used, default=-1) + 1
 
 
 def _annotate(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], like: NodeInfo, decision: Decision, why: str) -> None:

@@ -183,7 +183,7 @@ def _weight_part(summary: dict) -> str:
     left = f"{summary.get('weight_casts', 0)} weight casts, {summary.get('weight_cast_bytes', 0) / 2**20:.2f} MiB"
     if summary.get("opt_level") != "O2":
         return f"+{left}"
-    return f"O2: {summary.get('params_half_in_o2', 0)} weights stored in half, no cast; +{left} on fp32-stored parameters"
+    return f"O2: {summary.get('weight_casts_dropped_in_o2', 0)} weights stored in half, no cast; +{left} on fp32-stored parameters"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -468,7 +468,7 @@ def build_report(gm: torch.fx.GraphModule, *, precision: str, tracer: str, rules
         "weight_casts": len(weight),
         "weight_cast_bytes": sum(c["bytes"] for c in weight),
         "opt_level": "O2" if o2 else "O1",
-        "params_half_in_o2": sum(1 for c in casts if c["on_weight"]) - len(weight) if o2 else 0,
+        "weight_casts_dropped_in_o2": sum(1 for c in casts if c["on_weight"]) - len(weight) if o2 else 0,
         "flops": total_flops,
         "half_flops": half_flops,
         "half_flop_fraction": (half_flops / total_flops) if total_flops else 0.0,

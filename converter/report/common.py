@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
 from converter.ir.meta import HALF_NAMES, note_text
@@ -18,7 +19,7 @@ __all__ = [
     "ReportView", "COLORS", "ORDER", "precision_class", "half_count", "fmt_bytes", "fmt_flops", "fmt_db", "db_sort_key",
     "fmt_pct", "fmt_err", "fmt_ratio", "short_rule", "node_reason", "tuned_for", "calibration_rows", "module_groups",
     "module_bytes", "split_casts", "fp32_math_facts", "FP32_MATH_NOTE", "frozen_mode",
-    "header_warnings", "weight_cast_label", "narrowed_text",
+    "header_warnings", "HeaderWarning", "weight_cast_label", "narrowed_text",
 ]
 
 #: precision -> colour, shared by the HTML strip, the plots and the badges
@@ -140,23 +141,34 @@ def frozen_mode(report: ReportView) -> Optional[str]:
 def weight_cast_label(summary: dict) -> str:
     """What the summary's weight casts are: every O1 weight cast, or those O2 keeps (fp32-stored parameters)."""
     if summary.get("opt_level") == "O2":
-        return f"weight casts left in O2 ({summary.get('params_half_in_o2', 0)} weights stored in half)"
+        return f"weight casts left in O2 ({summary.get('weight_casts_dropped_in_o2', 0)} weights stored in half)"
     return "weight casts (O1)"
 
 
-def header_warnings(report: ReportView) -> list[tuple[str, str]]:
-    """(title, text) of what a reader must see first: a frozen train/eval mode, a half dtype with no
-    fast math on the device (:mod:`converter.numerics.device`)."""
+@dataclass(frozen=True)
+class HeaderWarning:
+    """Something a reader must see first: ``kind`` (``modes``, ``speed``, ``sizes``), a card title and
+    headline for report.html, and the one-line text (report.md, the CLI's stderr)."""
+
+    kind: str
+    title: str
+    headline: str
+    text: str
+
+
+def header_warnings(report: ReportView) -> list[HeaderWarning]:
+    """A frozen train/eval mode, a half dtype with no fast math on the device
+    (:mod:`converter.numerics.device`), input dims a guard in the model pins (:mod:`converter.passes.guards`)."""
     out = []
     frozen = frozen_mode(report)
     if frozen:
-        out.append(("train()/eval()", frozen))
+        out.append(HeaderWarning("modes", "train()/eval()", "frozen", frozen))
     advice = report.extra.get("device_advice")
     if advice:
-        out.append(("speed", advice))
+        out.append(HeaderWarning("speed", "speed", "warning", advice))
     narrowed = narrowed_text(report.extra.get("narrowed_dims") or {})
     if narrowed:
-        out.append(("input sizes", narrowed))
+        out.append(HeaderWarning("sizes", "input sizes", "warning", narrowed))
     return out
 
 

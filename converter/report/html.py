@@ -88,8 +88,8 @@ def _cards(report: ReportView) -> str:
         _card("Unmatched ops", str(len(s["unmatched_ops"])), ", ".join(s["unmatched_ops"][:4]) or "every op has a rule",
               warn=bool(s["unmatched_ops"])),
     ]
-    for title, text in header_warnings(report):
-        cards.append(_card(title, "frozen" if title == "train()/eval()" else "warning", text, warn=True))
+    for warning in header_warnings(report):
+        cards.append(_card(warning.title, warning.headline, warning.text, warn=True))
     if m:
         cards.append(_card("Parameters (O2)", fmt_bytes(m.get("param_bytes_o2")), f"O1 (fp32 storage): {fmt_bytes(m.get('param_bytes_o1'))}"))
     saved = m.get("saved_activation_bytes") if m else None

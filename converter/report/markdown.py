@@ -60,7 +60,7 @@ def _header(report: ReportView) -> list[str]:
     return [f"# Precision audit: {md_escape(report.model or 'model')}", "", f"**{md_escape(report.line)}**", "",
             f"Target precision `{md_escape(report.precision)}` · tracer `{md_escape(report.tracer)}` · "
             f"{s['nodes']} graph nodes, {s['compute_nodes']} compute nodes · rule files: {files}", ""] + [
-            line for _title, text in header_warnings(report) for line in (f"> **Warning:** {md_escape(text)}", "")]
+            line for warning in header_warnings(report) for line in (f"> **Warning:** {md_escape(warning.text)}", "")]
 
 
 def _summary(report: ReportView) -> list[str]:
