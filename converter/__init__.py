@@ -78,11 +78,15 @@ _LAZY = {
 
 
 def __getattr__(name: str):
+    import importlib
+    import importlib.util
+
     module = _LAZY.get(name)
     if module is None:
-        raise AttributeError(f"module 'converter' has no attribute {name!r}")
-    import importlib
-
+        # a subpackage or module not imported yet (``converter.api.Fp16OverflowError`` before any convert())
+        if importlib.util.find_spec(f"{__name__}.{name}") is None:
+            raise AttributeError(f"module 'converter' has no attribute {name!r}")
+        return importlib.import_module(f"{__name__}.{name}")
     return getattr(importlib.import_module(module), name)
 
 

@@ -54,6 +54,7 @@ __all__ = [
     "GM_PARAM_DTYPES",
     "GM_PARAM_STORAGE",
     "GM_CALIBRATION",
+    "GM_READ_CASTS",
     "TORCH_META_KEYS",
     "MetaKey",
     "CONTRACT",
@@ -114,6 +115,7 @@ GM_GRAPH = "mp_graph"
 GM_PARAM_DTYPES = "mp_param_dtypes"
 GM_PARAM_STORAGE = "mp_param_storage"
 GM_CALIBRATION = "mp_calibration"
+GM_READ_CASTS = "mp_read_casts"
 #: keys torch itself writes, which the stages only read
 TORCH_META_KEYS = ("val", "stack_trace", "nn_module_stack", "custom")
 
@@ -176,6 +178,8 @@ CONTRACT: tuple[MetaKey, ...] = (
             "fqn -> why O2 keeps a parameter that the graph casts to half in fp32 storage"),
     MetaKey(GM_CALIBRATION, "graph", "dict", ("calibrate",), ("report",),
             "calibration results for report.json (risky nodes, loss scale, underflow)"),
+    MetaKey(GM_READ_CASTS, "graph", "dict[str, str]", ("calibrate",), ("rewrite",),
+            "fqn -> why a parameter several nodes read is cast once per read and stored in fp32 under O2"),
 )
 
 #: precision name -> torch dtype, for the floating dtypes this tool converts between

@@ -39,6 +39,7 @@ import torch.fx
 
 from converter.ir.meta import (
     GM_CALIBRATION,
+    GM_READ_CASTS,
     HALF_NAMES,
     META_DECISION,
     META_INFO,
@@ -185,11 +186,72 @@ def recommend_loss_scale(max_abs_grad: float, margin: float) -> Optional[float]:
     return float(min(max(2.0**k, 1.0), MAX_LOSS_SCALE))
 
 
-def _gradient_report(gm: torch.fx.GraphModule, margin: float, target: str) -> dict:
+def _read_in_fp16(node: torch.fx.Node) -> bool:
+    """Whether an fp16 node reads this parameter (its gradient then passes through half)."""
+    return any(u.meta.get(META_DECISION) is not None and u.meta[META_DECISION].precision == "fp16" for u in node.users)
+
+
+def _half_gradient_absmax(node: torch.fx.Node, per_read: Mapping[str, float]) -> Optional[float]:
+    """max |gradient| that ``node`` has in half after the rewrite, None when it has none in half.
+
+    fp16 nodes' outputs; a parameter an fp16 node reads: its whole gradient, or for a parameter
+    whose reads are cast one by one (``per_read``), the largest part of one read."""
+    stats: Optional[NodeStats] = node.meta.get(META_STATS)
+    if stats is None or stats.grad is None:
+        return None
+    if node.op == "get_attr":
+        if not _read_in_fp16(node):
+            return None
+        return per_read.get(str(node.target), stats.grad.absmax)
+    decision = node.meta.get(META_DECISION)
+    return stats.grad.absmax if decision is not None and decision.precision == "fp16" else None
+
+
+def shared_reads_in_fp32(gm: torch.fx.GraphModule, cal: Calibration, margin: float, target: str) -> list[dict]:
+    """Parameters several fp16 nodes read whose summed gradient would overflow fp16 in half.
+
+    One cast shared by all reads (and O2's half storage) adds the reads' gradients in half: an
+    unrolled cell's weight, read T times, gets a gradient up to T times larger than any one read's.
+    The loss scale that keeps every other half gradient finite (:func:`recommend_loss_scale` over
+    fp16 node outputs, single-read parameters and each read of a shared one) then overflows the sum,
+    and the scaler would have to settle up to T times lower, flushing small gradients elsewhere.
+    Such a parameter is cast once per read and stored in fp32 under O2 (``gm.meta["mp_read_casts"]``):
+    the reads' parts, each finite at that scale, add in fp32. Returns the report rows."""
+    gm.meta[GM_READ_CASTS] = {}
+    if target != "fp16" or not cal.backward or not cal.param_uses:
+        return []
+    per_read = {name: max(a for _, a in reads) for name, reads in cal.param_uses.items()}
+    finite = [g for n in gm.graph.nodes if (g := _half_gradient_absmax(n, per_read)) is not None and math.isfinite(g)]
+    scale = recommend_loss_scale(max(finite, default=0.0), margin)
+    if scale is None:
+        return []
+    rows, seen = [], set()
+    for node in gm.graph.nodes:
+        name = str(node.target)
+        if node.op != "get_attr" or name not in per_read or name in seen or not _read_in_fp16(node):
+            continue
+        seen.add(name)
+        total = node.meta[META_STATS].grad.absmax if META_STATS in node.meta and node.meta[META_STATS].grad else None
+        if total is None or not total * scale * margin >= FP16_MAX:
+            continue
+        reads = cal.param_uses[name]
+        reason = (f"calibration: its gradient adds {len(reads)} reads and reaches {_fmt(total)}; at loss scale {scale:g} "
+                  f"(the largest that keeps every other half gradient finite, margin {margin:g}) the sum overflows fp16 "
+                  f"({_fmt(total)} × {scale:g} × {margin:g} > 65504) while each read's part (at most {_fmt(per_read[name])}) "
+                  "fits: each read is cast on its own, so the parts add in fp32, and O2 keeps fp32 storage")
+        rows.append({"param": name, "reads": len(reads), "grad_absmax": json_float(total),
+                     "read_grad_absmax": json_float(per_read[name]), "loss_scale": scale, "margin": margin,
+                     "reason": reason})
+    gm.meta[GM_READ_CASTS] = {row["param"]: row["reason"] for row in rows}
+    return rows
+
+
+def _gradient_report(gm: torch.fx.GraphModule, margin: float, target: str, per_read: Mapping[str, float]) -> dict:
     """Underflow risk and the loss scale, over the gradients that fp16 nodes produce in half.
 
     Those are the gradients of the outputs of fp16 nodes and of the parameters they cast (O1:
-    the weight gradient is computed in half before it reaches the fp32 master).
+    the weight gradient is computed in half before it reaches the fp32 master; a parameter cast
+    once per read has each read's part in half, ``per_read``).
     """
     if target != "fp16":
         return {"recommended_initial_scale": None,
@@ -199,24 +261,18 @@ def _gradient_report(gm: torch.fx.GraphModule, margin: float, target: str) -> di
     max_grad = 0.0
     names = []
     for node in gm.graph.nodes:
-        stats: Optional[NodeStats] = node.meta.get(META_STATS)
-        if stats is None or stats.grad is None:
-            continue
-        decision = node.meta.get(META_DECISION)
-        half = decision is not None and decision.precision == "fp16"
-        if node.op == "get_attr":
-            half = any(u.meta.get(META_DECISION) is not None and u.meta[META_DECISION].precision == "fp16" for u in node.users)
-        if not half:
+        absmax = _half_gradient_absmax(node, per_read)
+        if absmax is None:
             continue
         names.append(node.name)
-        g = stats.grad
+        g = node.meta[META_STATS].grad
         hist = {} if hist is None else hist
-        for e, c in stats.grad_log2_hist:
+        for e, c in node.meta[META_STATS].grad_log2_hist:
             hist[e] = hist.get(e, 0) + c
         count += g.count
         zeros += g.n_zero
-        if not math.isnan(g.absmax):
-            max_grad = max(max_grad, g.absmax)
+        if not math.isnan(absmax):
+            max_grad = max(max_grad, absmax)
     if hist is None:
         scale_info = {"recommended_initial_scale": None, "why": "no gradient reached an fp16 node (backward off, or nothing requires grad)"}
         return scale_info, {"applies": False, "why": scale_info["why"]}
@@ -282,8 +338,9 @@ def calibrate_and_redecide(
     fresh = fresh_decisions(gm, rules, settings.target)
     t1 = time.perf_counter()
     risky = redecide_overflow(gm, rules=rules, settings=settings, margin=margin, fallback=fallback, fresh=fresh)
+    shared = shared_reads_in_fp32(gm, cal, margin, settings.target)
     result = _calibration_report(gm, cal, settings.target, margin=margin, margin_source=margin_source, fallback=fallback,
-                                 risky=risky)
+                                 risky=risky, shared=shared)
     result["timings"] = {"statistics_s": cal.seconds, "redecide_s": time.perf_counter() - t1}
     gm.meta[GM_CALIBRATION] = result
     if options.tolerance is not None:
@@ -317,14 +374,15 @@ def _margin_and_fallback(rules: Rules, options: CalibrationOptions) -> tuple[flo
 
 
 def _calibration_report(gm: torch.fx.GraphModule, cal: Calibration, target: str, *, margin: float, margin_source: str,
-                        fallback: str, risky: list[dict]) -> dict:
+                        fallback: str, risky: list[dict], shared: list[dict]) -> dict:
     """The ``mp_calibration`` dict (report.json's ``"calibration"`` section), timings aside."""
     nonfinite = [
         {"name": n.name, "inf": n.meta[META_STATS].forward.n_inf, "nan": n.meta[META_STATS].forward.n_nan}
         for n in gm.graph.nodes
         if META_STATS in n.meta and (n.meta[META_STATS].forward.n_inf or n.meta[META_STATS].forward.n_nan)
     ]
-    scale_info, underflow = _gradient_report(gm, margin, target)
+    per_read = {row["param"]: max(a for _, a in cal.param_uses[row["param"]]) for row in shared}
+    scale_info, underflow = _gradient_report(gm, margin, target, per_read)
     return {
         "target": target,
         "batches": cal.batches,
@@ -335,6 +393,7 @@ def _calibration_report(gm: torch.fx.GraphModule, cal: Calibration, target: str,
         "overflow_fallback": fallback,
         "fp16_max": FP16_MAX,
         "risky_nodes": risky,
+        "shared_reads_in_fp32": shared,
         "nonfinite_in_fp32": nonfinite,
         "underflow": underflow,
         "loss_scale": scale_info,

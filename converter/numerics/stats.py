@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
@@ -156,6 +156,8 @@ class Calibration:
     backward: bool
     seconds: float
     inputs: list  # the normalised batches, kept for the accuracy search
+    #: parameter (fqn) read by several nodes -> ((reading node, max |gradient| through that read), ...)
+    param_uses: dict = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,10 +377,15 @@ def _mutated_later(gm: torch.fx.GraphModule) -> set:
 class _Probe:
     """An instrumented copy of ``gm`` that stores every floating node output of a forward pass."""
 
-    def __init__(self, gm: torch.fx.GraphModule, nodes: Sequence[torch.fx.Node]):
+    def __init__(self, gm: torch.fx.GraphModule, nodes: Sequence[torch.fx.Node], uses: Sequence[tuple] = ()):
         graph, mapping = copy_graph(gm)
         self.slots: list = [None] * len(nodes)
-        slots = self.slots
+        self.use_slots: list = [None] * len(uses)
+        slots, use_slots = self.slots, self.use_slots
+
+        def _mp_read(index, value):  # one read of a shared parameter, as its own autograd node
+            use_slots[index] = value = value.view_as(value)
+            return value
 
         def _mp_record(index, value):
             slots[index] = value
@@ -399,6 +406,10 @@ class _Probe:
             fn = _mp_record_clone if old in mutated else _mp_record
             with graph.inserting_after(where):
                 graph.call_function(fn, (i, new))
+        for j, (param, reader) in enumerate(uses):
+            new_param, new_reader = mapping[param], mapping[reader]
+            with graph.inserting_before(new_reader):
+                new_reader.replace_input_with(new_param, graph.call_function(_mp_read, (j, new_param)))
         self.module = torch.fx.GraphModule(gm, graph, class_name="CalibrationProbe")
 
     def __call__(self, args: tuple, kwargs: dict):
@@ -407,6 +418,7 @@ class _Probe:
     def clear(self) -> None:
         """Drop the recorded values (the caller keeps what it needs)."""
         self.slots[:] = [None] * len(self.slots)
+        self.use_slots[:] = [None] * len(self.use_slots)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -529,8 +541,13 @@ def collect_statistics(
         n.meta[META_STATS] = record
         stats[n.name] = record
     loss_text = _loss_text(backward=backward, note=run["note"], loss_fn=loss_fn, grads_seen=run["grads_seen"])
+    uses: dict[str, list] = {}
+    if backward:
+        for (param, reader), absmax in zip(plan.uses, run["use_absmax"]):
+            uses.setdefault(str(param.target), []).append((reader.name, absmax))
     return Calibration(stats=stats, batches=run["batches"], loss=loss_text, backward=backward and run["grads_seen"],
-                       seconds=time.perf_counter() - t0, inputs=run["inputs"])
+                       seconds=time.perf_counter() - t0, inputs=run["inputs"],
+                       param_uses={k: tuple(v) for k, v in uses.items()})
 
 
 class _Plan:
@@ -556,6 +573,7 @@ class _Plan:
                 param_values[n] = value
         self.acc.add(list(param_values.values()), [self.p_index[n] for n in param_values])
         self.param_pairs = [(v, self.p_index[n]) for n, v in param_values.items() if v.requires_grad]
+        self.uses = _shared_param_uses(gm, {n for n, v in param_values.items() if v.requires_grad})
 
     def results(self) -> dict:
         """node -> (forward stats, gradient stats, gradient histogram), derived nodes included."""
@@ -569,6 +587,19 @@ class _Plan:
         for n in self.derived:
             _resolve(n, results, self.derived)
         return results
+
+
+def _shared_param_uses(gm: torch.fx.GraphModule, params: set) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
+    """(get_attr node, reader) for every read of a parameter that several nodes read (an unrolled
+    cell's weight, a layer applied twice). Their gradients add up in the parameter; the sum can
+    overflow fp16 where each read's part fits, so calibration measures each part (``param_uses``)."""
+    reads: dict[str, list] = {}
+    for n in params:
+        for user in n.users:
+            info = user.meta.get(META_INFO)
+            if info is None or info.kind != "passive":
+                reads.setdefault(str(n.target), []).append((n, user))
+    return [pair for pairs in reads.values() if len(pairs) > 1 for pair in pairs]
 
 
 def _resolve(node: torch.fx.Node, results: dict, derived: dict) -> Optional[tuple]:
@@ -614,9 +645,9 @@ def _recorded_tensors(slots: Sequence) -> tuple[list[torch.Tensor], list[int]]:
 def _run_batches(gm: torch.fx.GraphModule, plan: _Plan, items: list, *, loss_fn: Optional[Callable], backward: bool,
                  progress: bool) -> dict:
     """Forward (and backward) every batch through the probe, feeding the accumulator."""
-    probe = _Probe(gm, plan.nodes)
+    probe = _Probe(gm, plan.nodes, plan.uses if backward else ())
     acc, total = plan.acc, plan.total
-    run: dict = {"inputs": [], "note": [], "batches": 0, "grads_seen": False}
+    run: dict = {"inputs": [], "note": [], "batches": 0, "grads_seen": False, "use_absmax": [0.0] * len(plan.uses)}
     bar = progress_bar(progress)
     with preserved_state(gm), bar:
         task = bar.add_task("calibrating", total=len(items))
@@ -626,21 +657,28 @@ def _run_batches(gm: torch.fx.GraphModule, plan: _Plan, items: list, *, loss_fn:
             with torch.enable_grad():
                 output = probe(args, kwargs)
                 f_tensors, f_segs = _recorded_tensors(probe.slots)
+                reads = list(probe.use_slots)
                 probe.clear()
                 tensors, segs = f_tensors, f_segs
                 if backward:
                     loss = _loss(output, item, loss_fn, run["note"])
                     if loss is not None and loss.requires_grad:
                         pairs = [(t, s) for t, s in zip(f_tensors, f_segs) if t.requires_grad] + plan.param_pairs
+                        read_at = [j for j, t in enumerate(reads) if isinstance(t, torch.Tensor) and t.requires_grad]
                         if pairs:
-                            grads = torch.autograd.grad(loss, [t for t, _ in pairs], allow_unused=True)
+                            grads = torch.autograd.grad(loss, [t for t, _ in pairs] + [reads[j] for j in read_at],
+                                                        allow_unused=True)
+                            for j, g in zip(read_at, grads[len(pairs):]):
+                                if g is not None:
+                                    run["use_absmax"][j] = max(run["use_absmax"][j], float(g.detach().abs().max()))
+                            grads = grads[:len(pairs)]
                             keep = [(g, s) for g, (_, s) in zip(grads, pairs) if g is not None]
                             tensors = f_tensors + [g for g, _ in keep]
                             segs = f_segs + [total + s for _, s in keep]
                             run["grads_seen"] = run["grads_seen"] or bool(keep)
                     del loss
                 acc.add(tensors, segs)
-                del output, f_tensors, tensors
+                del output, f_tensors, tensors, reads
             run["batches"] += 1
             bar.advance(task)
     return run

@@ -38,6 +38,7 @@ from converter.ir.meta import (
     DTYPES,
     GM_PARAM_DTYPES,
     GM_PARAM_STORAGE,
+    GM_READ_CASTS,
     META_CAST,
     META_CHECKPOINT,
     META_DECISION,
@@ -99,6 +100,7 @@ def rewrite(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, check: Opti
     graph = gm.graph
     cache: dict = {}
     casts: dict[tuple[torch.fx.Node, torch.dtype, tuple], torch.fx.Node] = {}
+    per_read = gm.meta.get(GM_READ_CASTS) or {}  # parameters cast once per read (calibration)
 
     def get_cast(src: torch.fx.Node, dtype: torch.dtype, consumer: torch.fx.Node, rule: RuleRef, reason: str) -> torch.fx.Node:
         region = consumer.meta.get(META_REGION, ())
@@ -106,6 +108,8 @@ def rewrite(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, check: Opti
         # never share a cast across a no_grad region's edge (see passes.regions) nor a checkpoint's:
         # a cast for a checkpointed consumer runs inside the region (passes.checkpoint)
         key = (src, dtype, region, checkpoint)
+        if src.op == "get_attr" and str(src.target) in per_read:
+            key += (consumer,)  # the reads' gradients then add in fp32, in the parameter
         if key in casts:
             cast = casts[key]
             rec: CastRecord = cast.meta[META_CAST]
@@ -307,7 +311,9 @@ def _record_param_dtypes(gm: torch.fx.GraphModule) -> None:
     of those casts is a matmul/convolution (or recurrent op) reading it directly: a weight. Tokens,
     positional tables, scales and norms that the graph casts for a pointwise op keep fp32 storage:
     their gradients are sums over the whole batch (a ``cls_token``'s over every image), which
-    overflow fp16 once scaled by the loss scale, and their fp32 copy costs little."""
+    overflow fp16 once scaled by the loss scale, and their fp32 copy costs little. So does a weight
+    that calibration found read by several nodes with a summed gradient fp16 cannot hold
+    (``gm.meta["mp_read_casts"]``, see :func:`converter.numerics.calibrate.shared_reads_in_fp32`)."""
     wanted: dict[str, set] = {}
     indirect: dict[str, str] = {}
     for node in gm.graph.nodes:
@@ -327,6 +333,8 @@ def _record_param_dtypes(gm: torch.fx.GraphModule) -> None:
             if other is not None:
                 indirect[target] = (f"cast to {rec.dtype} for {other[0]} ({other[1]}), not read by a matmul or convolution as a "
                                     "weight: kept in fp32 storage under O2 (its gradient sums over the batch)")
+    for name, why in (gm.meta.get(GM_READ_CASTS) or {}).items():
+        indirect.setdefault(name, why)
     dtypes: dict[str, torch.dtype] = {}
     kept: dict[str, str] = {}
     for name, param in gm.named_parameters():
