@@ -106,7 +106,7 @@ def test_contract_entries_are_complete_and_unique():
     for entry in ir_meta.CONTRACT:
         assert entry.on in ("node", "graph") and entry.type and entry.writers and entry.doc, entry
     assert {e.key for e in ir_meta.CONTRACT if e.on == "graph"} == {ir_meta.GM_GRAPH, ir_meta.GM_PARAM_DTYPES, ir_meta.GM_PARAM_STORAGE,
-                                                                          ir_meta.GM_CALIBRATION}
+                                                                          ir_meta.GM_CALIBRATION, ir_meta.GM_READ_CASTS}
 
 
 def test_the_scanner_catches_an_undeclared_key():
