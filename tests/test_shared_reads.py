@@ -131,7 +131,8 @@ def test_shared_weight_cast_per_read_and_kept_in_fp32_with_the_reason(tracer):
     report = conv.report.to_dict()
     assert report["memory"]["o2_fp32_params"] == kept
     assert report["calibration"]["shared_reads_in_fp32"][0]["param"] in SHARED
-    assert "calibration: its gradient adds" in conv.report.to_markdown()
+    markdown = conv.report.to_markdown()
+    assert "calibration: its gradient adds" in markdown and "| cast once per read, fp32 under O2" in markdown
     # and the casts carry the rule that made them
     for rec in (n.meta["mp_cast"] for n in gm.graph.nodes if "mp_cast" in n.meta):
         assert rec.rule is not None and rec.reason

@@ -197,6 +197,10 @@ def calibration_rows(report: ReportView) -> tuple[list[tuple[str, str]], list[di
     nonfinite = cal.get("nonfinite_in_fp32") or []
     if nonfinite:
         facts.append(("non-finite values already in fp32", ", ".join(n["name"] for n in nonfinite)))
+    shared = cal.get("shared_reads_in_fp32") or []
+    if shared:
+        facts.append(("cast once per read, fp32 under O2 (summed gradient overflows fp16)",
+                      ", ".join(f"{r['param']} ({r['reads']} reads)" for r in shared)))
     return facts, list(cal.get("risky_nodes") or [])
 
 
