@@ -65,7 +65,7 @@ def _read_parts(model: Unrolled, batches) -> tuple[dict[str, float], dict[str, f
     for x in batches:
         views: dict[str, list] = {}
 
-        def read(layer, name, arg):
+        def read(layer, name, arg, views=views):
             w, b = layer.weight.view_as(layer.weight), layer.bias.view_as(layer.bias)
             views.setdefault(f"{name}.weight", []).append(w)
             views.setdefault(f"{name}.bias", []).append(b)
