@@ -13,6 +13,9 @@ if os.environ.get("CI") == "true" or os.environ.get("HYPOTHESIS_PROFILE") == "ci
 
 # every conversion in the suite lints the rewritten graph (off by default: ~15 % of a large pass)
 os.environ.setdefault("MPCONVERT_CHECK", "1")
+# the slow-half advice measures this CPU: CLI output must not depend on which CPU runs the suite
+# (tests/test_device_advice.py turns it back on)
+os.environ.setdefault("MPCONVERT_NO_DEVICE_ADVICE", "1")
 
 
 @pytest.fixture

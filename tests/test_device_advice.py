@@ -14,6 +14,19 @@ from converter.numerics import device as device_mod
 from tests.helpers import SAMPLES
 
 
+@pytest.fixture(autouse=True)
+def _advice_on(monkeypatch):
+    """conftest turns the advice off for the rest of the suite (its output must not depend on the CPU)."""
+    monkeypatch.delenv("MPCONVERT_NO_DEVICE_ADVICE", raising=False)
+
+
+def test_the_environment_switch_turns_it_off(monkeypatch):
+    _timings(monkeypatch, 1.0, 0.6, 15.0)
+    assert device_mod.half_speed_advice("fp16", "cpu") is not None
+    monkeypatch.setenv("MPCONVERT_NO_DEVICE_ADVICE", "1")
+    assert device_mod.half_speed_advice("fp16", "cpu") is None
+
+
 def _timings(monkeypatch, fp32: float, bf16: float, fp16: float) -> None:
     table = {torch.float32: fp32, torch.bfloat16: bf16, torch.float16: fp16}
     monkeypatch.setattr(device_mod, "cpu_matmul_seconds", table.__getitem__)

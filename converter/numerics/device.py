@@ -6,10 +6,13 @@ project's 2-core EPYC, with nothing said. :func:`half_speed_advice` times one sm
 bf16 and fp16 on the CPU (a few milliseconds, once per process) and returns a one-line advice when
 the chosen dtype is much slower than fp32 while the other half dtype is not; on CUDA it reads the
 device capability instead (fp16 tensor cores from compute capability 7.0, bf16 from 8.0).
+``MPCONVERT_NO_DEVICE_ADVICE=1`` in the environment turns the check off (a build machine converting
+for another one; the test suite, whose expected output must not depend on the CPU it runs on).
 """
 from __future__ import annotations
 
 import functools
+import os
 import time
 from typing import Optional
 
@@ -51,7 +54,7 @@ _TENSOR_CORES = {"fp16": (7, 0), "bf16": (8, 0)}
 def half_speed_advice(precision: str, device: Optional[str]) -> Optional[str]:
     """One line of advice when ``precision`` (fp16/bf16) has no fast math on the device the model will
     train on (``device``; None: this machine's CUDA device if there is one, else its CPU); None if it has."""
-    if precision not in _NAMES:
+    if precision not in _NAMES or os.environ.get("MPCONVERT_NO_DEVICE_ADVICE") == "1":
         return None
     other = "bf16" if precision == "fp16" else "fp16"
     cuda = device == "cuda" or (device is None and torch.cuda.is_available())
