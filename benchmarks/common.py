@@ -62,15 +62,15 @@ MiB = float(1 << 20)
 _aten = torch.ops.aten
 
 
-def encoder(d_model: int, nhead: int, ff: int, batch: int, seq: int) -> tuple[torch.nn.Module, torch.Tensor]:
-    """The benchmark encoder: ``nn.TransformerEncoder``, 2 layers, in train mode, and its input.
+def encoder(d_model: int, nhead: int, ff: int, batch: int, seq: int, layers: int = 2) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The benchmark encoder: ``nn.TransformerEncoder``, ``layers`` layers (2 by default), in train mode, and its input.
 
     dropout=0: every variant computes the same function, so SQNR measures precision only (dropout
     masks drawn in different dtypes differ); the train-mode graph is otherwise kept.
     """
     torch.manual_seed(0)
     layer = torch.nn.TransformerEncoderLayer(d_model, nhead, ff, dropout=0.0, batch_first=True)
-    model = torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False).train()
+    model = torch.nn.TransformerEncoder(layer, num_layers=layers, enable_nested_tensor=False).train()
     torch.manual_seed(1)
     return model, torch.randn(batch, seq, d_model)
 

@@ -59,6 +59,16 @@ def _encoder(seed: int = 0) -> nn.Module:
     return nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
 
 
+def _shard(module: nn.Module, **kwargs) -> nn.Module:
+    """``fully_shard`` on a CPU device mesh: without one, FSDP2 builds its mesh on the machine's accelerator
+    (``torch._C._get_accelerator()``), which moves the module to cuda:0 on a GPU machine while the batches
+    and the gloo process group stay on the CPU."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard(module, mesh=init_device_mesh("cpu", (dist.get_world_size(),)), **kwargs)
+
+
 def _global_batch(step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(100 * step + micro)
     return torch.randn(2 * WORLD, 8, 32, generator=gen), torch.randn(2 * WORLD, 8, 32, generator=gen)
@@ -109,10 +119,10 @@ def _full_params(module: nn.Module) -> dict[str, torch.Tensor]:
 
 def _converted_bf16_with_checkpoint(rank: int, ckpt: Path, rows: slice) -> dict:
     from torch.distributed.checkpoint import load, save
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     policy = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
-    module = fully_shard(_converted("bf16"), mp_policy=policy)
+    module = _shard(_converted("bf16"), mp_policy=policy)
     trainer = _trainer(module, "bf16")
     stepped = _train(module, trainer, range(STEPS), rows=rows, poison=rank == 1)
     out = {"stepped": stepped, "stats": dataclasses.asdict(trainer.stats), "params": _full_params(module)}
@@ -120,7 +130,7 @@ def _converted_bf16_with_checkpoint(rank: int, ckpt: Path, rows: slice) -> dict:
     _train(module, trainer, range(STEPS, STEPS + RESUME_STEPS), rows=rows)
     out["continued"] = _full_params(module)
 
-    other = fully_shard(_converted("bf16", seed=3), mp_policy=policy)  # different weights: all must come from ckpt
+    other = _shard(_converted("bf16", seed=3), mp_policy=policy)  # different weights: all must come from ckpt
     resumed = _trainer(other, "bf16")
     state = resumed.state_dict()
     load(state, checkpoint_id=str(ckpt))
@@ -133,19 +143,19 @@ def _converted_bf16_with_checkpoint(rank: int, ckpt: Path, rows: slice) -> dict:
 
 
 def _scenario(rank: int, name: str, rows: slice) -> dict:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     if name == "fp16_scaler":
-        module = fully_shard(_converted("fp16"))
+        module = _shard(_converted("fp16"))
         trainer = _trainer(module, "fp16")
         stepped = _train(module, trainer, range(STEPS), rows=rows, poison=rank == 1)
     elif name == "bf16_accumulate":
-        module = fully_shard(_converted("bf16"))
+        module = _shard(_converted("bf16"))
         trainer = _trainer(module, "bf16", accumulation=2, clip=CLIP)
         stepped = _train(module, trainer, range(STEPS), rows=rows, accumulation=2)
     else:  # plain_fsdp_o2
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        module = fully_shard(_encoder(), mp_policy=policy)
+        module = _shard(_encoder(), mp_policy=policy)
         trainer = _trainer(module, "bf16")
         stepped = _train(module, trainer, range(STEPS), rows=rows)
     return {"stepped": stepped, "stats": dataclasses.asdict(trainer.stats), "params": _full_params(module),
@@ -280,9 +290,7 @@ def test_fsdp_o2_through_the_trainer_is_rejected_with_the_recipe():
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     try:
-        from torch.distributed.fsdp import fully_shard
-
-        module = fully_shard(_encoder())
+        module = _shard(_encoder())
         with pytest.raises(ValueError, match="MixedPrecisionPolicy\\(param_dtype=torch.bfloat16"):
             MixedPrecisionTrainer(module, torch.optim.SGD(module.parameters(), lr=0.1), precision="bf16",
                                   master_weights=True)

@@ -262,7 +262,9 @@ class _EmitCodeGen(CodeGen):
 
     def generate_output(self, output_args, *, descs=None, repr_fn=None) -> str:  # noqa: D102
         if self._output is None:
-            return super().generate_output(output_args, descs=descs, repr_fn=repr_fn)
+            # repr_fn only when torch passed one: torch < 2.12's CodeGen.generate_output has no such parameter
+            extra = {} if repr_fn is None else {"repr_fn": repr_fn}
+            return super().generate_output(output_args, descs=descs, **extra)
         return self._output(output_args)
 
 
