@@ -4,9 +4,10 @@ What runs on the GPU, for fp16 and bf16, through ``converter.convert(..., device
 
 * **dtypes**: a ``TorchDispatchMode`` records the input dtypes of every aten call of a forward and
   a backward. Every matmul-class call (``mm``/``addmm``/``bmm``/``convolution``/
-  ``_scaled_dot_product_*``) reads half, and the ops the default rules keep in fp32 (softmax,
-  log_softmax, layer_norm, batch_norm, the hand-written RMSNorm's pow/mean/rsqrt, GPT-2's
-  gelu_new pow) read fp32, with the number of calls that the model's structure gives
+  ``_scaled_dot_product_*``) reads half, the ops the default rules keep in fp32 (softmax,
+  log_softmax, layer_norm, the hand-written RMSNorm's pow/mean/rsqrt, GPT-2's gelu_new pow) read
+  fp32, and batch_norm (lowered for CUDA) reads the half activations with fp32 statistics, weight
+  and bias, with the number of calls that the model's structure gives
   (:data:`EXPECTED`), in train and eval mode, at the example size and another batch/length;
 * **numerics**: output and gradient SQNR against the fp32 model (IEEE fp32: TF32 off) on the
   GPU ≥ ``torch.autocast``'s SQNR − 1 dB, autocast measured in the same test;
@@ -58,11 +59,14 @@ MODELS = ("tiny_transformer", "cnn", "hf_gpt2")
 EXPECTED = {
     "tiny_transformer": {"half": {"mm": 11, "bmm": 2, "sdpa": 1},
                          "fp32": {"softmax": 1, "pow": 5, "mean": 5, "rsqrt": 5}},
-    "cnn": {"half": {"convolution": 3, "addmm": 1}, "fp32": {"batch_norm": 3, "log_softmax": 1, "mean": 1}},
+    "cnn": {"half": {"convolution": 3, "addmm": 1}, "fp32": {"log_softmax": 1, "mean": 1},
+            "half_io": {"batch_norm": 3}},
     "hf_gpt2": {"half": {"addmm": 8, "bmm": 4, "mm": 1}, "fp32": {"softmax": 2, "layer_norm": 5, "pow": 2}},
 }
 HALF_CLASSES = ("mm", "addmm", "bmm", "convolution", "sdpa")
-FP32_CLASSES = ("softmax", "log_softmax", "layer_norm", "batch_norm", "pow", "mean", "rsqrt")
+FP32_CLASSES = ("softmax", "log_softmax", "layer_norm", "pow", "mean", "rsqrt")
+#: ops lowered for CUDA to read the half activations with fp32 statistics, weight and bias (as under autocast)
+HALF_IO_CLASSES = ("batch_norm",)
 
 
 def op_class(name: str) -> str | None:
@@ -209,6 +213,11 @@ def test_dtypes_and_sqnr_on_the_gpu(precision, name, mode, size):
         assert not bad, f"{name} {mode}: {cls} not in fp32: {bad}"
         assert len(calls) == expected["fp32"].get(cls, 0), f"{name} {mode}: {len(calls)} {cls} calls, expected " \
             f"{expected['fp32'].get(cls, 0)}: {calls}"
+    for cls in HALF_IO_CLASSES:
+        calls = got.get(cls, [])
+        bad = [c for c in calls if c[1][0] != half or any(d != F32 for d in c[1][1:])]
+        assert not bad, f"{name} {mode}: {cls} not on {precision} activations with fp32 statistics: {bad}"
+        assert len(calls) == expected.get("half_io", {}).get(cls, 0), f"{name} {mode}: {len(calls)} {cls} calls: {calls}"
     back = by_class(bwd)
     matmuls = [c for cls in ("mm", "addmm", "bmm", "backward_matmul") for c in back.get(cls, [])]
     assert len(matmuls) >= sum(expected["half"].values()), f"{name}: backward has only {len(matmuls)} matmul-class calls"

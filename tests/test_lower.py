@@ -424,3 +424,23 @@ def test_lowered_causal_attention_is_recomputed_and_saves_no_more_than_autocast(
     b(ids).float().pow(2).mean().backward()
     for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
         assert torch.equal(pa.grad, pb.grad), name
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_batch_norm_on_half_activations_for_cuda(precision):
+    """``device="cuda"``: the batch norms read the half conv outputs with fp32 statistics (what autocast
+    runs there; the kernels themselves are checked on a GPU in tests/test_cuda.py), nothing else is
+    lowered, and the casts around each norm go (the CNN sample: 8 casts per forward -> 4)."""
+    sample = load_sample("cnn")
+    model = sample.build_model().train()
+    conv = converter.convert(copy.deepcopy(model), sample.example_inputs(), precision=precision, device="cuda")
+    portable = converter.convert(copy.deepcopy(model), sample.example_inputs(), precision=precision)
+    assert conv.report.to_dict()["lowered"] == ["b1_bn", "b2_bn", "b3_bn"]
+    assert (portable.report.summary["casts"], conv.report.summary["casts"]) == (8, 4)
+    for name in ("b1_bn", "b2_bn", "b3_bn"):
+        decision = conv.decisions[name]
+        assert decision.precision == precision and decision.rule == portable.decisions[name].rule, decision
+        assert "on CUDA it runs on the" in decision.notes[0][1], decision.notes
+    # the running statistics and the affine parameters stay fp32
+    assert all(p.dtype == torch.float32 for n, p in conv.module.named_parameters() if "bn" in n)
+    assert conv.module.meta["mp_param_dtypes"]["b1.bn.weight"] == torch.float32

@@ -37,6 +37,12 @@ backward likewise. The statistics and parameters stay fp32 (Apex's ``keep_batchn
 means the same); what changes is that the input autograd saves is bf16, not an fp32 copy, and the
 two casts around the norm disappear. The node's decision keeps its rule, its precision becomes
 bf16 (its activations' dtype) and its reason says why.
+
+**CUDA: batch norm on half activations.** The same for ``device="cuda"``, fp16 and bf16: the CUDA
+and cuDNN batch norm kernels take half activations with fp32 weight, bias and running statistics and
+compute in fp32 (what torch.autocast runs, and Apex's ``keep_batchnorm_fp32``), so autograd saves
+the half input instead of an fp32 copy and the two casts around the norm go. Only this lowering
+applies on CUDA: its fused attention kernels are fast in both half dtypes.
 """
 from __future__ import annotations
 
@@ -75,6 +81,8 @@ _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", 
 _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
 _LOWERED_PRECISIONS = ("bf16",)
 _HALF_IO_NORMS = ("batch_norm",)
+#: the half dtypes whose activations each device's batch norm kernels take with fp32 statistics
+_HALF_IO_PRECISIONS = {"cpu": ("bf16",), "cuda": ("fp16", "bf16")}
 
 
 @pauses_gc
@@ -84,8 +92,6 @@ def lower(gm: torch.fx.GraphModule, *, device: Optional[str]) -> list[str]:
         return []
     if device not in DEVICES:
         raise ValueError(f"device must be one of {DEVICES} or None, got {device!r}")
-    if device != "cpu":
-        return []
     lowered = []
     nodes = list(gm.graph.nodes)
     # checkpoint region ids for the recomputed attentions: after every id the model's own regions use
@@ -96,10 +102,10 @@ def lower(gm: torch.fx.GraphModule, *, device: Optional[str]) -> list[str]:
         if info is None or decision is None:
             continue
         if info.op in _HALF_IO_NORMS:
-            if _half_io_norm(node, decision):
+            if _half_io_norm(node, decision, device):
                 lowered.append(node.name)
             continue
-        if info.op != "scaled_dot_product_attention":
+        if info.op != "scaled_dot_product_attention" or device != "cpu":
             continue
         if decision.precision not in _LOWERED_PRECISIONS:
             continue
@@ -111,8 +117,8 @@ def lower(gm: torch.fx.GraphModule, *, device: Optional[str]) -> list[str]:
     return lowered
 
 
-def _half_io_norm(node: torch.fx.Node, decision: Decision) -> bool:
-    """Give an fp32 batch norm its bf16-produced input as is (see module docstring)."""
+def _half_io_norm(node: torch.fx.Node, decision: Decision, device: str) -> bool:
+    """Give an fp32 batch norm its half-produced input as is (see module docstring)."""
     if decision.precision != "fp32" or node.op not in ("call_function", "call_module") or not node.args:
         return False
     src = node.args[0]
@@ -120,11 +126,17 @@ def _half_io_norm(node: torch.fx.Node, decision: Decision) -> bool:
         return False
     made_by: Optional[Decision] = src.meta.get(META_DECISION)
     src_info: Optional[NodeInfo] = src.meta.get(META_INFO)
-    if made_by is None or src_info is None or src_info.kind != "compute" or made_by.precision not in _LOWERED_PRECISIONS:
+    if (made_by is None or src_info is None or src_info.kind != "compute"
+            or made_by.precision not in _HALF_IO_PRECISIONS[device]):
         return False
-    why = (f"on CPU it runs on the {made_by.precision} activations {src.name} produces, with fp32 statistics, weight "
-           f"and bias (the mixed-type kernel computes in fp32: bit-identical to an fp32 norm of the exactly "
-           f"upcast input, rounded to {made_by.precision}); autograd saves the {made_by.precision} input")
+    if device == "cpu":
+        why = (f"on CPU it runs on the {made_by.precision} activations {src.name} produces, with fp32 statistics, weight "
+               f"and bias (the mixed-type kernel computes in fp32: bit-identical to an fp32 norm of the exactly "
+               f"upcast input, rounded to {made_by.precision}); autograd saves the {made_by.precision} input")
+    else:
+        why = (f"on CUDA it runs on the {made_by.precision} activations {src.name} produces, with fp32 statistics, "
+               f"weight and bias (the CUDA/cuDNN kernels compute in fp32, as under torch.autocast); autograd saves "
+               f"the {made_by.precision} input")
     node.meta[META_DECISION] = decision.noted("lower", why, precision=made_by.precision)
     node.meta[META_LOWERED] = why
     return True
