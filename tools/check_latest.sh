@@ -33,7 +33,7 @@ frozen=$(python -m pip freeze --exclude-editable | grep -v -E '^(mpconvert|-e )'
 echo "newest releases that differ from constraints.txt:"
 diff <(grep -v '^#' constraints.txt | sort -f) <(echo "$frozen" | sort -f) | grep '^>' || echo "  (none)"
 ruff check .
-python -m pytest -q -p no:cacheprovider "${pytest_args[@]}"
+python -m pytest -q -p no:cacheprovider -n auto --dist loadfile "${pytest_args[@]}"
 if [ "$write" = 1 ]; then
   { grep '^#' constraints.txt; echo "$frozen"; } > constraints.txt.new && mv constraints.txt.new constraints.txt
   echo "constraints.txt updated"
