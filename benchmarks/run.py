@@ -421,6 +421,16 @@ def profile_variants(variants: dict[str, Variant], names: tuple[str, ...], *, cl
     return result
 
 
+def _top_by_time(events: list, micros: Callable[[Any], float], top: int) -> list[tuple[str, tuple[int, float]]]:
+    """(name, (calls, summed µs)) of the ``top`` event names with the most time."""
+    totals: dict[str, list[float]] = {}
+    for e in events:
+        entry = totals.setdefault(e.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += micros(e)
+    return sorted(((k, (c, us)) for k, (c, us) in totals.items()), key=lambda kv: -kv[1][1])[:top]
+
+
 def profile_cuda_variants(variants: dict[str, Variant], names: tuple[str, ...], *, reps: int = 5,
                           top: int = 15) -> dict[str, Any]:
     """Where a CUDA step's time goes, per variant (``--profile`` with ``--device cuda``): ``torch.profiler``
@@ -446,18 +456,8 @@ def profile_cuda_variants(variants: dict[str, Variant], names: tuple[str, ...], 
         events = prof.events()
         kernels = [e for e in events if e.device_type == DeviceType.CUDA]
         aten = [e for e in events if e.device_type == DeviceType.CPU and e.name.startswith("aten::")]
-        gpu_us: dict[str, list[float]] = {}
-        for e in kernels:
-            entry = gpu_us.setdefault(e.name, [0, 0.0])
-            entry[0] += 1
-            entry[1] += e.time_range.elapsed_us()
-        host_us: dict[str, list[float]] = {}
-        for e in aten:
-            entry = host_us.setdefault(e.name, [0, 0.0])
-            entry[0] += 1
-            entry[1] += e.self_cpu_time_total
-        top_k = sorted(gpu_us.items(), key=lambda kv: -kv[1][1])[:top]
-        top_h = sorted(host_us.items(), key=lambda kv: -kv[1][1])[:top]
+        top_k = _top_by_time(kernels, lambda e: e.time_range.elapsed_us(), top)
+        top_h = _top_by_time(aten, lambda e: e.self_cpu_time_total, top)
         result[name] = {
             "reps": reps,
             "kernels_per_step": len(kernels) / reps,

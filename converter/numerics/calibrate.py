@@ -207,7 +207,8 @@ def _half_gradient_absmax(node: torch.fx.Node, per_read: Mapping[str, float]) ->
     return stats.grad.absmax if decision is not None and decision.precision == "fp16" else None
 
 
-def shared_reads_in_fp32(gm: torch.fx.GraphModule, cal: Calibration, margin: float, target: str) -> list[dict]:
+def shared_reads_in_fp32(gm: torch.fx.GraphModule, cal: Calibration, margin: float,
+                         target: str) -> tuple[list[dict], dict[str, float]]:
     """Parameters several fp16 nodes read whose summed gradient would overflow fp16 in half.
 
     One cast shared by all reads (and O2's half storage) adds the reads' gradients in half: an
@@ -216,22 +217,23 @@ def shared_reads_in_fp32(gm: torch.fx.GraphModule, cal: Calibration, margin: flo
     fp16 node outputs, single-read parameters and each read of a shared one) then overflows the sum,
     and the scaler would have to settle up to T times lower, flushing small gradients elsewhere.
     Such a parameter is cast once per read and stored in fp32 under O2 (``gm.meta["mp_read_casts"]``):
-    the reads' parts, each finite at that scale, add in fp32. Returns the report rows."""
+    the reads' parts, each finite at that scale, add in fp32. Returns the report rows, and the largest
+    part of one read of each parameter chosen (what those have in half, for the gradient report)."""
     gm.meta[GM_READ_CASTS] = {}
     if target != "fp16" or not cal.backward or not cal.param_uses:
-        return []
+        return [], {}
     per_read = {name: max(a for _, a in reads) for name, reads in cal.param_uses.items()}
     finite = [g for n in gm.graph.nodes if (g := _half_gradient_absmax(n, per_read)) is not None and math.isfinite(g)]
     scale = recommend_loss_scale(max(finite, default=0.0), margin)
     if scale is None:
-        return []
+        return [], {}
     rows, seen = [], set()
     for node in gm.graph.nodes:
         name = str(node.target)
         if node.op != "get_attr" or name not in per_read or name in seen or not _read_in_fp16(node):
             continue
         seen.add(name)
-        total = node.meta[META_STATS].grad.absmax if META_STATS in node.meta and node.meta[META_STATS].grad else None
+        total = _half_gradient_absmax(node, {})  # the whole gradient: what one shared cast has in half
         if total is None or not total * scale * margin >= FP16_MAX:
             continue
         reads = cal.param_uses[name]
@@ -243,7 +245,7 @@ def shared_reads_in_fp32(gm: torch.fx.GraphModule, cal: Calibration, margin: flo
                      "read_grad_absmax": json_float(per_read[name]), "loss_scale": scale, "margin": margin,
                      "reason": reason})
     gm.meta[GM_READ_CASTS] = {row["param"]: row["reason"] for row in rows}
-    return rows
+    return rows, {row["param"]: per_read[row["param"]] for row in rows}
 
 
 def _gradient_report(gm: torch.fx.GraphModule, margin: float, target: str, per_read: Mapping[str, float]) -> dict:
@@ -265,9 +267,10 @@ def _gradient_report(gm: torch.fx.GraphModule, margin: float, target: str, per_r
         if absmax is None:
             continue
         names.append(node.name)
-        g = node.meta[META_STATS].grad
+        stats: NodeStats = node.meta[META_STATS]
+        g = stats.grad
         hist = {} if hist is None else hist
-        for e, c in node.meta[META_STATS].grad_log2_hist:
+        for e, c in stats.grad_log2_hist:
             hist[e] = hist.get(e, 0) + c
         count += g.count
         zeros += g.n_zero
@@ -338,9 +341,9 @@ def calibrate_and_redecide(
     fresh = fresh_decisions(gm, rules, settings.target)
     t1 = time.perf_counter()
     risky = redecide_overflow(gm, rules=rules, settings=settings, margin=margin, fallback=fallback, fresh=fresh)
-    shared = shared_reads_in_fp32(gm, cal, margin, settings.target)
+    shared, per_read = shared_reads_in_fp32(gm, cal, margin, settings.target)
     result = _calibration_report(gm, cal, settings.target, margin=margin, margin_source=margin_source, fallback=fallback,
-                                 risky=risky, shared=shared)
+                                 risky=risky, shared=shared, per_read=per_read)
     result["timings"] = {"statistics_s": cal.seconds, "redecide_s": time.perf_counter() - t1}
     gm.meta[GM_CALIBRATION] = result
     if options.tolerance is not None:
@@ -374,14 +377,13 @@ def _margin_and_fallback(rules: Rules, options: CalibrationOptions) -> tuple[flo
 
 
 def _calibration_report(gm: torch.fx.GraphModule, cal: Calibration, target: str, *, margin: float, margin_source: str,
-                        fallback: str, risky: list[dict], shared: list[dict]) -> dict:
+                        fallback: str, risky: list[dict], shared: list[dict], per_read: Mapping[str, float]) -> dict:
     """The ``mp_calibration`` dict (report.json's ``"calibration"`` section), timings aside."""
     nonfinite = [
         {"name": n.name, "inf": n.meta[META_STATS].forward.n_inf, "nan": n.meta[META_STATS].forward.n_nan}
         for n in gm.graph.nodes
         if META_STATS in n.meta and (n.meta[META_STATS].forward.n_inf or n.meta[META_STATS].forward.n_nan)
     ]
-    per_read = {row["param"]: max(a for _, a in cal.param_uses[row["param"]]) for row in shared}
     scale_info, underflow = _gradient_report(gm, margin, target, per_read)
     return {
         "target": target,
