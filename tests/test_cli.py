@@ -129,7 +129,7 @@ def test_audit_writes_reports(work, capfd):
     assert code == 0, err
     payload = json.loads(out)
     assert payload["command"] == "audit" and payload["out"] == str(work / "cnn_audit")
-    assert sorted(os.listdir(work / "cnn_audit")) == ["report.html", "report.json", "report.md"]
+    assert sorted(os.listdir(work / "cnn_audit")) == [".mpconvert-output.json", "report.html", "report.json", "report.md"]
     report = json.loads((work / "cnn_audit" / "report.json").read_text())
     assert report["schema"] == 1 and report["summary"] == payload["summary"]
     assert_bad_input(*run(capfd, "audit", SAMPLES / "cnn.py"), "already exists", "--force")

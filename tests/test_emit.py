@@ -9,6 +9,7 @@ import ast
 import copy
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -280,13 +281,30 @@ def _leftovers(parent: Path, name: str) -> list[str]:
 def test_existing_dir_refused_then_replaced_with_force(outputs, tmp_path):
     conv, _ = outputs["mlp"]
     out = tmp_path / "o"
-    out.mkdir()
-    (out / "keep.txt").write_text("mine")
+    emit(conv, out)
+    (out / "model.py").write_text("# stale\n")
+    old_stat = (out / "model.py").stat()
     with pytest.raises(OutputExistsError, match="--force"):
         emit(conv, out)
-    assert (out / "keep.txt").read_text() == "mine"
+    # --force replaces a previous output of ours, but not one whose files changed since
+    with pytest.raises(OutputExistsError, match="would delete model.py"):
+        emit(conv, out, force=True)
+    assert (out / "model.py").stat().st_mtime_ns == old_stat.st_mtime_ns
+    shutil.rmtree(out)
+    emit(conv, out)
     emit(conv, out, force=True)
-    assert not (out / "keep.txt").exists() and (out / "model.py").is_file()
+    assert (out / "model.py").is_file() and "# stale" not in (out / "model.py").read_text()
+    assert _leftovers(tmp_path, "o") == ["o"]
+
+
+def test_force_refuses_a_folder_mpconvert_did_not_write(outputs, tmp_path):
+    conv, _ = outputs["mlp"]
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(OutputExistsError, match=r"not one \(it has no \.mpconvert-output\.json\)"):
+        emit(conv, out, force=True)
+    assert os.listdir(out) == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
     assert _leftovers(tmp_path, "o") == ["o"]
 
 
@@ -306,12 +324,13 @@ def test_failure_during_emit_leaves_nothing(outputs, tmp_path, monkeypatch, exc)
 def test_failure_with_force_keeps_the_old_directory(outputs, tmp_path, monkeypatch):
     conv, _ = outputs["mlp"]
     out = tmp_path / "o"
-    out.mkdir()
-    (out / "keep.txt").write_text("mine")
+    emit(conv, out)
+    before = sorted(os.listdir(out))
+    model_py = (out / "model.py").read_bytes()
     monkeypatch.setattr(artifacts_mod, "_write_reports", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
         emit(conv, out, force=True)
-    assert (out / "keep.txt").read_text() == "mine"
+    assert sorted(os.listdir(out)) == before and (out / "model.py").read_bytes() == model_py
     assert _leftovers(tmp_path, "o") == ["o"]
 
 

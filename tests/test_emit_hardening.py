@@ -228,7 +228,9 @@ def test_output_that_appeared_meanwhile_is_never_replaced(mlp_conv, tmp_path, mo
 
 
 @pytest.mark.parametrize("renameat2", [True, False], ids=["exchange", "fallback"])
-def test_force_replaces_what_appeared_atomically(mlp_conv, tmp_path, monkeypatch, renameat2):
+def test_force_replaces_an_old_output_atomically(mlp_conv, tmp_path, monkeypatch, renameat2):
+    out = tmp_path / "o"
+    emit(mlp_conv, out)
     calls = []
     real = artifacts._renameat2
 
@@ -237,11 +239,22 @@ def test_force_replaces_what_appeared_atomically(mlp_conv, tmp_path, monkeypatch
         return real(src, dst, flags) if renameat2 else False
 
     monkeypatch.setattr(artifacts, "_renameat2", spy)
-    out = tmp_path / "o"
-    emit(mlp_conv, out, force=True, extra=_plant(out, "dir"))
-    assert not (out / "theirs.txt").exists() and (out / "model.py").is_file()
+    emit(mlp_conv, out, force=True)
+    assert (out / "model.py").is_file() and (out / artifacts.MARKER).is_file()
     assert _leftovers(tmp_path, "o") == ["o"]
     assert calls == [artifacts._RENAME_EXCHANGE], calls  # one atomic swap, no window without `o`
+
+
+@pytest.mark.parametrize("renameat2", [True, False], ids=["exchange", "fallback"])
+def test_force_never_replaces_what_appeared_meanwhile(mlp_conv, tmp_path, monkeypatch, renameat2):
+    """A folder of someone else's that appears at OUT during the run is swapped back, not deleted."""
+    if not renameat2:
+        monkeypatch.setattr(artifacts, "_renameat2", lambda *a: False)
+    out = tmp_path / "o"
+    with pytest.raises(OutputExistsError, match="is not one"):
+        emit(mlp_conv, out, force=True, extra=_plant(out, "dir"))
+    assert os.listdir(out) == ["theirs.txt"] and (out / "theirs.txt").read_text() == "theirs"
+    assert _leftovers(tmp_path, "o") == ["o"]
 
 
 @pytest.mark.slow

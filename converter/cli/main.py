@@ -394,7 +394,9 @@ def _output_dir(ns, suffix: str) -> Path:
         check_output_location(out, force=ns.force)
     except OutputLocationError as exc:
         raise UsageError(str(exc)) from None
-    check_output_dir(out, force=ns.force)
+    # --force never deletes this run's own inputs: the model file or folder, rule files, calibration data
+    inputs = [ns.model, *(ns.rules or []), getattr(ns, "calibration_data", None)]
+    check_output_dir(out, force=ns.force, inputs=[item for item in inputs if item])
     return out
 
 

@@ -28,9 +28,15 @@ renamed into place at the end.
   elsewhere (or on a file system without it) a plain rename, which fails onto a non-empty
   directory, so at worst an empty directory that appeared meanwhile is replaced. Output that
   appeared at OUT after the first check is left as it is, and :class:`OutputExistsError` is raised.
-- With ``force`` an existing directory is swapped atomically with ``renameat2(RENAME_EXCHANGE)``
-  (OUT always exists, old or new) and the old one deleted; without that call it is moved aside,
-  the new one renamed into place and the old one deleted.
+- With ``force`` an existing directory is replaced only when it is a previous mpconvert output that
+  holds nothing else (:func:`foreign_contents`): every output carries a marker,
+  ``.mpconvert-output.json``, listing each file it wrote with its size and modification time, so a
+  folder we did not write, a file added to ours (a trained checkpoint, a ``data/`` folder) or one
+  edited since, and a folder holding the model being converted (``inputs``) are refused with
+  :class:`OutputExistsError` naming what would be lost. The replacement is swapped atomically with
+  ``renameat2(RENAME_EXCHANGE)`` (OUT always exists, old or new); the swapped-out directory is
+  checked again and swapped back when something not ours appeared there meanwhile. Without that
+  call it is moved aside (checked likewise), the new one renamed into place and the old one deleted.
 - Any exception, ``KeyboardInterrupt`` included, removes the temporary directory and the parent
   directories this call created. Temporary directories left by killed runs (their PID is no longer
   running) are removed by the next run to the same OUT.
@@ -40,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import json
 import os
 import re
 import shutil
@@ -48,7 +55,7 @@ import sys
 import threading
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
@@ -62,7 +69,11 @@ from converter.export.train_py import (
 from converter.export.verify import verify_emitted
 from converter.export.weights import DEFAULT_MAX_SHARD_SIZE, check_weights, parse_size, write_weights
 
-__all__ = ["emit", "emit_reports", "publish_directory", "check_output_dir", "clean_stale_temporaries"]
+__all__ = ["emit", "emit_reports", "publish_directory", "check_output_dir", "clean_stale_temporaries", "foreign_contents",
+           "MARKER"]
+
+#: the file every output directory carries: what mpconvert wrote there (``--force`` replaces only that)
+MARKER = ".mpconvert-output.json"
 
 _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1
@@ -124,10 +135,19 @@ def _replace(tmp: Path, out_dir: Path, parent: Path) -> None:
     if out_dir.is_symlink() or not out_dir.is_dir():
         raise OutputExistsError(f"{out_dir} exists and is not a directory; choose another --out")
     if _renameat2(tmp, out_dir, _RENAME_EXCHANGE):
-        shutil.rmtree(tmp, ignore_errors=True)  # now the old directory
+        # ``tmp`` now holds the old directory: delete it only if it is still ours alone
+        why = _not_ours(tmp, out_dir)
+        if why is not None:
+            _renameat2(tmp, out_dir, _RENAME_EXCHANGE)  # swap back: theirs stays where it was
+            raise OutputExistsError(why)
+        shutil.rmtree(tmp, ignore_errors=True)
         return
     old = parent / f".{out_dir.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     os.replace(out_dir, old)
+    why = _not_ours(old, out_dir)
+    if why is not None:
+        os.replace(old, out_dir)
+        raise OutputExistsError(why)
     try:
         os.replace(tmp, out_dir)
     except BaseException:
@@ -194,13 +214,85 @@ def _uninterruptible():
 # publishing
 
 
-def check_output_dir(out_dir: Path, *, force: bool) -> None:
-    """Raise :class:`OutputExistsError` when ``out_dir`` exists and ``force`` is false."""
+def _listing(directory: Path) -> dict[str, Optional[list[int]]]:
+    """``{relative path: [size, mtime_ns]}`` for the files under ``directory`` (None for folders and links)."""
+    found: dict[str, Optional[list[int]]] = {}
+    for root, dirs, files in os.walk(directory):
+        for name in dirs + files:
+            path = Path(root) / name
+            rel = path.relative_to(directory).as_posix()
+            st = path.lstat()
+            found[rel] = [st.st_size, st.st_mtime_ns] if path.is_file() and not path.is_symlink() else None
+    return found
+
+
+def _write_marker(directory: Path) -> None:
+    """Record what was written into ``directory`` (the last file written; it does not list itself)."""
+    from converter._version import __version__
+
+    listing = _listing(directory)
+    text = json.dumps({"mpconvert": __version__, "files": listing}, indent=1, sort_keys=True)
+    (directory / MARKER).write_text(text + "\n", encoding="utf-8")
+
+
+def foreign_contents(out_dir: Path) -> Optional[list[str]]:
+    """What in ``out_dir`` mpconvert did not write: None when it is not an mpconvert output at all
+    (no readable marker), else the paths added or changed since it was written (empty: all ours)."""
+    marker = Path(out_dir) / MARKER
+    try:
+        if marker.is_symlink() or not marker.is_file() or marker.stat().st_size > 64 << 20:
+            return None
+        recorded = json.loads(marker.read_text(encoding="utf-8")).get("files")
+    except (OSError, ValueError, UnicodeDecodeError, AttributeError):
+        return None
+    if not isinstance(recorded, dict):
+        return None
+    present = _listing(Path(out_dir))
+    present.pop(MARKER, None)
+    changed = []
+    for rel, stat in sorted(present.items()):
+        if rel not in recorded or (stat is not None and recorded[rel] != stat):
+            changed.append(rel)
+    return changed
+
+
+def _not_ours(directory: Path, shown_as: Path) -> Optional[str]:
+    """Why ``directory`` (shown to the user as ``shown_as``) must not be deleted by ``--force`` (None: it may)."""
+    foreign = foreign_contents(directory)
+    if foreign is None:
+        return (f"--force replaces only a previous mpconvert output, and {shown_as} is not one (it has no {MARKER}); "
+                "nothing was deleted: choose another --out, or move that folder away yourself")
+    if foreign:
+        names = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        return (f"--force would delete {names} in {shown_as}, which mpconvert did not write (or which changed since); "
+                "nothing was deleted: move them away or choose another --out")
+    return None
+
+
+def check_output_dir(out_dir: Path, *, force: bool, inputs: Iterable[Union[str, Path]] = ()) -> None:
+    """Raise :class:`OutputExistsError` when ``out_dir`` exists and may not be replaced.
+
+    Without ``force`` any existing ``out_dir`` is refused. With it, only a previous mpconvert output
+    holding nothing but what it wrote (:func:`foreign_contents`) may be replaced, and never a folder
+    that holds (or is) one of ``inputs``: the model file or checkpoint folder being converted, rule
+    files, calibration data.
+    """
     out_dir = Path(out_dir)
-    if os.path.lexists(out_dir) and not force:
+    if not os.path.lexists(out_dir):
+        return
+    if not force:
         raise OutputExistsError(f"output directory {out_dir} already exists; pass --force to replace it or choose another --out")
-    if os.path.lexists(out_dir) and (out_dir.is_symlink() or not out_dir.is_dir()):
+    if out_dir.is_symlink() or not out_dir.is_dir():
         raise OutputExistsError(f"{out_dir} exists and is not a directory; choose another --out")
+    here = out_dir.resolve()
+    for item in inputs:
+        path = Path(os.path.abspath(item))
+        if os.path.lexists(path) and (path.resolve() == here or here in path.resolve().parents):
+            raise OutputExistsError(f"--force would delete {item}, an input of this run ({out_dir} is or holds it); "
+                                    "nothing was deleted: choose another --out")
+    why = _not_ours(out_dir, out_dir)
+    if why is not None:
+        raise OutputExistsError(why)
 
 
 def publish_directory(out_dir: Path, fill: Callable[[Path], Any], *, force: bool = False) -> Path:
@@ -224,6 +316,7 @@ def publish_directory(out_dir: Path, fill: Callable[[Path], Any], *, force: bool
         parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
         fill(tmp)
+        _write_marker(tmp)
         with _uninterruptible():
             if force:
                 _replace(tmp, out_dir, parent)
