@@ -131,6 +131,20 @@ def _exc_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+def _weights_file_kind(data: bytes) -> Optional[str]:
+    """What kind of weights file ``data`` starts like (None: none we know). Read from the bytes only:
+    nothing is unpickled or parsed."""
+    if data[:4] == b"PK\x03\x04":
+        return "a zip archive such as a PyTorch checkpoint"
+    if len(data) >= 2 and data[0] == 0x80 and 2 <= data[1] <= 5:
+        return "a pickle file such as a legacy PyTorch checkpoint"
+    if len(data) >= 9 and data[8:9] == b"{" and int.from_bytes(data[:8], "little") <= len(data) - 8:
+        return "a safetensors file"
+    if data[:4] == b"GGUF":
+        return "a GGUF file"
+    return None
+
+
 def import_model_file(path: str | Path) -> ModuleType:
     """Import ``path`` under a unique module name; raise a :class:`ModelFileError` on failure."""
     path = Path(path)
@@ -142,6 +156,12 @@ def import_model_file(path: str | Path) -> ModuleType:
         source = path.read_bytes()
     except OSError as exc:
         raise ModelFileNotFoundError(f"{path}: cannot read it ({exc.strerror or exc}); check its permissions") from None
+    kind = _weights_file_kind(source)
+    if kind is not None:
+        raise ModelFileSyntaxError(
+            f"{path} is {kind} (weights), not a model file: mpconvert needs the model's code; pass a Python file whose "
+            "build_model() builds the model and loads these weights (torch.load(..., weights_only=True) or "
+            "safetensors), or a save_pretrained folder with config.json")
     try:
         compile(source, str(path), "exec")
     except SyntaxError as exc:

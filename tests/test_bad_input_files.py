@@ -1,0 +1,37 @@
+"""A weights file given where a model file is expected gets one line naming what it is (issue 31 item 6).
+
+On the old code a ``.pt`` checkpoint given as the model said "not a Python source file (source code
+string cannot contain null bytes)". Nothing in the file is unpickled or parsed to tell.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from test_cli import assert_bad_input, run
+
+
+def _zip_checkpoint(path):
+    torch.save({"w": torch.ones(2)}, path)
+
+
+def _legacy_pickle(path):
+    torch.save({"w": torch.ones(2)}, path, _use_new_zipfile_serialization=False)
+
+
+def _safetensors(path):
+    save_file({"w": torch.ones(2)}, str(path))
+
+
+@pytest.mark.parametrize("write, name, kind", [
+    (_zip_checkpoint, "model.pt", "a zip archive such as a PyTorch checkpoint"),
+    (_legacy_pickle, "model.bin", "a pickle file such as a legacy PyTorch checkpoint"),
+    (_safetensors, "model.safetensors", "a safetensors file"),
+], ids=["zip", "pickle", "safetensors"])
+def test_a_weights_file_as_the_model_is_named_as_such(tmp_path, monkeypatch, capfd, write, name, kind):
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path / name)
+    for command in ([], ["audit"]):
+        assert_bad_input(*run(capfd, *command, tmp_path / name), f"{name} is {kind} (weights), not a model file",
+                         "build_model()", "save_pretrained folder")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]  # nothing written
