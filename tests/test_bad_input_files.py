@@ -35,3 +35,36 @@ def test_a_weights_file_as_the_model_is_named_as_such(tmp_path, monkeypatch, cap
         assert_bad_input(*run(capfd, *command, tmp_path / name), f"{name} is {kind} (weights), not a model file",
                          "build_model()", "save_pretrained folder")
     assert sorted(p.name for p in tmp_path.iterdir()) == [name]  # nothing written
+
+
+_HUNGRY = '''
+import torch
+from torch import nn
+
+
+class Hungry(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        scratch = torch.zeros(2**50, device=x.device)  # 8 PiB: no machine has it
+        return self.fc(x) + scratch[:1]
+
+
+def build_model():
+    return Hungry()
+
+
+def example_inputs():
+    return (torch.randn(2, 8),)
+'''
+
+
+def test_running_out_of_memory_is_bad_input_with_one_line(tmp_path, monkeypatch, capfd):
+    """The old code reported an allocation failure inside the conversion as 'fails at node ...' or as an
+    internal error (exit 3): it is the input's size, and the line says how to make it smaller."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "hungry.py").write_text(_HUNGRY)
+    assert_bad_input(*run(capfd, tmp_path / "hungry.py"), "out of memory", "too large for this machine", "--batch")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hungry.py"]

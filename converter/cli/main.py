@@ -1049,8 +1049,34 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return code
 
 
+#: what torch's allocators and Python say when memory runs out
+_OOM_TEXT = ("can't allocate memory", "out of memory", "DefaultCPUAllocator", "Cannot allocate memory")
+
+
+def _out_of_memory(exc: BaseException) -> Optional[BaseException]:
+    """The out-of-memory error in ``exc``'s chain (a pass error wraps the allocator's), or None."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError" or (
+                isinstance(exc, RuntimeError) and any(text in str(exc) for text in _OOM_TEXT)):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def _classify(exc: BaseException) -> tuple[int, str]:
     """Exit status and one-line message for an exception: every mpconvert error carries its own."""
+    oom = _out_of_memory(exc)
+    if oom is not None:  # the model or its inputs are too large for this machine: bad input, not our bug
+        import re
+
+        asked = re.search(r"tried to allocate (\d+) bytes", str(oom))
+        size = f"an allocation of {int(asked.group(1)) / 2**30:,.1f} GiB failed" if asked else _one_line(str(oom))[:160]
+        where = re.match(r"(.*? at node '[^']+')", _one_line(str(exc)))
+        return EXIT_BAD_INPUT, (f"out of memory{' (' + where.group(1) + ')' if where else ''}: {size or type(oom).__name__}; "
+                                "the model or its inputs are too large for this machine: use smaller example inputs "
+                                "(--batch, --seq-len for a checkpoint folder), --empty-weights, or --no-measure")
     if isinstance(exc, MpconvertError) and exc.exit_code == EXIT_CHECK_FAILED:
         return EXIT_CHECK_FAILED, f"{exc}; nothing was written"
     if isinstance(exc, MpconvertError) and exc.exit_code == EXIT_BAD_INPUT:
