@@ -1,5 +1,6 @@
 """Shared fixtures and the hypothesis profile."""
 import os
+import tempfile
 
 import pytest
 import torch
@@ -16,6 +17,8 @@ os.environ.setdefault("MPCONVERT_CHECK", "1")
 # the slow-half advice measures this CPU: CLI output must not depend on which CPU runs the suite
 # (tests/test_device_advice.py turns it back on)
 os.environ.setdefault("MPCONVERT_NO_DEVICE_ADVICE", "1")
+# the device probe's per-machine cache goes to a folder of the test run's own, not the user's ~/.cache
+os.environ.setdefault("MPCONVERT_CACHE_DIR", tempfile.mkdtemp(prefix="mpconvert-cache-"))
 
 
 @pytest.fixture

@@ -76,3 +76,31 @@ def test_cli_says_it_once(monkeypatch, tmp_path, capfd):
     lines = [line for line in err.splitlines() if "slower than fp32" in line]
     assert len(lines) == 1 and lines[0].startswith("mpconvert: warning: fp16 matmuls on this CPU are 15x slower"), err
     assert "hidden" not in err, err
+
+
+def test_the_timings_are_measured_once_per_machine_and_cached(monkeypatch, tmp_path):
+    """Identical runs print the same advice (issue 31 item 6: it appeared in 1 of 5 identical runs): the
+    first run's timings are kept per machine; later processes read them instead of measuring again."""
+    monkeypatch.setenv("MPCONVERT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(device_mod.torch.cuda, "is_available", lambda: False)
+    measured = []
+    slow = {torch.float32: 1e-4, torch.bfloat16: 0.6e-4, torch.float16: 15e-4}
+
+    def measure(dtype):
+        measured.append(dtype)
+        return slow[dtype]
+
+    monkeypatch.setattr(device_mod, "measure_matmul_seconds", measure)
+    device_mod.cpu_matmul_seconds.cache_clear()
+    first = device_mod.half_speed_advice("fp16", "cpu")
+    assert first is not None and "15x slower" in first and len(measured) == 3
+    # a new process (cleared in-process cache) on a busy machine would now measure fp16 as fast: it reads the cache
+    slow[torch.float16] = 1e-4
+    device_mod.cpu_matmul_seconds.cache_clear()
+    assert device_mod.half_speed_advice("fp16", "cpu") == first and len(measured) == 3
+    assert (tmp_path / "device.json").is_file()
+    # a broken cache file is measured again, not trusted
+    (tmp_path / "device.json").write_text("{not json")
+    device_mod.cpu_matmul_seconds.cache_clear()
+    assert device_mod.half_speed_advice("fp16", "cpu") is None and len(measured) == 5  # fp32 and fp16 again
+    device_mod.cpu_matmul_seconds.cache_clear()

@@ -8,17 +8,26 @@ the chosen dtype is much slower than fp32 while the other half dtype is not; on 
 device capability instead (fp16 tensor cores from compute capability 7.0, bf16 from 8.0).
 ``MPCONVERT_NO_DEVICE_ADVICE=1`` in the environment turns the check off (a build machine converting
 for another one; the test suite, whose expected output must not depend on the CPU it runs on).
+
+The CPU timings are measured once per machine and kept in ``device.json`` under
+``$MPCONVERT_CACHE_DIR`` (default ``$XDG_CACHE_HOME/mpconvert`` or ``~/.cache/mpconvert``), keyed by
+the CPU model, its flags, the core count and the torch version: a timing taken while the machine was
+busy flipped the advice in 1 of 5 identical runs, and identical runs must print the same advice.
+An unreadable or unwritable cache only means measuring again.
 """
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import os
 import time
+from pathlib import Path
 from typing import Optional
 
 import torch
 
-__all__ = ["half_speed_advice", "cpu_matmul_seconds", "SLOW_FACTOR"]
+__all__ = ["half_speed_advice", "cpu_matmul_seconds", "measure_matmul_seconds", "cache_path", "SLOW_FACTOR"]
 
 #: a half dtype this many times slower than fp32 on a matmul counts as "no fast math"
 SLOW_FACTOR = 2.0
@@ -26,8 +35,66 @@ _SIDE = 128
 _REPEATS = 5
 
 
+def cache_path() -> Path:
+    """Where the per-machine timings are kept (see the module docstring)."""
+    base = os.environ.get("MPCONVERT_CACHE_DIR")
+    if not base:
+        base = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "mpconvert")
+    return Path(base) / "device.json"
+
+
+@functools.lru_cache(maxsize=None)
+def _machine_key() -> str:
+    """The CPU model and flags, the core count and the torch version, hashed."""
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+        cpu = "|".join(next((line for line in lines if line.startswith(key)), "") for key in ("model name", "flags"))
+    except OSError:
+        import platform
+
+        cpu = platform.processor() or platform.machine()
+    text = f"{cpu}|{os.cpu_count()}|{torch.__version__}"
+    return hashlib.sha256(text.encode("utf-8", "replace")).hexdigest()[:16]
+
+
+def _read_cache() -> dict:
+    try:
+        with open(cache_path(), encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError, UnicodeDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_cache(key: str, seconds: float) -> None:
+    """Add one timing to the cache, atomically (a temporary file renamed over it); failures are ignored."""
+    path = cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = {**_read_cache(), key: seconds}
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
 @functools.lru_cache(maxsize=None)
 def cpu_matmul_seconds(dtype: torch.dtype) -> float:
+    """Seconds of one ``_SIDE``×``_SIDE`` matmul on the CPU in ``dtype``: this machine's cached timing,
+    else measured (:func:`measure_matmul_seconds`) and cached."""
+    key = f"{_machine_key()}:{str(dtype).removeprefix('torch.')}"
+    cached = _read_cache().get(key)
+    if isinstance(cached, float) and 0 < cached < 60:
+        return cached
+    seconds = measure_matmul_seconds(dtype)
+    _write_cache(key, seconds)
+    return seconds
+
+
+def measure_matmul_seconds(dtype: torch.dtype) -> float:
     """Best-of-5 seconds of one ``_SIDE``×``_SIDE`` matmul on the CPU in ``dtype`` (after one warm-up), on one thread."""
     g = torch.Generator().manual_seed(0)
     a = torch.randn(_SIDE, _SIDE, generator=g).to(dtype)
