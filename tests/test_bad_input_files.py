@@ -68,3 +68,39 @@ def test_running_out_of_memory_is_bad_input_with_one_line(tmp_path, monkeypatch,
     (tmp_path / "hungry.py").write_text(_HUNGRY)
     assert_bad_input(*run(capfd, tmp_path / "hungry.py"), "out of memory", "too large for this machine", "--batch")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hungry.py"]
+
+
+_WRONG_WIDTH = '''
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+
+    def forward(self, x):
+        return self.fc(x).relu()
+
+
+def build_model():
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(2, 7),)  # the model takes 8 features
+'''
+
+
+def test_a_shape_mismatch_in_example_inputs_is_blamed_on_the_inputs(tmp_path, monkeypatch, capfd):
+    """The old line said 'neither tracer could capture Net (fx: ...; export: ...); fix the code each tracer
+    names, or pick one with --tracer': the model and the tracers are fine, the inputs are not."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "wrong_width.py").write_text(_WRONG_WIDTH)
+    for command in ([], ["audit"]):
+        code, out, err = run(capfd, *command, tmp_path / "wrong_width.py")
+        assert_bad_input(code, out, err, "the model's own forward fails on example_inputs(), before any tracing",
+                         "mat1 and mat2 shapes cannot be multiplied (2x7 and 8x16)", "(at wrong_width.py:12)",
+                         "fix example_inputs()")
+        assert "tracer" not in err, err

@@ -423,6 +423,15 @@ def _dynamic_shapes(mf):
                          "return torch.export-style dims for the example inputs, or remove it") from exc
 
 
+def _capture_error(exc, mf, tracer: str) -> UsageError:
+    """The one-line error for a failed capture: the inputs' fault when the model's own forward fails on
+    them too (a shape mismatch in example_inputs() is not the tracers' fault), else the tracers' reasons."""
+    from converter.cli.modelfile import eager_failure
+
+    why = eager_failure(mf)
+    return UsageError(why if why is not None else _capture_message(exc, type(mf.model).__name__, mf.name, tracer))
+
+
 def _capture_message(exc, model_name: str, model_file: str, tracer: str) -> str:
     reasons = getattr(exc, "reasons", {}) or {}
     advice = getattr(exc, "advice", None)
@@ -452,7 +461,7 @@ def _convert(ns, ui: _UI, mf, precision: str, rules, *, calibration=None, calibr
                            dynamic=not getattr(ns, "static", False), dynamic_shapes=_dynamic_shapes(mf),
                            strict_modes=getattr(ns, "strict_modes", False))
         except CaptureError as exc:
-            raise UsageError(_capture_message(exc, type(mf.model).__name__, mf.name, ns.tracer)) from exc
+            raise _capture_error(exc, mf, ns.tracer) from exc
     for warning in header_warnings(conv.report):  # what report.md/html put first, one line each
         if warning.kind == "speed":
             ui.warn(warning.text)
@@ -660,7 +669,7 @@ def _cmd_audit(ns, ui: _UI) -> int:
             report = audit(mf.model, mf.example_inputs, precision=precision, rules=rules, tracer=ns.tracer,
                            device=ns.device, dynamic=not getattr(ns, "static", False), dynamic_shapes=_dynamic_shapes(mf))
         except CaptureError as exc:
-            raise UsageError(_capture_message(exc, type(mf.model).__name__, mf.name, ns.tracer)) from exc
+            raise _capture_error(exc, mf, ns.tracer) from exc
     notes: list[str] = []
     with _writing(out):
         emit_reports(report, out, force=ns.force, messages=notes)
@@ -764,7 +773,7 @@ def _audit_for_explain(ns, ui: _UI) -> dict:
             report = audit(mf.model, mf.example_inputs, precision=precision, rules=rules, tracer=ns.tracer,
                            device=ns.device, dynamic=not ns.static, dynamic_shapes=_dynamic_shapes(mf))
         except CaptureError as exc:
-            raise UsageError(_capture_message(exc, type(mf.model).__name__, mf.name, ns.tracer)) from exc
+            raise _capture_error(exc, mf, ns.tracer) from exc
     return {"nodes": report.nodes, "casts": report.casts}
 
 

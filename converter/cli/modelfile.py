@@ -46,6 +46,7 @@ __all__ = [
     "load_model_file",
     "import_model_file",
     "check_arity",
+    "eager_failure",
     "MODEL_NAMES",
     "INPUT_NAMES",
 ]
@@ -356,3 +357,25 @@ def load_model_file(path: str | Path, *, entry: Optional[str] = None) -> ModelFi
         train_batches=optional("train_batches"),
         dynamic_shapes=optional("dynamic_shapes"),
     )
+
+
+def eager_failure(mf: ModelFile) -> Optional[str]:
+    """Why the model's own forward fails on the example inputs, run eagerly (None: it runs).
+
+    Called only after both tracers failed: when plain ``model(*args, **kwargs)`` fails too, the
+    inputs (or the model) are at fault, not the tracers, and the message says so. Run under
+    ``no_grad``; a model on the meta device is not run."""
+    model = mf.model
+    if any(p.is_meta for p in model.parameters()):
+        return None
+    args, kwargs = mf.example_inputs
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    except Exception as exc:  # the user's forward failed: report it, one line
+        where = _where_in(mf.path, exc.__traceback__) if mf.path.is_file() else ""
+        at = f" (at {where})" if where.startswith(f"{mf.path.name}:") else ""  # a line of the user's file, if any
+        source = "example_inputs()" if mf.module is not None else "the example inputs made from its config"
+        return (f"{mf.name}: the model's own forward fails on {source}, before any tracing: {_exc_text(exc)}{at}; "
+                f"fix {source if mf.module is not None else 'the model'} so that model(*args, **kwargs) runs")
+    return None
