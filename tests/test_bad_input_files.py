@@ -104,3 +104,17 @@ def test_a_shape_mismatch_in_example_inputs_is_blamed_on_the_inputs(tmp_path, mo
                          "mat1 and mat2 shapes cannot be multiplied (2x7 and 8x16)", "(at wrong_width.py:12)",
                          "fix example_inputs()")
         assert "tracer" not in err, err
+
+
+@pytest.mark.parametrize("files", [[], ["model.safetensors"]], ids=["empty", "weights-only"])
+def test_a_folder_without_config_json_says_what_a_folder_needs(tmp_path, monkeypatch, capfd, files):
+    """The old line told the user to pass a Python file only, for a folder that is meant as a checkpoint."""
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    for name in files:
+        (folder / name).write_bytes(b"\x00")
+    needles = ["ckpt is a folder", "save_pretrained wrote (with its config.json)", "or a Python model file"]
+    if files:
+        needles.append("it has model.safetensors but no config.json")
+    assert_bad_input(*run(capfd, folder), *needles)

@@ -152,7 +152,11 @@ def import_model_file(path: str | Path) -> ModuleType:
     if not path.exists():
         raise ModelFileNotFoundError(f"{path}: no such file; pass the path of a Python file that defines build_model() (see mpconvert --help)")
     if path.is_dir():
-        raise ModelFileNotFoundError(f"{path} is a directory; pass the path of a Python model file, e.g. {path / 'model.py'}")
+        weights = sorted(p.name for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".pth"))[:2]
+        has = f" (it has {', '.join(weights)} but no config.json)" if weights else " without config.json"
+        raise ModelFileNotFoundError(
+            f"{path} is a folder{has}; pass a checkpoint folder that save_pretrained wrote (with its config.json), "
+            f"or a Python model file that defines build_model(), e.g. {path / 'model.py'}")
     try:
         source = path.read_bytes()
     except OSError as exc:
