@@ -271,3 +271,47 @@ def test_max_recaptures_zero_keeps_the_fallback_and_bad_values_are_refused():
     assert converted_forward(model).calls == {"converted": 0, "fallback": 1, "recaptured": 0}
     with pytest.raises(InPlaceError, match="max_recaptures must be an int >= 0"):
         converter.apply(_Static(), (torch.randn(2, 4, 8),), max_recaptures=-1)
+
+
+class _Dropped(nn.Module):
+    """A static dim (``x.shape[1] == 4`` picks a branch) and dropout: a re-capture must follow train()/eval()."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        h = self.drop(self.fc(x))
+        if x.shape[1] == 4:
+            h = h * 2
+        return h
+
+
+def test_a_recaptured_graph_follows_train_eval_and_the_device():
+    torch.manual_seed(0)
+    model = _Dropped()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", converter.SlowHalfWarning)
+        converter.apply(model, (torch.randn(2, 4, 8),))
+    forward = converted_forward(model)
+    x = torch.randn(3, 6, 8)
+    with pytest.warns(RecaptureWarning, match="converting it again"):
+        trained = model(x)  # captured while training: dropout on
+    assert forward.calls == {"converted": 1, "fallback": 0, "recaptured": 1}
+    assert (trained == 0).float().mean() > 0.2, "dropout did not run in train mode"
+    model.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RecaptureWarning)
+        warnings.simplefilter("error", FallbackWarning)
+        with torch.no_grad():
+            got = model(x)
+    want = _Dropped.forward(model, x)
+    assert 20 < sqnr(want, got) < 80, f"eval: SQNR {sqnr(want, got):.1f} dB vs fp32 eval"
+    model.to("meta")  # the meta device stands for any other device
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RecaptureWarning)
+        warnings.simplefilter("error", FallbackWarning)
+        out = model(torch.randn(3, 6, 8, device="meta"))
+    assert out.device.type == "meta" and out.shape == (3, 6, 8)
+    assert forward.calls == {"converted": 3, "fallback": 0, "recaptured": 1}
