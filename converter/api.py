@@ -347,7 +347,7 @@ def _report(captured: Captured, rule_set: Rules, target: str, timings: dict, *, 
                         extra={"capture_errors": captured.errors, "timings": timings, "opt_level": opt_level,
                                "device": device, "lowered": list(gm.meta[GM_GRAPH].extra.get("lowered", ())),
                                "dynamic_dims": captured.dynamic_dims, "shapes": captured.shapes_note,
-                               "narrowed_dims": captured.narrowed_dims,
+                               "narrowed_dims": captured.narrowed_dims, "dynamic_ranges": captured.dynamic_ranges,
                                "modes": captured.modes, "library_ops": _library_ops(gm),
                                "checkpoint": _checkpoint_extra(gm),
                                "simplified": fold_counts(gm.meta[GM_GRAPH].extra.get("simplified", ()))})

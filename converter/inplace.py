@@ -15,11 +15,17 @@ the model's own ``Parameter`` and buffer objects (nothing is copied), so ``state
 model's current tensors (``.to()`` replaces buffers), follows the model's train/eval flags, and, when
 the model moved to another device, runs a copy of the graph whose device constants name that device.
 
-A call the graph was not captured for (other keyword arguments, other non-tensor values, other
-dtypes or ranks, another size of a static dimension, a Cache object, the other train/eval mode of a
-graph frozen in one mode) runs the model's original fp32 forward instead, with a
-:class:`FallbackWarning` that names the difference (once per difference). ``generate()`` works this way:
-its calls pass ``return_dict`` (and ``past_key_values`` with a cache), so decoding runs the original forward.
+Dynamic dims serve any size, or any size in their range (``report.extra["dynamic_ranges"]``: BERT's
+sequence length ``2..max_position_embeddings``). A call with other sizes than the graph serves (another
+size of a static dim, another rank, a size outside a dim's range) is converted again, like a
+``torch.compile`` recompile: :func:`converter.convert` with the same options on that call's inputs, the
+new graph bound to the same parameters and kept for the calls it serves, with a
+:class:`RecaptureWarning`; at most ``max_recaptures`` (8) graphs besides the first. Other calls (other
+keyword arguments, other non-tensor values, other dtypes, a Cache object, the other train/eval mode of
+a graph frozen in one mode, or shapes past the re-capture limit) run the model's original fp32
+forward instead, with a :class:`FallbackWarning` that names the difference (once per difference).
+``generate()`` works this way: its calls pass ``return_dict`` (and ``past_key_values`` with a cache),
+so decoding runs the original forward.
 
 The converted forward runs with autocast off: the graph already carries its casts, and an outer
 ``torch.autocast`` (HF ``Trainer(bf16=True)``, Lightning ``precision="bf16-mixed"``) would override
@@ -42,7 +48,10 @@ from converter.ir.errors import MpconvertError
 from converter.ir.graphmodule import EVAL_PREFIX, TwoModeGraphModule
 
 __all__ = ["apply", "conversion_of", "converted_forward", "restore", "ConvertedForward", "FallbackWarning",
-           "InPlaceError"]
+           "InPlaceError", "RecaptureWarning", "DEFAULT_MAX_RECAPTURES"]
+
+#: how many graphs :class:`ConvertedForward` converts besides the first for calls of other sizes
+DEFAULT_MAX_RECAPTURES = 8
 
 
 class InPlaceError(MpconvertError, ValueError):
@@ -54,21 +63,33 @@ class FallbackWarning(MpconvertError, UserWarning):
     (a warning; it derives from :class:`MpconvertError` like every mpconvert exception class)."""
 
 
-def apply(model: torch.nn.Module, example_inputs: Any, **options: Any) -> torch.nn.Module:
+class RecaptureWarning(MpconvertError, UserWarning):
+    """A call of sizes that no converted graph serves was converted again (a graph for those sizes)."""
+
+
+class _ShapeMismatch(str):
+    """A mismatch of sizes or rank only: another capture of the same model serves it (re-capture)."""
+
+
+def apply(model: torch.nn.Module, example_inputs: Any, *, max_recaptures: int = DEFAULT_MAX_RECAPTURES,
+          **options: Any) -> torch.nn.Module:
     """Convert ``model`` in place and return it (the same object).
 
     ``example_inputs`` and ``options`` are those of :func:`converter.convert` (``precision``,
     ``rules``, ``tracer``, ``calibration``, ``opt_level``, ``device``, ``dynamic`` ...). Pass the
     arguments the training or serving code passes (for a HF model e.g. ``input_ids``,
     ``attention_mask`` and ``labels``): calls with other arguments run the original forward.
-    Applying again re-converts from the original forward.
+    Calls of sizes the graph does not serve are converted again, up to ``max_recaptures`` graphs
+    (0: none; they then run the original forward). Applying again re-converts from the original forward.
     """
+    if not isinstance(max_recaptures, int) or isinstance(max_recaptures, bool) or max_recaptures < 0:
+        raise InPlaceError(f"max_recaptures must be an int >= 0, got {max_recaptures!r}")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"apply() needs a torch.nn.Module, got {type(model).__name__}")
     restore(model)
     original = model.__dict__.get("forward")
     conversion = convert(model, example_inputs, **options)
-    model.forward = ConvertedForward(model, conversion, original=original)
+    model.forward = ConvertedForward(model, conversion, original=original, max_recaptures=max_recaptures)
     return model
 
 
@@ -176,7 +197,8 @@ def _move_devices(graph: torch.fx.Graph, move) -> None:
 class ConvertedForward:
     """The ``forward`` that :func:`apply` puts on the model instance (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, conversion: Conversion, *, original: Any = None):
+    def __init__(self, model: torch.nn.Module, conversion: Conversion, *, original: Any = None,
+                 max_recaptures: int = DEFAULT_MAX_RECAPTURES):
         self.model = model
         self.conversion = conversion
         self.instance_forward = original  # an instance attribute forward the model had before, if any
@@ -189,12 +211,21 @@ class ConvertedForward:
         self.__signature__ = _advertised(self._binder, self._example)
         self._captured_keys = (tuple(self._example)[: self._positional], tuple(kwargs))
         self._dynamic = dict(conversion.report.extra.get("dynamic_dims") or {})
+        #: input -> {dim: (min, max)}: dynamic dims served only within a range (max None: no upper bound)
+        self._ranges = {name: {int(d): (r["min"], r["max"]) for d, r in dims.items()}
+                        for name, dims in (conversion.report.extra.get("dynamic_ranges") or {}).items()}
         self._all_dynamic = conversion.tracer == "fx"  # symbolic_trace records no sizes
         modes = str(conversion.report.extra.get("modes") or "")
         self._frozen = "train" if modes.startswith("frozen in train") else "eval" if modes.startswith("frozen in eval") else None
         self._warned: set[str] = set()
-        #: how many calls ran the converted graph and how many the original forward
-        self.calls = {"converted": 0, "fallback": 0}
+        #: how many calls ran a converted graph, how many the original forward, how many graphs were converted again
+        self.calls = {"converted": 0, "fallback": 0, "recaptured": 0}
+        #: how many graphs calls of other sizes may add (re-captures); settable
+        self.max_recaptures = max_recaptures
+        #: the graphs converted again for calls of other sizes, in the order they were made
+        self.recaptures: list[ConvertedForward] = []
+        self._failed: dict[tuple, str] = {}  # sizes whose re-capture failed -> why
+        self._limit_warned = False
         gm = conversion.module
         self._graphs = _Graphs(gm, self._device() or torch.device("cpu"))
         self._bind(gm)
@@ -211,13 +242,20 @@ class ConvertedForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         why = self._mismatch(args, kwargs)
         if why is not None:
-            return self._fallback(why, args, kwargs)
+            other = self._recaptured(why, args, kwargs) if isinstance(why, _ShapeMismatch) else None
+            if other is None:
+                return self._fallback(why, args, kwargs)
+            return other._run(args, kwargs, owner=self)
+        return self._run(args, kwargs, owner=self)
+
+    def _run(self, args: tuple, kwargs: dict, *, owner: "ConvertedForward") -> Any:
+        """Run this converted graph on a call that it serves (``owner``: the model's forward, which counts it)."""
         gm = self._graphs.get(self._device() or self._graphs.home)
         missing = self._bind(gm)
         if missing:
-            return self._fallback(f"a model whose structure changed since apply() (it has no {', '.join(missing[:3])}; "
-                                  "call converter.apply again)", args, kwargs)
-        self.calls["converted"] += 1
+            return owner._fallback(f"a model whose structure changed since apply() (it has no {', '.join(missing[:3])}; "
+                                   "call converter.apply again)", args, kwargs)
+        owner.calls["converted"] += 1
         named = _named_arguments(self._binder, args, kwargs)
         positional, keywords = self._captured_keys
         call_args = tuple(named[name] for name in positional)
@@ -227,6 +265,64 @@ class ConvertedForward:
             with torch.autocast(device_type=device_type, enabled=False):
                 return gm(*call_args, **call_kwargs)
         return gm(*call_args, **call_kwargs)
+
+    def _recaptured(self, why: str, args: tuple, kwargs: dict) -> Optional["ConvertedForward"]:
+        """The graph converted for these sizes: one made before, or a new one (None: the limit is
+        reached or converting failed, said in ``why`` for the fallback)."""
+        for other in self.recaptures:
+            if other._mismatch(args, kwargs) is None:
+                return other
+        if _sizes(args, kwargs) in self._failed:
+            return None
+        if len(self.recaptures) + len(self._failed) >= self.max_recaptures:  # failed tries count: each costs a capture
+            if self.max_recaptures and not self._limit_warned:
+                self._limit_warned = True
+                warnings.warn(
+                    f"mpconvert: {type(self.model).__name__}.forward was called with {why}; the re-capture limit "
+                    f"of {self.max_recaptures} captures is reached, so such calls run the original fp32 forward "
+                    "(raise converted_forward(model).max_recaptures, or pad the inputs to sizes a graph serves)",
+                    RecaptureWarning, stacklevel=3)
+            return None
+        warnings.warn(
+            f"mpconvert: {type(self.model).__name__}.forward was called with {why}; converting it again for these "
+            f"sizes (capture {len(self.recaptures) + len(self._failed) + 1} of at most {self.max_recaptures})", RecaptureWarning,
+            stacklevel=3)
+        try:
+            other = self._recapture(args, kwargs)
+        except Exception as exc:  # noqa: BLE001 - the call still runs, as the original forward, and says why
+            self._failed[_sizes(args, kwargs)] = f"{type(exc).__name__}: {exc}"
+            warnings.warn(f"mpconvert: converting {type(self.model).__name__} again for {why} failed "
+                          f"({type(exc).__name__}: {str(exc)[:300]}); such calls run the original fp32 forward",
+                          RecaptureWarning, stacklevel=3)
+            return None
+        self.recaptures.append(other)
+        self.calls["recaptured"] += 1
+        return other
+
+    def _recapture(self, args: tuple, kwargs: dict) -> "ConvertedForward":
+        """:func:`converter.convert` with this conversion's options on this call's inputs, traced
+        through the model's own forward (the converted one is set aside meanwhile), with grad and
+        autocast as :func:`apply` would see them; the new graph reads the same parameters."""
+        conv = self.conversion
+        named = _named_arguments(self._binder, args, kwargs)
+        positional, keywords = self._captured_keys
+        detach = lambda value: pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), value)  # noqa: E731
+        example = (tuple(detach(named[name]) for name in positional), {name: detach(named[name]) for name in keywords})
+        missing = object()
+        current = self.model.__dict__.pop("forward", missing)
+        if self.instance_forward is not None:
+            self.model.forward = self.instance_forward
+        device_type = _autocast_type(self._device() or self._graphs.home)
+        try:
+            with torch.enable_grad(), torch.autocast(device_type=device_type, enabled=False):
+                new = convert(self.model, example, precision=conv.precision, rules=conv.rules, tracer=conv.tracer,
+                              calibration=conv.calibration, calibration_options=conv.calibration_options,
+                              **conv.options)
+        finally:
+            self.model.__dict__.pop("forward", None)
+            if current is not missing:
+                self.model.__dict__["forward"] = current
+        return ConvertedForward(self.model, new, original=self.instance_forward, max_recaptures=0)
 
     def _fallback(self, why: str, args: tuple, kwargs: dict) -> Any:
         if why not in self._warned:
@@ -297,17 +393,29 @@ class ConvertedForward:
         for (path, w), (_, g) in zip(want_leaves, got_leaves):
             label = name + pytree.keystr(path)
             if isinstance(w, torch.Tensor) and isinstance(g, torch.Tensor):
-                if w.dtype != g.dtype or w.dim() != g.dim():
+                if w.dtype != g.dtype:
                     return f"{label} as {g.dtype} of rank {g.dim()} (captured: {w.dtype} of rank {w.dim()})"
+                if w.dim() != g.dim():
+                    return _ShapeMismatch(f"{label} of rank {g.dim()} (captured: rank {w.dim()})")
                 if self._all_dynamic:
                     continue
                 dynamic = self._dynamic.get(label, ())  # an input it does not list is static
                 fixed = [i for i in range(w.dim()) if i not in dynamic and w.shape[i] != g.shape[i]]
                 if fixed:
-                    return f"{label} of shape {tuple(g.shape)} (dims {fixed} are static, captured {tuple(w.shape)})"
+                    return _ShapeMismatch(
+                        f"{label} of shape {tuple(g.shape)} (dims {fixed} are static, captured {tuple(w.shape)})")
+                for i, (low, high) in self._ranges.get(label, {}).items():
+                    if g.shape[i] < low or (high is not None and g.shape[i] > high):
+                        span = f"{low}..{high}" if high is not None else f">= {low}"
+                        return _ShapeMismatch(f"{label} of shape {tuple(g.shape)} (dim {i} is served for sizes {span})")
             elif not _same_constant(w, g):
                 return f"{label}={_short_repr(g)} (captured with {_short_repr(w)})"
         return None
+
+
+def _sizes(args: tuple, kwargs: dict) -> tuple:
+    """The shapes of a call's tensors: which calls a failed or refused re-capture stands for."""
+    return tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in pytree.tree_leaves((args, kwargs)))
 
 
 def _autocast_type(device: torch.device) -> str:

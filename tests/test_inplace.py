@@ -81,7 +81,7 @@ def test_loop_with_optimizer_built_before_apply():
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.1, f"loss did not go down: {losses}"
-    assert model.forward.calls == {"converted": 9, "fallback": 0}
+    assert model.forward.calls == {"converted": 9, "fallback": 0, "recaptured": 0}
     assert all(p.grad is not None for p in params.values() if p.requires_grad)
     assert all(params[n] is p and p.dtype == torch.float32 for n, p in model.named_parameters())
     # an optimizer built AFTER the conversion holds the same parameter objects
@@ -220,7 +220,7 @@ def test_to_another_device_retargets_the_graph_constants():
         warnings.simplefilter("error", converter.FallbackWarning)
         out = model(**batch)
     assert out.logits.device.type == "meta" and out.logits.shape == (3, 6, VOCAB)
-    assert model.forward.calls == {"converted": 1, "fallback": 0}
+    assert model.forward.calls == {"converted": 1, "fallback": 0, "recaptured": 0}
 
 
 def test_other_calls_fall_back_and_restore_undoes_apply():
@@ -229,7 +229,7 @@ def test_other_calls_fall_back_and_restore_undoes_apply():
     with pytest.warns(converter.FallbackWarning, match="attention_mask=None"):
         with torch.no_grad():
             out = model(input_ids=ids, labels=ids)
-    assert model.forward.calls == {"converted": 0, "fallback": 1}
+    assert model.forward.calls == {"converted": 0, "fallback": 1, "recaptured": 0}
     with pytest.warns(converter.FallbackWarning, match="input_ids as torch.int32"):
         model(input_ids=ids.int(), attention_mask=torch.ones_like(ids), labels=ids)
     converted = model.forward
@@ -276,7 +276,7 @@ def test_fp16_loss_scaling_and_master_weights_with_mixed_precision_trainer(opt_l
     assert [id(p) for p in model.parameters()] == [id(p) for p in params]
     dtypes = {p.dtype for p in model.parameters()}
     assert dtypes == ({torch.float32, torch.float16} if master_weights else {torch.float32}), dtypes
-    assert converted_forward(model).calls == {"converted": 6, "fallback": 0}
+    assert converted_forward(model).calls == {"converted": 6, "fallback": 0, "recaptured": 0}
 
 
 def test_accelerate_prepare_keeps_the_applied_model():
@@ -295,7 +295,7 @@ def test_accelerate_prepare_keeps_the_applied_model():
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.3, f"loss did not go down: {losses}"
-    assert converted_forward(model).calls == {"converted": 6, "fallback": 0}
+    assert converted_forward(model).calls == {"converted": 6, "fallback": 0, "recaptured": 0}
 
 
 def test_a_graph_that_does_not_read_the_model_parameters_is_refused():
@@ -320,4 +320,4 @@ def test_replaced_modules_are_followed_and_a_changed_structure_falls_back():
         with torch.no_grad():
             out = model(x)
     assert torch.equal(out, nn.Sequential.forward(model, x))
-    assert converted_forward(model).calls == {"converted": 1, "fallback": 1}
+    assert converted_forward(model).calls == {"converted": 1, "fallback": 1, "recaptured": 0}

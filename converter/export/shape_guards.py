@@ -16,7 +16,8 @@ with export's guard function; model.py, which is plain PyTorch, checks it with t
 The checks are integer comparisons on ``tensor.shape`` (no sympy at run time): sizes are read from
 the placeholders' fake values (``node.meta["val"]``) when the file is generated. Dynamic dims get a
 check only where export recorded something: a lower bound above 2 (export treats 0 and 1 as
-ordinary sizes below that), a finite upper bound, the equality of two dims that share a symbol,
+ordinary sizes below that), a finite range (both ends, named in the message: ``2..512`` for BERT's
+sequence length; 2 is then a limit too, the graph was traced for sizes >= 2), the equality of two dims that share a symbol,
 and a dim that is a linear expression ``a*s + b`` of a symbol (``s`` is then read from the first
 such dim). Other expressions of several symbols are left to the ops.
 """
@@ -81,10 +82,12 @@ def _linear(expr: sympy.Expr) -> Optional[tuple[sympy.Symbol, int, int]]:
     return (symbol, a, b) if a >= 1 else None
 
 
-def _range_lines(read: str, got: str, low: int, high: Optional[int]) -> list[str]:
-    lines = [_check(f"{read} < {low}", f"{got}, but the converted graph serves sizes >= {low} there: {_HINT}")] if low > 2 else []
+def _range_lines(read: str, got: str, low: int, high: Optional[int], *, check_low: bool) -> list[str]:
+    """Checks of a size against its range; a finite range is named in both messages (``2..512``)."""
+    span = f" (its range is {low}..{high})" if high is not None else ""
+    lines = [_check(f"{read} < {low}", f"{got}, but the converted graph serves sizes >= {low} there{span}: {_HINT}")] if check_low else []
     if high is not None:
-        lines.append(_check(f"{read} > {high}", f"{got}, but the converted graph serves sizes <= {high} there: {_HINT}"))
+        lines.append(_check(f"{read} > {high}", f"{got}, but the converted graph serves sizes <= {high} there{span}: {_HINT}"))
     return lines
 
 
@@ -107,7 +110,13 @@ def _dim_lines(size: Any, read: str, where: str, sources: _Sources) -> list[str]
         return []
     symbol, a, b = linear
     low, high = _symbol_range(size, symbol)
-    lines = _range_lines(read, got, a * low + b if low > 2 else 0, None if high is None else a * high + b)
+    hint = getattr(size.node, "hint", None)
+    if isinstance(hint, int):  # a size-1 example dim traced size-obliviously serves its own size
+        low = min(low, (hint - b) // a)
+    # a finite range (BERT's sequence length 2..512) is checked at both ends: the graph was traced for
+    # sizes >= 2 there (export's 0/1 specialisation); an unbounded dim is checked below only above 2
+    lines = _range_lines(read, got, a * low + b, None if high is None else a * high + b,
+                         check_low=low > 2 or high is not None)
     offset = f"{read} - {b}" if b else read
     if a > 1:
         form = f"a multiple of {a}" + (f" plus {b}" if b else "")

@@ -93,7 +93,7 @@ from converter.ir.ops import CAST_OPS, NORM_OPS, canonical_op, explicit_dtype, i
 from converter.ir.state import preserved_state
 from converter.passes.autograd_fns import OpaqueFunctions, restore_function_calls
 from converter.passes.checkpoint import CheckpointMarks, active_tag, tag_export_graph
-from converter.passes.guards import narrowed_dims
+from converter.passes.guards import dim_ranges, narrowed_dims
 from converter.passes.modes import is_random, make_mode_aware, random_ops
 from converter.passes.recurrent import RecurrentOps, restore_aten_ops
 from converter.passes.regions import inline_regions
@@ -147,6 +147,8 @@ class Captured:
     shapes_note: str = ""
     #: input name -> {dim: why} for dims a guard in the model's code narrows (not in ``dynamic_dims``)
     narrowed_dims: dict = field(default_factory=dict)
+    #: input name -> {dim: {"min", "max", "why"}} for dynamic dims served only within a range
+    dynamic_ranges: dict = field(default_factory=dict)
     #: whether train()/eval() work on the captured graph, and why not if they do not
     modes: str = ""
     #: the graph of the model in eval mode, when it branches on self.training (``gm`` is then the train graph)
@@ -284,6 +286,9 @@ def _trace_export(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Sh
     named = list(zip(_input_names(gm, model, args, kwargs), (n.meta.get("val") for n in _placeholders(gm))))
     # dims a recorded guard pins to a few sizes are not served: the converted module would refuse others
     shapes.narrowed = narrowed_dims(named)
+    # a finite range (BERT's 2..max_position_embeddings) is served: the dim stays dynamic, with its range
+    shapes.ranges = {name: kept for name, dims in dim_ranges(named, gm).items()
+                     if (kept := {d: r for d, r in dims.items() if d not in shapes.narrowed.get(name, {})})}
     for name, val in named:
         if isinstance(val, torch.Tensor):
             dims = [i for i, s in enumerate(val.shape) if not is_concrete_int(s) and i not in shapes.narrowed.get(name, {})]
@@ -338,6 +343,8 @@ class _Shapes:
     dims: dict = field(default_factory=dict)
     #: input name -> {dim: why}: dims the graph keeps symbolic but a guard of the model narrows (not in ``dims``)
     narrowed: dict = field(default_factory=dict)
+    #: input name -> {dim: {"min", "max", "why"}}: dims in ``dims`` served only within a range
+    ranges: dict = field(default_factory=dict)
     note: str = ""
     #: why every-dim-dynamic export was stopped (SizesTooComplex), kept for a second trace of the model
     too_complex: Any = None
@@ -627,7 +634,7 @@ def _finish_capture(result: tuple, used: str, shapes: _Shapes, tracer: str, mode
         annotate(eval_gm, root_type=type(model).__name__)
     return Captured(gm=gm, tracer=used, args=args, kwargs=kwargs, errors=errors,
                     dynamic_dims=shapes.dims, shapes_note=shapes.note, modes=modes, eval_gm=eval_gm,
-                    narrowed_dims=shapes.narrowed)
+                    narrowed_dims=shapes.narrowed, dynamic_ranges=shapes.ranges)
 
 
 def _capture_one(name: str, model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Shapes) -> tuple:

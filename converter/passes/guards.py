@@ -5,10 +5,16 @@ shape guard: DINOv2's position-embedding interpolation branch (``if num_patches 
 leaves ``(H // 8) * (W // 8) == 16``, MobileViT's ``unfolding`` leaves ``(H - 1) // 8 + 1 == 4``.
 The converted module then refuses any other image size (``Guard failed: ...``) although the graph's
 placeholders look dynamic. :func:`narrowed_dims` reads the guards the export's ``ShapeEnv`` recorded
-(equalities pin a dim to a few sizes) and the value ranges it inferred (a finite upper bound caps
-it), and names for each such dim the guard and the user-code line that made it
-(``modeling_mobilevit.py:406 in unfolding``), so that the report lists only the dims that are
-served and says why the others are not.
+(equalities pin a dim to a few sizes), and names for each such dim the guard and the user-code line
+that made it (``modeling_mobilevit.py:406 in unfolding``), so that the report lists only the dims
+that are served and says why the others are not.
+
+A range is not a pin: BERT's position table of ``max_position_embeddings`` rows leaves its sequence
+length ``2..512`` (``position_ids[:, :seq_length]`` guards ``seq_length <= 512``), and every length
+in it is served. :func:`dim_ranges` names such dims with their range, the guard and the model line
+(read from the graph node that made it), and the dim stays dynamic. Its lower bound is export's 0/1
+specialisation (the graph was traced for sizes >= 2: a ``squeeze`` or an ``if size == 1`` there is
+resolved for them) unless the example itself was smaller.
 """
 from __future__ import annotations
 
@@ -19,7 +25,7 @@ from typing import Any, Optional
 import sympy
 import torch
 
-__all__ = ["narrowed_dims"]
+__all__ = ["dim_ranges", "narrowed_dims"]
 
 
 def _symbol(size: Any) -> Optional[sympy.Symbol]:
@@ -52,9 +58,8 @@ def _pins(expr: Any, sym: sympy.Symbol, hints: dict) -> bool:
     return False
 
 
-def narrowed_dims(named_values: list[tuple[str, Any]]) -> dict[str, dict[int, str]]:
-    """``{input name: {dim: why}}`` for the symbolic dims of ``named_values`` (placeholder names and
-    their fake tensors) that a recorded guard or a finite inferred range narrows."""
+def _symbols(named_values: list[tuple[str, Any]]) -> tuple[dict, Any]:
+    """``{symbol: [(input name, dim), ...]}`` for the symbolic dims of ``named_values``, and their ShapeEnv."""
     symbols: dict[sympy.Symbol, list[tuple[str, int]]] = {}  # a symbol may size several dims (H == W)
     shape_env = None
     for name, value in named_values:
@@ -65,6 +70,30 @@ def narrowed_dims(named_values: list[tuple[str, Any]]) -> dict[str, dict[int, st
             if sym is not None:
                 symbols.setdefault(sym, []).append((name, dim))
                 shape_env = shape_env or size.node.shape_env
+    return symbols, shape_env
+
+
+def _hints(shape_env: Any) -> dict:
+    """The example's size of each symbol."""
+    examples = getattr(shape_env, "backed_var_to_val", None)
+    if examples is None:  # torch before backed_var_to_val
+        examples = getattr(shape_env, "var_to_val", {})
+    return {sym: sympy.Integer(int(val)) for sym, val in examples.items()}
+
+
+def _range(shape_env: Any, sym: sympy.Symbol) -> tuple[int, Optional[int]]:
+    """The sizes export's inferred range allows for ``sym`` (None: no upper bound)."""
+    bound = getattr(shape_env, "var_to_range", {}).get(sym)
+    lower, upper = getattr(bound, "lower", None), getattr(bound, "upper", None)
+    low = int(lower) if isinstance(lower, (int, sympy.Integer)) else 0
+    return low, (int(upper) if isinstance(upper, (int, sympy.Integer)) else None)  # int_oo: unbounded
+
+
+def narrowed_dims(named_values: list[tuple[str, Any]]) -> dict[str, dict[int, str]]:
+    """``{input name: {dim: why}}`` for the symbolic dims of ``named_values`` (placeholder names and
+    their fake tensors) that a recorded equality guard, or a range of a single size, pins.
+    A finite range of several sizes is not a pin (:func:`dim_ranges`)."""
+    symbols, shape_env = _symbols(named_values)
     if shape_env is None:
         return {}
     label = {sym: f"{dims[0][0]}.size({dims[0][1]})" for sym, dims in symbols.items()}
@@ -73,10 +102,7 @@ def narrowed_dims(named_values: list[tuple[str, Any]]) -> dict[str, dict[int, st
     def readable(expr: Any) -> str:
         return str(expr.xreplace({sym: sympy.Symbol(text) for sym, text in label.items()}))
 
-    examples = getattr(shape_env, "backed_var_to_val", None)
-    if examples is None:  # torch before backed_var_to_val
-        examples = getattr(shape_env, "var_to_val", {})
-    hints = {sym: sympy.Integer(int(val)) for sym, val in examples.items()}
+    hints = _hints(shape_env)
     out: dict[str, dict[int, str]] = {}
     for guard in getattr(shape_env, "guards", ()):
         expr = guard.expr.xreplace(replacements) if replacements else guard.expr
@@ -88,12 +114,76 @@ def narrowed_dims(named_values: list[tuple[str, Any]]) -> dict[str, dict[int, st
             where = _where(guard)
             for name, dim in symbols[sym]:
                 out.setdefault(name, {}).setdefault(dim, f"guard {readable(expr)}" + (f" at {where}" if where else ""))
-    ranges = getattr(shape_env, "var_to_range", {})
     for sym, dims in symbols.items():
-        bound = ranges.get(sym)
-        upper = getattr(bound, "upper", None)
-        if not isinstance(upper, (int, sympy.Integer)):  # int_oo: unbounded
+        low, high = _range(shape_env, sym)
+        if high is not None and low == high:
+            for name, dim in dims:
+                out.setdefault(name, {}).setdefault(dim, f"size {high} only (the range the guards leave)")
+    return out
+
+
+def _stack_line(node: torch.fx.Node) -> str:
+    """``file.py:LINE in fn`` of the innermost frame of a node's recorded stack trace ("" if none)."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', node.meta.get("stack_trace") or "")
+    if not frames:
+        return ""
+    path, line, fn = frames[-1]
+    return f"{os.path.basename(path)}:{line} in {fn}"
+
+
+def _bounding_line(gm: Optional[torch.fx.GraphModule], sym: sympy.Symbol, replacements: dict, high: int) -> str:
+    """The model line that caps ``sym`` at ``high``: the first graph op that reads a size of ``sym``
+    together with a tensor with a fixed dim of ``high`` (``self.position_ids[:, :seq_length]``)."""
+    if gm is None:
+        return ""
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
             continue
+        inputs: list[torch.fx.Node] = []
+        torch.fx.node.map_arg((node.args, node.kwargs), inputs.append)
+        reads = caps = False
+        for arg in inputs:
+            val = arg.meta.get("val")
+            if isinstance(val, torch.SymInt):
+                expr = val.node.expr.xreplace(replacements) if replacements else val.node.expr
+                reads = reads or sym in getattr(expr, "free_symbols", ())
+            elif isinstance(val, torch.Tensor):
+                caps = caps or any(isinstance(size, int) and size == high for size in val.shape)
+        if reads and caps and _stack_line(node):
+            return _stack_line(node)
+    return ""
+
+
+def dim_ranges(named_values: list[tuple[str, Any]],
+               gm: Optional[torch.fx.GraphModule] = None) -> dict[str, dict[int, dict]]:
+    """``{input name: {dim: {"min": low, "max": high, "why": text}}}`` for the symbolic dims of
+    ``named_values`` that export's inferred range bounds: a finite upper bound (``max``; None when
+    only the lower bound is above 2), or a lower bound above 2 (2 itself is export's 0/1
+    specialisation, which every dynamic dim has; it is listed with a finite upper bound). ``why``
+    names the guard and the model line (``gm``'s node that made it, when found). The dims stay
+    dynamic: every size in the range is served. A range of one size is a pin (:func:`narrowed_dims`)."""
+    symbols, shape_env = _symbols(named_values)
+    if shape_env is None:
+        return {}
+    label = {sym: f"{dims[0][0]}.size({dims[0][1]})" for sym, dims in symbols.items()}
+    replacements = dict(getattr(shape_env, "replacements", {}))
+    hints = _hints(shape_env)
+    out: dict[str, dict[int, dict]] = {}
+    for sym, dims in symbols.items():
+        low, high = _range(shape_env, sym)
+        if (high is None and low <= 2) or (high is not None and low >= high):
+            continue
+        if sym in hints:  # a size-1 example dim traced size-obliviously serves its own size
+            low = min(low, int(hints[sym]))
+        guards = []
+        for guard in getattr(shape_env, "guards", ()):
+            expr = guard.expr.xreplace(replacements) if replacements else guard.expr
+            if (isinstance(expr, sympy.core.relational.Relational) and not isinstance(expr, (sympy.Eq, sympy.Ne))
+                    and expr.free_symbols == {sym}):
+                guards.append(str(expr.xreplace({s: sympy.Symbol(t) for s, t in label.items()})))
+        where = _bounding_line(gm, sym, replacements, high) if high is not None else ""
+        why = (f"guard {', '.join(dict.fromkeys(guards))}" if guards else "the range export inferred") + (
+            f" at {where}" if where else "")
         for name, dim in dims:
-            out.setdefault(name, {}).setdefault(dim, f"sizes {int(bound.lower)}..{int(upper)} only (the range the guards leave)")
+            out.setdefault(name, {})[dim] = {"min": low, "max": high, "why": why}
     return out

@@ -19,7 +19,7 @@ __all__ = [
     "ReportView", "COLORS", "ORDER", "precision_class", "half_count", "fmt_bytes", "fmt_flops", "fmt_db", "db_sort_key",
     "fmt_pct", "fmt_err", "fmt_ratio", "short_rule", "node_reason", "tuned_for", "calibration_rows", "module_groups",
     "module_bytes", "split_casts", "fp32_math_facts", "FP32_MATH_NOTE", "frozen_mode",
-    "header_warnings", "HeaderWarning", "weight_cast_label", "narrowed_text",
+    "header_warnings", "HeaderWarning", "weight_cast_label", "narrowed_text", "ranges_text",
 ]
 
 #: precision -> colour, shared by the HTML strip, the plots and the badges
@@ -184,6 +184,17 @@ def narrowed_text(narrowed: dict) -> str:
         return ""
     return ("the converted model serves only the example's size (or the range named) of "
             + "; ".join(parts) + ": a guard in the model's code pins them")
+
+
+def ranges_text(ranges: dict) -> str:
+    """One line on the dynamic dims served only within a range (converter.passes.guards.dim_ranges):
+    ``input_ids dim 1: sizes 2..512 (guard ... at modeling_bert.py:85 in forward)``."""
+    parts = []
+    for name, dims in ranges.items():
+        for dim, span in sorted(dims.items(), key=lambda kv: int(kv[0])):
+            sizes = f"{span['min']}..{span['max']}" if span.get("max") is not None else f">= {span['min']}"
+            parts.append(f"{name} dim {dim}: sizes {sizes} ({span['why']})")
+    return ("dynamic within a range: " + "; ".join(parts)) if parts else ""
 
 
 def calibration_rows(report: ReportView) -> tuple[list[tuple[str, str]], list[dict]]:

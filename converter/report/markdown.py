@@ -17,6 +17,7 @@ from converter.report.common import (
     fp32_math_facts,
     header_warnings,
     node_reason,
+    ranges_text,
     split_casts,
     tuned_for,
     weight_cast_label,
@@ -60,7 +61,9 @@ def _header(report: ReportView) -> list[str]:
     return [f"# Precision audit: {md_escape(report.model or 'model')}", "", f"**{md_escape(report.line)}**", "",
             f"Target precision `{md_escape(report.precision)}` · tracer `{md_escape(report.tracer)}` · "
             f"{s['nodes']} graph nodes, {s['compute_nodes']} compute nodes · rule files: {files}", ""] + [
-            line for warning in header_warnings(report) for line in (f"> **Warning:** {md_escape(warning.text)}", "")]
+            line for warning in header_warnings(report) for line in (f"> **Warning:** {md_escape(warning.text)}", "")] + [
+            line for text in [ranges_text(report.extra.get("dynamic_ranges") or {})] if text
+            for line in (f"Input sizes: {md_escape(text)}", "")]
 
 
 def _summary(report: ReportView) -> list[str]:
