@@ -175,13 +175,21 @@ class MixedPrecision(_Precision):
             self._pending_state = state_dict
             return
         self._pending_state = None
-        saved = state_dict.get("trainers") if isinstance(state_dict, dict) else None
+        if not isinstance(state_dict, dict) or state_dict.get("format") != 1:
+            found = state_dict.get("format") if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise ValueError(f"the checkpoint's MixedPrecision state has format {found!r}, this version reads format 1; "
+                             "nothing was loaded")
+        saved = state_dict.get("trainers")
         if not isinstance(saved, list) or len(saved) != len(self.trainers):
-            raise ValueError(f"the checkpoint's MixedPrecision state has {len(saved or [])} trainer(s), this run has "
-                             f"{len(self.trainers)} optimizer(s)")
-        for trainer, state in zip(self.trainers, saved):
-            current = trainer.state_dict()
-            trainer.load_state_dict({**current, **state})
+            raise ValueError(f"the checkpoint's MixedPrecision state has {len(saved) if isinstance(saved, list) else 0} "
+                             f"trainer(s), this run has {len(self.trainers)} optimizer(s)")
+        if not all(isinstance(state, dict) for state in saved):
+            raise TypeError("the checkpoint's MixedPrecision trainer states must be dicts; nothing was loaded")
+        merged = [{**trainer.state_dict(), **state} for trainer, state in zip(self.trainers, saved)]
+        for trainer, state in zip(self.trainers, merged):  # every trainer's state checked before any is loaded
+            trainer._check_state_dict(state)
+        for trainer, state in zip(self.trainers, merged):
+            trainer.load_state_dict(state)
 
 
 @contextlib.contextmanager

@@ -116,7 +116,16 @@ def _check_positive_finite(name: str, value: Any, *, allow_none: bool = False) -
     value = float(value)
     if not math.isfinite(value) or value <= 0.0:
         raise ValueError(f"{name} must be a finite number > 0, got {value}")
+    if not _FP32_TINY <= value <= _FP32_MAX:  # the scale and its bounds are held in fp32 tensors
+        raise ValueError(f"{name} must lie in fp32's normal range [{_FP32_TINY:g}, {_FP32_MAX:g}] "
+                         f"(it is held in fp32), got {value:g}")
     return value
+
+
+#: the counters are held in int32 tensors
+_INT32_MAX = 2**31 - 1
+_FP32_TINY = float(torch.finfo(torch.float32).tiny)
+_FP32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def _check_int(name: str, value: Any, *, minimum: int) -> int:
@@ -124,6 +133,8 @@ def _check_int(name: str, value: Any, *, minimum: int) -> int:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if value > _INT32_MAX:
+        raise ValueError(f"{name} must be <= {_INT32_MAX} (it is held in int32), got {value}")
     return value
 
 

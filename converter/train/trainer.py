@@ -987,16 +987,24 @@ class MixedPrecisionTrainer:
             if state_dict[key] != mine:
                 raise ValueError(f"checkpoint has {key}={state_dict[key]!r} but this trainer has {key}={mine!r}")
         expected = {fqn: master for fqn, _param, master in self._masters}
-        _check_tensors("master weights", state_dict["master"], expected)
-        _check_tensors("model", state_dict["model"], self._model_state())
+        local = self._fsdp is None  # FSDP2 entries are sharded DTensors: checked by torch.distributed.checkpoint
+        _check_tensors("master weights", state_dict["master"], expected, finite=local)
+        model_state = self._model_state()
+        _check_tensors("model", state_dict["model"], model_state, finite=False)
+        if local:
+            for name, _param in self._inner.named_parameters():
+                if name in model_state:
+                    _check_values(f"checkpoint model parameter {name!r}", state_dict["model"][name])
         if self._fsdp is None:
             _check_optimizer_groups(state_dict["optimizer"], self._optimizer)
+            _check_optimizer_state(state_dict["optimizer"], self._optimizer)
         if self._scaler is not None:
             self._scaler.check_state_dict(state_dict["scaler"])
         stats = state_dict["stats"]
         fields = {f.name for f in dataclasses.fields(TrainStats)}
         if not isinstance(stats, dict) or not set(stats) <= fields:
             raise ValueError(f"checkpoint stats must be a dict with keys from {sorted(fields)}, got {stats!r}")
+        _check_stats(stats)
         history = state_dict.get("spike_history", [])
         if not isinstance(history, list) or not all(
             isinstance(v, float) and math.isfinite(v) and v >= 0 for v in history
@@ -1037,8 +1045,9 @@ class MixedPrecisionTrainer:
         self._loss_sum = None
 
 
-def _check_tensors(what: str, given: Any, expected: dict[str, torch.Tensor]) -> None:
-    """``given`` must name exactly ``expected``'s tensors, each with the same shape and dtype."""
+def _check_tensors(what: str, given: Any, expected: dict[str, torch.Tensor], *, finite: bool = True) -> None:
+    """``given`` must name exactly ``expected``'s tensors, each with the same shape and dtype, holding data
+    (and, with ``finite``, no inf or NaN: a model's buffers may hold -inf mask fills on purpose)."""
     if not isinstance(given, dict):
         raise TypeError(f"checkpoint {what} must be a dict of tensors, got {type(given).__name__}")
     if set(given) != set(expected):
@@ -1055,6 +1064,74 @@ def _check_tensors(what: str, given: Any, expected: dict[str, torch.Tensor]) -> 
                 f"checkpoint {what} entry {name!r} has shape {tuple(theirs.shape)} and dtype {theirs.dtype}, "
                 f"but this trainer's has shape {tuple(mine.shape)} and dtype {mine.dtype}; nothing was loaded"
             )
+        _check_values(f"checkpoint {what} entry {name!r}", theirs, finite=finite)
+
+
+def _check_values(what: str, tensor: torch.Tensor, *, finite: bool = True) -> None:
+    """A checkpoint tensor holds data (not the meta device's nothing) and, if floating, only finite values."""
+    if tensor.is_meta:
+        raise ValueError(f"{what} is on the meta device (it holds no data); nothing was loaded")
+    if finite and (tensor.is_floating_point() or tensor.is_complex()) and not bool(torch.isfinite(tensor).all()):
+        raise ValueError(f"{what} holds inf or NaN values; nothing was loaded")
+
+
+def _finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_optimizer_state(given: dict, optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer checkpoint's hyperparameters are finite and its per-parameter state fits the parameters.
+
+    ``optimizer.load_state_dict`` accepts a NaN learning rate, a missing ``state`` and an ``exp_avg``
+    of another shape; each of them surfaces only steps later (NaN weights, a shape error mid-step)."""
+    state = given.get("state")
+    if not isinstance(state, dict):
+        raise ValueError("checkpoint optimizer state must be an optimizer state_dict() with 'state' and 'param_groups'; "
+                         "nothing was loaded")
+    params: dict[Any, torch.Tensor] = {}
+    for index, (theirs, mine) in enumerate(zip(given["param_groups"], optimizer.param_groups)):
+        for key, value in theirs.items():
+            if key == "params":
+                continue
+            if isinstance(value, torch.Tensor):
+                if value.is_meta or ((value.is_floating_point() or value.is_complex()) and not bool(torch.isfinite(value).all())):
+                    raise ValueError(f"checkpoint optimizer param group {index} has a non-finite {key}; nothing was loaded")
+            elif isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isfinite(value):
+                raise ValueError(f"checkpoint optimizer param group {index} has {key}={value}; nothing was loaded")
+            elif key in ("lr", "weight_decay", "eps", "momentum") and not isinstance(value, (int, float, torch.Tensor)):
+                raise TypeError(f"checkpoint optimizer param group {index} has {key} of type {type(value).__name__}; "
+                                "nothing was loaded")
+        if isinstance(theirs.get("lr"), (int, float)) and theirs["lr"] < 0:
+            raise ValueError(f"checkpoint optimizer param group {index} has a negative lr ({theirs['lr']}); nothing was loaded")
+        params.update(zip(theirs["params"], mine["params"]))
+    for key, entry in state.items():
+        param = params.get(key)
+        if param is None:
+            raise ValueError(f"checkpoint optimizer state names parameter {key!r}, which no param group holds; "
+                             "nothing was loaded")
+        if not isinstance(entry, dict):
+            raise TypeError(f"checkpoint optimizer state of parameter {key!r} must be a dict, got {type(entry).__name__}")
+        for name, value in entry.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            where = f"checkpoint optimizer state {name!r} of parameter {key!r}"
+            if value.dim() > 0 and value.shape != param.shape:
+                raise ValueError(f"{where} has shape {tuple(value.shape)}, the parameter {tuple(param.shape)}; "
+                                 "nothing was loaded")
+            _check_values(where, value)
+
+
+def _check_stats(stats: dict) -> None:
+    """Counters are ints in range and the scale a finite positive number (string counters broke ``step()`` later)."""
+    for name, value in stats.items():
+        if name in ("grad_norm", "loss"):
+            ok = value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
+        elif name == "scale":
+            ok = _finite_number(value) and value > 0
+        else:
+            ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
+        if not ok:
+            raise ValueError(f"checkpoint stats has {name}={value!r}, which is not a valid value; nothing was loaded")
 
 
 def _check_optimizer_groups(given: Any, optimizer: torch.optim.Optimizer) -> None:
