@@ -356,3 +356,11 @@ def test_onnx_export_records_the_forward(tmp_path):
     result = conv.export_onnx(tmp_path / "m.onnx")
     assert result.ok and result.verified, result.summary
     assert math.isfinite(result.max_abs_error), result.summary
+
+
+def test_rule_files_accept_function_class_names_only():
+    from converter.rules.loader import Rules, RulesError
+
+    Rules.from_dict({"op": {"GradReverse": "half", "Safe*": "fp32"}})
+    with pytest.raises(RulesError, match=r"\[op\]\.Linear: unknown op name 'Linear'; did you mean 'linear'"):
+        Rules.from_dict({"op": {"Linear": "half"}})
