@@ -118,10 +118,10 @@ def _run(call: _Call, tensors: list) -> list[torch.Tensor]:
     if isinstance(out, (tuple, list)) and out and all(isinstance(o, torch.Tensor) for o in out):
         call.single = False
         return list(out)
+    what = type(out).__name__ if not isinstance(out, (tuple, list)) else f"a {type(out).__name__} with non-tensors"
     raise UnsupportedFunctionCall(
-        f"custom autograd Function {_name(call.cls)} returns {type(out).__name__}, not a tensor or a tuple of tensors, "
-        "so the captured graph cannot keep it (and its backward) as one call; return tensors only, or capture with "
-        "tracer='fx'")
+        f"custom autograd Function {_name(call.cls)} returns {what}: torch.export cannot keep it as one call with its "
+        "backward; return tensors only, or use tracer='fx'")
 
 
 def _standin_kernel(tensors: list[torch.Tensor], key: str) -> list[torch.Tensor]:
