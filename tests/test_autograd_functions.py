@@ -88,9 +88,12 @@ class SafeSqrtOld(torch.autograd.Function):
         return torch.where(y > 0, grad / (2 * y.clamp_min(1e-12)), torch.zeros_like(grad))
 
 
+_FACTOR = 3.0
+
+
 def _scale_of(x):
-    """A module-level helper: a Function that reads it cannot be inlined into model.py."""
-    return x * 3.0
+    """A module-level helper that reads a module constant: model.py cannot carry it, so it imports the Function."""
+    return x * _FACTOR
 
 
 class Tripled(torch.autograd.Function):
@@ -151,6 +154,45 @@ class WithCountNet(nn.Module):
     def forward(self, x):
         y, n = WithCount.apply(self.fc(x))
         return y * n
+
+
+def _tanh_gelu(x: torch.Tensor) -> torch.Tensor:
+    """Bloom's GeLU (transformers' bloom_gelu_forward): a module-level helper of torch ops only."""
+    return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+
+def _tanh_gelu_back(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    tanh_out = torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x))
+    ff = 0.5 * x * ((1 - tanh_out * tanh_out) * (0.79788456 + 0.1070322243 * x * x)) + 0.5 * (1 + tanh_out)
+    return ff * g * _half_scale()
+
+
+def _half_scale():
+    return 0.5  # the backward is deliberately not the forward's derivative: a lost backward shows
+
+
+class GeLUFunction(torch.autograd.Function):
+    """As in transformers' Bloom: forward and backward call module-level helpers (carried into model.py)."""
+
+    @staticmethod
+    def forward(ctx, input: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(input)
+        return _tanh_gelu(input)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> torch.Tensor:
+        (input,) = ctx.saved_tensors
+        return _tanh_gelu_back(grad_output, input)
+
+
+class GeLUNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(8, 32)
+        self.down = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.down(GeLUFunction.apply(self.up(x)))
 
 
 class GRLNet(nn.Module):
@@ -307,6 +349,22 @@ def test_a_rule_naming_the_function_sets_its_precision(tmp_path):
     conv = converter.convert(GRLNet(), (_inputs(),), precision="fp16", tracer="fx", rules=[rules])
     decision = conv.decisions[_function_nodes(conv)[0].name]
     assert decision.precision == "fp16" and "an identity forward" in decision.reason, decision
+
+
+@pytest.mark.parametrize("tracer", TRACERS)
+def test_model_py_carries_the_module_helpers_a_function_calls(tracer, tmp_path):
+    torch.manual_seed(0)
+    model = GeLUNet()
+    x = _inputs()
+    conv = converter.convert(model, (x,), precision="bf16", tracer=tracer)
+    _check_grads(_grads(conv.module, x), _grads(model, x), f"GeLUFunction/{tracer}")
+    out = conv.save(tmp_path / "out")
+    code = (out / "model.py").read_text()
+    for definition in ("def _tanh_gelu(", "def _tanh_gelu_back(", "def _half_scale(", "class GeLUFunction("):
+        assert code.count(definition) == 1, definition
+    assert "import tests" not in code and "from tests" not in code
+    loaded = _import(out / "model.py", f"emitted_gelu_{tracer}").load()
+    _check_grads(_grads(loaded, x), _grads(model, x), f"model.py GeLUFunction/{tracer}")
 
 
 def test_model_py_imports_a_function_that_reads_its_module(tmp_path):
