@@ -493,3 +493,14 @@ def test_export_refuses_a_function_returning_a_non_tensor_naming_it():
     conv = converter.convert(model, (_inputs(),), precision="fp16", tracer="auto")
     assert conv.tracer == "fx" and [n.target.autograd_function for n in _function_nodes(conv)] == [WithCount]
     _check_grads(_grads(conv.module, _inputs()), _grads(model, _inputs()), "WithCount/auto")
+
+
+def test_apply_in_place_keeps_the_backward():
+    import copy
+
+    torch.manual_seed(0)
+    reference = SqrtNet()
+    model = copy.deepcopy(reference)
+    x = _inputs(zero_rows=True)
+    assert converter.apply(model, (x,), precision="fp16") is model
+    _check_grads(_grads(model, x), _grads(reference, x), "apply SafeSqrt")
