@@ -66,6 +66,11 @@ starts in the original's mode.
 which torch.export records as nested graphs, are inlined between plain grad-mode/autocast calls
 (:mod:`converter.passes.regions`), so their ops get decisions and model.py is plain Python.
 
+**Custom autograd Functions.** Both tracers record a ``torch.autograd.Function``'s forward only, so
+its backward would be lost; :class:`~converter.passes.autograd_fns.OpaqueFunctions` keeps each
+``Fn.apply(...)`` of a Function not defined by torch as one call node that runs the Function,
+forward and backward (:mod:`converter.passes.autograd_fns`).
+
 **Errors.** A branch on tensor values (``if x.sum() > 0``) is a :class:`CaptureError` whose
 ``advice`` says in plain words what to do (``torch.cond``, move the branch out of ``forward``, or
 split the model) and names the file and line of the branch.
@@ -91,6 +96,7 @@ from converter.ir.graphmodule import new_graph_module
 from converter.ir.meta import META_CHECKPOINT, META_INFO, META_SOURCE, META_VALUE, NodeInfo, TensorSpec
 from converter.ir.ops import CAST_OPS, NORM_OPS, canonical_op, explicit_dtype, is_inplace
 from converter.ir.state import preserved_state
+from converter.passes.autograd_fns import OpaqueFunctions, restore_function_calls
 from converter.passes.checkpoint import CheckpointMarks, active_tag, tag_export_graph
 from converter.passes.guards import dim_ranges, narrowed_dims
 from converter.passes.modes import is_random, make_mode_aware, random_ops
@@ -253,7 +259,8 @@ def _user_location(frame) -> str:
 
 def _trace_fx(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Shapes) -> torch.fx.GraphModule:
     tracer = _Tracer()
-    with _EagerRandom(), CheckpointMarks():
+    # OpaqueFunctions: a custom autograd Function stays one call, backward included (passes.autograd_fns)
+    with _EagerRandom(), CheckpointMarks(), OpaqueFunctions(tracer):
         graph = tracer.trace(model)
     gm = new_graph_module(tracer.root, graph, type(model).__name__)
     shapes.dims = {
@@ -268,6 +275,7 @@ def _trace_fx(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Shapes
 def _trace_export(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Shapes) -> torch.fx.GraphModule:
     ep = _export_dynamic(model, args, kwargs, shapes)
     gm = _module_of(ep)
+    restore_function_calls(gm)  # custom autograd Functions: their calls, not the stand-in ops
     # ep.module() replaces train()/eval() on the instance by ones that raise NotImplementedError;
     # the graph reads self.training instead (converter.passes.modes), so the class's methods serve
     for name in ("train", "eval"):
@@ -387,7 +395,7 @@ def _run_export(model: torch.nn.Module, args: tuple, kwargs: dict, spec: Any, *,
 
     # RecurrentOps: LSTM/GRU/RNN keep their sequence dim dynamic (converter.passes.recurrent)
     with fx_config.patch(backed_size_oblivious=oblivious), RecurrentOps(), \
-            (SizeBudget() if budget else contextlib.nullcontext()), CheckpointMarks(annotate=True):
+            (SizeBudget() if budget else contextlib.nullcontext()), CheckpointMarks(annotate=True), OpaqueFunctions():
         ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=spec)
     restore_aten_ops(ep.graph_module)
     return ep
