@@ -195,6 +195,36 @@ def test_example_inputs_follow_the_forward_and_config(tmp_path):
     assert list(load_pretrained_folder(tmp_path / "one_type").example_inputs[1]) == ["input_ids", "attention_mask"]
 
 
+class _Detector(torch.nn.Module):
+    main_input_name = "pixel_values"
+
+    def forward(self, pixel_values, pixel_mask=None, labels=None):
+        return pixel_values
+
+
+class _Speech(torch.nn.Module):
+    main_input_name = "input_values"
+
+    def forward(self, input_values, attention_mask=None, labels=None, **kwargs):
+        return input_values
+
+
+def test_vision_and_audio_inputs_follow_the_forward():
+    from types import SimpleNamespace
+
+    from converter.cli.hfmodel import example_inputs_for
+
+    _, kw = example_inputs_for(_Detector(), SimpleNamespace(image_size=16, num_channels=3), batch=3)
+    assert list(kw) == ["pixel_values", "pixel_mask"] and kw["pixel_mask"].shape == (3, 16, 16)
+    assert kw["pixel_mask"][0].all() and not kw["pixel_mask"][2].all()  # later images are padded on the right
+    assert (kw["pixel_values"] * (1 - kw["pixel_mask"]).unsqueeze(1)).abs().sum() == 0
+    _, kw = example_inputs_for(_Speech(), SimpleNamespace(feat_extract_norm="layer"), batch=2, seq_len=800)
+    assert list(kw) == ["input_values", "attention_mask"] and kw["attention_mask"].sum(1).tolist() == [800, 600]
+    # wav2vec2-base-like models (group norm in the feature extractor) must not be given a mask
+    _, kw = example_inputs_for(_Speech(), SimpleNamespace(feat_extract_norm="group"), batch=2, seq_len=800)
+    assert list(kw) == ["input_values"]
+
+
 # ---------------------------------------------------------------------------------------------
 # calibration on folders
 
@@ -288,6 +318,38 @@ def test_bad_calibration_data_is_one_line(tmp_path, capfd):
     assert_bad_input(*run(capfd, bert, "--calibration-data", tmp_path / "junk.safetensors", "--out", out),
                      "not a readable safetensors file")
     assert not out.exists()
+
+
+def test_calibration_batch_beyond_the_graph_is_bad_input(tmp_path, capfd):
+    """A batch longer than the position table fails the graph's guard in the calibrate stage: the
+    user's data, so exit 2 with one line (was exit 3, 'internal error')."""
+    _save("bert", tmp_path / "bert")
+    (tmp_path / "long.py").write_text(
+        "import torch\n\ndef calibration_inputs():\n    ids = torch.ones(2, 40, dtype=torch.long)\n"
+        "    return [{'input_ids': ids, 'attention_mask': ids, 'token_type_ids': 0 * ids}]\n")
+    capfd.readouterr()
+    assert_bad_input(*run(capfd, tmp_path / "bert", "--calibration-data", tmp_path / "long.py", "--out", tmp_path / "o", "--no-measure"),
+                     "a calibration batch does not fit the captured graph", "input_ids.size()[1] <= 32")
+    assert not (tmp_path / "o").exists()
+
+
+def test_calibration_data_replaces_a_model_files_own(tmp_path, capfd):
+    """For a model file, --calibration-data replaces calibration_inputs(); a .safetensors file names
+    positional inputs by the forward's argument names (mlp.forward(x))."""
+    from safetensors.torch import save_file
+
+    from tests.helpers import SAMPLES
+
+    gen = torch.Generator().manual_seed(3)
+    save_file({f"{i}.x": torch.randn(8, 32, generator=gen) for i in range(5)}, str(tmp_path / "mlp.safetensors"))
+    code, out, err = run(capfd, SAMPLES / "mlp.py", "--calibration-data", tmp_path / "mlp.safetensors", "--out", tmp_path / "o",
+                         "--no-measure", "--precision", "fp16")
+    assert code == 0, err
+    calibration = json.loads((tmp_path / "o" / "report.json").read_text())["calibration"]
+    assert calibration["batches"] == 5 and calibration["data"] == "mlp.safetensors (5 batches)", calibration
+    save_file({"0.y": torch.randn(8, 32)}, str(tmp_path / "wrong.safetensors"))
+    assert_bad_input(*run(capfd, SAMPLES / "mlp.py", "--calibration-data", tmp_path / "wrong.safetensors", "--out", tmp_path / "w"),
+                     "batch 0 names y, which the example inputs do not take; name the tensors x")
 
 
 def test_calibration_data_synthetic_is_for_folders(tmp_path, capfd):

@@ -115,8 +115,14 @@ def _from_safetensors(path: Path, mf: ModelFile) -> list:
     order = sorted(grouped)
     if order != list(range(len(order))):
         raise CalibrationDataError(f"--calibration-data {path.name}: the batches are numbered {order[:8]}; number them 0, 1, 2, ...")
-    args, _ = mf.example_inputs if isinstance(mf.example_inputs, tuple) and len(mf.example_inputs) == 2 else ((), {})
+    args, kwargs = mf.example_inputs if isinstance(mf.example_inputs, tuple) and len(mf.example_inputs) == 2 else ((), {})
     positional = _positional_names(mf.model, len(args))
+    known = [*positional, *kwargs]
+    for i in order:
+        unknown = [name for name in grouped[i] if name not in known]
+        if unknown and len(positional) == len(args):
+            raise CalibrationDataError(f"--calibration-data {path.name}: batch {i} names {', '.join(unknown)}, which the example "
+                                       f"inputs do not take; name the tensors {', '.join(known)} (with a batch prefix I.)")
     return [_as_inputs(grouped[i], positional) for i in order]
 
 

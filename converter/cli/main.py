@@ -573,10 +573,18 @@ def _calibration_batches(ns, ui: _UI, mf) -> tuple[list, str]:
 
 def _convert_checked(ns, ui: _UI, mf, precision: str, rules, calibration, options):
     """:func:`_convert`, with a calibration tolerance that is not met turned into exit 1."""
+    from converter.api import PassError
     from converter.numerics.calibrate import ToleranceNotMet
 
     try:
         return _convert(ns, ui, mf, precision, rules, calibration=calibration, calibration_options=options)
+    except PassError as exc:  # a batch outside the sizes the graph serves is the user's data, not a bug
+        cause = exc.__cause__
+        if calibration is not None and "'calibrate'" in str(exc) and isinstance(cause, AssertionError) \
+                and str(cause).startswith("Guard failed"):
+            raise UsageError(f"a calibration batch does not fit the captured graph ({_one_line(cause)}); give batches of the "
+                             "example's form within the sizes it serves (report.json: dynamic_dims), or a larger --seq-len/example") from exc
+        raise
     except ToleranceNotMet as exc:
         raise _CheckFailed(
             f"{_one_line(exc)}; nothing written. Relax --tolerance, add rules that keep more ops in fp32, or use bf16",
