@@ -266,8 +266,8 @@ def _source(folder: Path, model: Any, how: str, inputs: tuple[tuple, dict], data
     padded = [name for name, t in kwargs.items() if name.endswith("mask") and bool((t == 0).any())]
     cache = getattr(getattr(model, "config", None), "use_cache", None)
     folder_cache = data.get("use_cache")
-    note = (f"Built from the save_pretrained folder {folder.name} ({how}); its forward takes {', '.join(shapes)} "
-            "(the example was a padded batch" + (f": {', '.join(padded)} had zeros" if padded else "") + ").")
+    note = (f"Built from the save_pretrained folder {folder.name} ({how}); its forward takes {', '.join(shapes)}"
+            + (f" (the example was a padded batch: {', '.join(padded)} had zeros)." if padded else "."))
     if cache is False:
         said = f"config.json: use_cache={str(folder_cache).lower()}" if folder_cache is not None else "config.json sets no use_cache"
         note += (f" Loaded with use_cache=False ({said}): the graph computes and returns "
