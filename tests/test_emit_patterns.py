@@ -25,6 +25,7 @@ from torch.nn.utils import parametrizations, parametrize
 import converter
 from converter.export.emit import emit, import_file
 from converter.ir.meta import META_CAST, META_DECISION, META_INFO
+from converter.passes.verify import ForwardCheckError
 from tests.helpers import sqnr
 
 
@@ -386,3 +387,13 @@ def test_load_weights_checks_shapes_and_dtype_kinds(emitted_param, tmp_path):
     loaded = module.load(weights=tmp_path / "bf16.safetensors")
     assert loaded.get_parameter("head.bias").dtype == torch.float32
     assert torch.equal(loaded.get_parameter("head.bias"), other["head.bias"].to(torch.bfloat16).float())
+
+
+def test_a_half_rule_on_spectral_norm_fails_loudly_instead_of_freezing_its_buffers(tmp_path):
+    """The power iteration writes u/v with div(..., out=u): a cast copy of u must never take that write
+    (it did: v stayed at its initial value in train mode, silently). In half, the op computes in bf16
+    into the fp32 buffer, so the next op's inputs disagree: the conversion check names it."""
+    rules = tmp_path / "half.toml"
+    rules.write_text('[module_type]\n"ParametrizationList" = { precision = "half", reason = "test" }\n')
+    with pytest.raises(ForwardCheckError, match=r"at node 'mv_1' \(op mv, bf16 by .*half\.toml:\[module_type\]\.ParametrizationList"):
+        converter.convert(_build("param"), (_example("param"),), rules=[str(rules)])
