@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn.utils import parametrizations, parametrize
 
 import converter
-from converter.export.emit import emit, import_file
+from converter.export.emit import EmitError, emit, generate_model_source, import_file
 from converter.ir.meta import META_CAST, META_DECISION, META_INFO
 from converter.passes.verify import ForwardCheckError
 from tests.helpers import sqnr
@@ -397,3 +397,9 @@ def test_a_half_rule_on_spectral_norm_fails_loudly_instead_of_freezing_its_buffe
     rules.write_text('[module_type]\n"ParametrizationList" = { precision = "half", reason = "test" }\n')
     with pytest.raises(ForwardCheckError, match=r"at node 'mv_1' \(op mv, bf16 by .*half\.toml:\[module_type\]\.ParametrizationList"):
         converter.convert(_build("param"), (_example("param"),), rules=[str(rules)])
+
+
+def test_fx_captured_parametrization_is_refused_with_the_way_out():
+    conv = converter.convert(_build("param"), (_example("param"),), tracer="fx")
+    with pytest.raises(EmitError, match=r"'conv\.parametrizations\.weight' is a parametrized weight .*--tracer export or auto"):
+        generate_model_source(conv)
