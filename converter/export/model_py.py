@@ -39,6 +39,7 @@ import torch.fx
 from torch import nn
 from torch.fx.graph import CodeGen, _custom_builtins
 from torch.fx.node import map_aggregate
+from torch.nn.utils.parametrize import ParametrizationList
 
 from converter.export.errors import EmitError
 from converter.export.functions import function_lines
@@ -94,6 +95,11 @@ def _leaf_constructor(path: str, module: nn.Module) -> str:
     """Source of an expression that re-creates leaf ``module`` (without its weights)."""
     cls = type(module)
     name = cls.__name__
+    if isinstance(module, ParametrizationList):
+        raise EmitError(
+            f"cannot emit model.py: {path!r} is a parametrized weight (torch.nn.utils.parametrize), which the FX "
+            "tracer keeps as an opaque module; capture with --tracer export or auto (they compute it in the graph)"
+        )
     if not cls.__module__.startswith("torch.nn.") or getattr(nn, name, None) is not cls:
         raise EmitError(
             f"cannot emit model.py: cannot re-create leaf module {path!r} of type {cls.__module__}.{cls.__qualname__} "
