@@ -127,16 +127,69 @@ def without_weights(folder: Path, choice: Optional[bool] = None) -> tuple[bool, 
     return False, ""
 
 
-def _build(folder: Path, *, empty: bool = False):
+def _remote_code(folder: Path, data: dict) -> list[str]:
+    """The folder's own Python files that building it would run (config.json's ``auto_map``), [] if none."""
+    auto_map = data.get("auto_map")
+    if not auto_map:
+        return []
+    refs = auto_map.values() if isinstance(auto_map, dict) else [auto_map]
+    modules = set()
+    for ref in refs:
+        for item in (ref if isinstance(ref, (list, tuple)) else [ref]):
+            if isinstance(item, str) and "." in item:
+                modules.add(item.split("--")[-1].rsplit(".", 1)[0] + ".py")
+    return sorted(modules) or sorted(p.name for p in folder.glob("*.py")) or ["auto_map in config.json"]
+
+
+def _check_index_paths(folder: Path) -> None:
+    """Every file a weight index names lies inside ``folder`` (checked before any library opens one):
+    transformers follows ``../`` in ``model.safetensors.index.json``."""
+    for index in sorted(folder.glob("*.index.json")):
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8-sig")).get("weight_map")
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError) as exc:
+            raise PretrainedFolderError(f"{index}: not a readable weight index ({exc}); write it with save_pretrained") from None
+        if not isinstance(weight_map, dict):
+            raise PretrainedFolderError(f"{index}: has no weight_map object; write it with save_pretrained")
+        root = os.path.normpath(os.path.abspath(folder))
+        for name in dict.fromkeys(weight_map.values()):
+            where = os.path.normpath(os.path.join(root, str(name)))
+            if not isinstance(name, str) or os.path.isabs(name) or os.path.commonpath([root, where]) != root:
+                raise PretrainedFolderError(f"{index} names {name!r}, which is outside {folder}; a weight index may "
+                                            "only name files inside its own folder (nothing was read)")
+
+
+def _weights_error(folder: Path, exc: BaseException) -> Optional[str]:
+    """One line for a weight file that cannot be read safely (None: not such an error)."""
+    text = " ".join(str(exc).split())
+    if type(exc).__name__ == "UnpicklingError" or "weights_only" in text:
+        return (f"{folder}: a .bin/.pt weight file holds pickled objects other than tensors, so torch's weights-only loader refused it "
+                "(nothing in it ran); convert it to safetensors where you trust its origin, or pass a folder with "
+                "model.safetensors")
+    if type(exc).__name__ == "SafetensorError" or "safetensors" in type(exc).__module__:
+        return (f"{folder}: a safetensors weight file is damaged ({text[:160]}); write the checkpoint again with "
+                "save_pretrained, or check that the copy is complete")
+    return None
+
+
+def _build(folder: Path, *, empty: bool = False, trust_remote_code: bool = False):
     try:
         import transformers
     except ImportError:
         raise PretrainedFolderError(f"{folder} is a checkpoint folder, but transformers is not installed; pip install transformers") from None
     data = _read_config_json(folder)
+    code = _remote_code(folder, data)
+    if code and not trust_remote_code:
+        raise PretrainedFolderError(
+            f"{folder} builds its model with its own Python code ({', '.join(code[:4])}, named by config.json's auto_map); "
+            "mpconvert runs no code from a checkpoint folder unless you pass --trust-remote-code (read that code first)")
+    _check_index_paths(folder)
     architectures = data.get("architectures") or [None]
     try:
         with _offline():
-            config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
+            # trust_remote_code is passed explicitly: left unset, transformers asks on stdin, which the CLI hides
+            config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True,
+                                                             trust_remote_code=trust_remote_code)
             if hasattr(config, "use_cache"):
                 config.use_cache = False
             auto = _auto_class(transformers, config, architectures[0])
@@ -144,10 +197,16 @@ def _build(folder: Path, *, empty: bool = False):
                 from converter.ir.empty import empty_weights
 
                 with empty_weights():
-                    model = auto.from_config(config)
+                    model = auto.from_config(config, trust_remote_code=trust_remote_code)
                 return model.eval(), config, f"{auto.__name__}.from_config (without weights)"
-            model = auto.from_pretrained(str(folder), config=config, local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError, ImportError) as exc:
+            model = auto.from_pretrained(str(folder), config=config, local_files_only=True,
+                                         trust_remote_code=trust_remote_code)
+    except Exception as exc:  # the checkpoint is the user's input: classify what transformers raised
+        unsafe = _weights_error(folder, exc)
+        if unsafe is not None:
+            raise PretrainedFolderError(unsafe) from None
+        if not isinstance(exc, (OSError, ValueError, KeyError, TypeError, ImportError)):
+            raise
         text = " ".join(str(exc).split())[:300]
         raise PretrainedFolderError(f"{folder}: transformers cannot build a model from it ({type(exc).__name__}: {text}); "
                                     "check config.json and the weights file that save_pretrained wrote") from None
@@ -277,14 +336,15 @@ def _source(folder: Path, model: Any, how: str, inputs: tuple[tuple, dict], data
 
 
 def load_pretrained_folder(folder: Path, *, batch: Optional[int] = None, seq_len: Optional[int] = None,
-                           empty: Optional[bool] = None) -> ModelFile:
+                           empty: Optional[bool] = None, trust_remote_code: bool = False) -> ModelFile:
     """Build the model in ``folder`` (offline) and make its example inputs; see the module docstring.
 
     ``empty``: build it without its weights (True), with them (False), or decide (None, see
-    :func:`without_weights`). ``ModelFile.make_inputs(seed)`` draws more batches of the example's
+    :func:`without_weights`). ``trust_remote_code``: allow the folder's own Python code (config.json's
+    ``auto_map``) to run; without it such a folder is refused in one line naming the files. ``ModelFile.make_inputs(seed)`` draws more batches of the example's
     form (``--calibration-data synthetic``)."""
     folder = Path(folder)
-    model, config, how = _build(folder, empty=without_weights(folder, empty)[0])
+    model, config, how = _build(folder, empty=without_weights(folder, empty)[0], trust_remote_code=trust_remote_code)
     inputs = example_inputs_for(model, config, batch=batch, seq_len=seq_len)
 
     def make_inputs(seed: int) -> tuple[tuple, dict]:

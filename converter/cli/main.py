@@ -131,6 +131,9 @@ def _model_options(p: argparse.ArgumentParser) -> None:
                    help="checkpoint folders only: the batch size of the example inputs made from config.json (default 2)")
     p.add_argument("--seq-len", dest="seq_len", type=_positive_int, default=None, metavar="T",
                    help="checkpoint folders only: the sequence length of text inputs (default 16; audio: samples)")
+    p.add_argument("--trust-remote-code", dest="trust_remote_code", action="store_true",
+                   help="checkpoint folders only: allow a folder's own Python code (config.json's auto_map) to run while "
+                        "building the model; without it such a folder is refused. Read that code first")
     weights = p.add_mutually_exclusive_group()
     weights.add_argument("--empty-weights", dest="empty_weights", action="store_const", const=True, default=None,
                          help="checkpoint folders only: build the model without its weights (parameters on the meta device); "
@@ -376,7 +379,8 @@ def _load_model(ns, ui: "_UI"):
         from converter.cli.hfmodel import load_pretrained_folder, without_weights
 
         empty, why = without_weights(path, getattr(ns, "empty_weights", None))
-        loaded = load_pretrained_folder(path, batch=ns.batch, seq_len=ns.seq_len, empty=empty)
+        loaded = load_pretrained_folder(path, batch=ns.batch, seq_len=ns.seq_len, empty=empty,
+                                        trust_remote_code=getattr(ns, "trust_remote_code", False))
         if empty:
             ui.warn(f"{path}: converted without its weights ({why}); model.py loads them with load(weights={str(path)!r}), "
                     "and the report has no measurements")
