@@ -118,3 +118,21 @@ def test_a_folder_without_config_json_says_what_a_folder_needs(tmp_path, monkeyp
     if files:
         needles.append("it has model.safetensors but no config.json")
     assert_bad_input(*run(capfd, folder), *needles)
+
+
+def test_a_full_disk_while_writing_the_weights_is_bad_input(tmp_path, monkeypatch, capfd):
+    """The safetensors writer reports ENOSPC as text in a SafetensorError; the old code called that an internal
+    error (exit 3, found with a 40 kB tmpfs as --out). The writer is made to fail the same way here."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def full(*_args, **_kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    monkeypatch.chdir(tmp_path)
+    from tests.helpers import SAMPLES
+
+    assert_bad_input(*run(capfd, SAMPLES / "mlp.py", "--out", tmp_path / "o", "--no-measure"),
+                     "No space left on device: the disk is full", "nothing was written")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

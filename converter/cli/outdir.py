@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import uuid
 from pathlib import Path
 from typing import Iterator, Union
@@ -93,3 +94,10 @@ def writing(out: Union[str, Path]) -> Iterator[None]:
     except OSError as exc:
         name = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
         raise OutputLocationError(f"writing {out} failed{name}: {_reason(exc)}; nothing was written") from exc
+    except Exception as exc:
+        # the safetensors writer reports the system's error as text: "I/O error: No space left on device (os error 28)"
+        found = re.search(r"\(os error (\d+)\)", str(exc)) if type(exc).__name__ == "SafetensorError" else None
+        if found is None:
+            raise
+        code = int(found.group(1))
+        raise OutputLocationError(f"writing {out} failed: {_reason(OSError(code, os.strerror(code)))}; nothing was written") from exc
