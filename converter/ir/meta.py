@@ -50,6 +50,7 @@ __all__ = [
     "META_REGION",
     "META_MODE_FLAG",
     "META_CHECKPOINT",
+    "META_INTENT",
     "GM_GRAPH",
     "GM_PARAM_DTYPES",
     "GM_PARAM_STORAGE",
@@ -93,7 +94,7 @@ FP32Math = Literal["ieee", "tf32", "inherit"]
 NodeKind = Literal["compute", "fixed", "alias", "passive", "cast"]
 NODE_KINDS: tuple[str, ...] = get_args(NodeKind)
 #: ``RuleRef.table``: a rule table, or where a non-rule decision came from
-RuleTable = Literal["node", "module", "module_type", "op", "default", "builtin", "placement", "calibration"]
+RuleTable = Literal["node", "module", "module_type", "op", "default", "builtin", "placement", "calibration", "user"]
 # NoteStage, NOTE_LABELS and note_text live in the torch-free converter.ir.notes (imported above)
 
 # ---------------------------------------------------------------------------------------------
@@ -111,6 +112,7 @@ META_MATH = "mp_math"
 META_REGION = "mp_region"
 META_MODE_FLAG = "mp_mode_flag"
 META_CHECKPOINT = "mp_checkpoint"
+META_INTENT = "mp_intent"
 GM_GRAPH = "mp_graph"
 GM_PARAM_DTYPES = "mp_param_dtypes"
 GM_PARAM_STORAGE = "mp_param_storage"
@@ -169,6 +171,9 @@ CONTRACT: tuple[MetaKey, ...] = (
             ("checkpoint", "rewrite", "fp32_math"),
             "the torch.utils.checkpoint region the node ran in; casts take their consumer's; code generation "
             "runs each region under checkpoint (converter.passes.checkpoint)"),
+    MetaKey(META_INTENT, "node", "tuple[UserIntent, ...]", ("capture", "regions", "intent"), ("decide",),
+            "the user's precision intent over the node (its innermost autocast region, _keep_in_fp32_modules), "
+            "first applicable wins; outranks every rule file (converter.passes.intent)"),
     MetaKey(GM_GRAPH, "graph", "GraphMeta", ("api",), ("report",),
             "graph-level facts: tracer, precision, capture errors, rule files; in extra: lower's list, "
             "the fp32_math setting and region count"),
@@ -278,6 +283,8 @@ class RuleRef:
     pattern: str = ""
 
     def __str__(self) -> str:
+        if self.table == "user":  # the user's intent in the model code: "[user] autocast region at m.py:12"
+            return f"[user] {self.pattern}"
         if self.table in ("default", "builtin", "placement", "calibration") and not self.pattern:
             return f"{self.file}:[{self.table}]"
         return f"{self.file}:[{self.table}].{self.pattern}"

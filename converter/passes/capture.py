@@ -65,6 +65,10 @@ starts in the original's mode.
 **Higher-order regions.** ``torch.no_grad()``/``set_grad_enabled`` and ``torch.autocast`` blocks,
 which torch.export records as nested graphs, are inlined between plain grad-mode/autocast calls
 (:mod:`converter.passes.regions`), so their ops get decisions and model.py is plain Python.
+Autocast blocks and transformers' ``_keep_in_fp32_modules`` are the user's precision intent: both
+tracers tag the nodes they cover (symbolic_trace through :class:`~converter.passes.intent.AutocastMarks`,
+as FX records no autocast), and *decide* ranks that intent above every rule file
+(:mod:`converter.passes.intent`).
 
 **Errors.** A branch on tensor values (``if x.sum() > 0``) is a :class:`CaptureError` whose
 ``advice`` says in plain words what to do (``torch.cond``, move the branch out of ``forward``, or
@@ -93,6 +97,7 @@ from converter.ir.ops import CAST_OPS, NORM_OPS, canonical_op, explicit_dtype, i
 from converter.ir.state import preserved_state
 from converter.passes.checkpoint import CheckpointMarks, active_tag, tag_export_graph
 from converter.passes.guards import narrowed_dims
+from converter.passes.intent import AutocastMarks, mark_kept_modules, tag_traced
 from converter.passes.modes import is_random, make_mode_aware, random_ops
 from converter.passes.recurrent import RecurrentOps, restore_aten_ops
 from converter.passes.regions import inline_regions
@@ -218,6 +223,8 @@ class _Tracer(torch.fx.Tracer):
         tag = active_tag()  # inside a torch.utils.checkpoint call (converter.passes.checkpoint)
         if tag is not None and hasattr(proxy, "node"):
             proxy.node.meta[META_CHECKPOINT] = tag
+        if hasattr(proxy, "node"):
+            tag_traced(proxy.node)  # inside a torch.autocast block (converter.passes.intent)
         return proxy
 
 
@@ -251,7 +258,7 @@ def _user_location(frame) -> str:
 
 def _trace_fx(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Shapes) -> torch.fx.GraphModule:
     tracer = _Tracer()
-    with _EagerRandom(), CheckpointMarks():
+    with _EagerRandom(), CheckpointMarks(), AutocastMarks():
         graph = tracer.trace(model)
     gm = new_graph_module(tracer.root, graph, type(model).__name__)
     shapes.dims = {
@@ -380,7 +387,8 @@ def _run_export(model: torch.nn.Module, args: tuple, kwargs: dict, spec: Any, *,
 
     # RecurrentOps: LSTM/GRU/RNN keep their sequence dim dynamic (converter.passes.recurrent)
     with fx_config.patch(backed_size_oblivious=oblivious), RecurrentOps(), \
-            (SizeBudget() if budget else contextlib.nullcontext()), CheckpointMarks(annotate=True):
+            (SizeBudget() if budget else contextlib.nullcontext()), CheckpointMarks(annotate=True), \
+            AutocastMarks(annotate=True):
         ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=spec)
     restore_aten_ops(ep.graph_module)
     return ep
@@ -622,6 +630,8 @@ def _finish_capture(result: tuple, used: str, shapes: _Shapes, tracer: str, mode
             gm, eval_gm, used, modes, shapes = exported, exported_eval, "export", export_modes, export_shapes
     if eval_gm is not None:
         annotate(eval_gm, root_type=type(model).__name__)
+    for graph in (gm, eval_gm) if eval_gm is not None else (gm,):
+        mark_kept_modules(graph, model)  # transformers' _keep_in_fp32_modules (converter.passes.intent)
     return Captured(gm=gm, tracer=used, args=args, kwargs=kwargs, errors=errors,
                     dynamic_dims=shapes.dims, shapes_note=shapes.note, modes=modes, eval_gm=eval_gm,
                     narrowed_dims=shapes.narrowed)
