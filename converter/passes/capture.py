@@ -258,7 +258,7 @@ def _user_location(frame) -> str:
 
 def _trace_fx(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Shapes) -> torch.fx.GraphModule:
     tracer = _Tracer()
-    with _EagerRandom(), CheckpointMarks(), AutocastMarks():
+    with _EagerRandom(), CheckpointMarks(), AutocastMarks(tracer=tracer):
         graph = tracer.trace(model)
     gm = new_graph_module(tracer.root, graph, type(model).__name__)
     shapes.dims = {

@@ -28,7 +28,9 @@ The user's intent outranks every rule file (:mod:`converter.passes.intent`): a c
 matmul-class node under an enabled ``autocast(dtype=...)`` block runs in that dtype. The decision's
 rule is ``[user] autocast region at file.py:LINE`` (or ``[user] _keep_in_fp32_modules of …``) and
 its first match is that intent at the ``user`` level. In an enabled autocast region, a rule's ``half``
-means the region's dtype (the reason says so). A ``banned`` op is still an error there.
+means the region's dtype (the reason says so). A ``banned`` op is still an error there. Once every
+node is decided, the autocast calls of enabled regions leave the graph (their ops' dtypes are now
+explicit; :func:`~converter.passes.intent.drop_enabled_autocast`).
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ from converter.ir.errors import MpconvertError
 from converter.ir.graphmodule import pauses_gc
 from converter.ir.meta import BUILTIN, META_DECISION, META_INFO, META_VALUE, Decision, Match, RuleRef, TensorSpec, name_of
 from converter.ir.ops import ACCUMULATE_OPS
-from converter.passes.intent import applicable_intent, half_in
+from converter.passes.intent import applicable_intent, drop_enabled_autocast, half_in
 from converter.rules.loader import Rules
 from converter.rules.precedence import DEFAULT_LEVEL, PRECEDENCE, SCOPED_LEVELS, USER_LEVEL, rank
 
@@ -128,6 +130,7 @@ def decide(gm: torch.fx.GraphModule, rules: Rules, *, precision: str) -> None:
         info = node.meta.get(META_INFO)
         if info is not None and info.inplace and info.kind == "alias" and info.op in ACCUMULATE_OPS:
             _decide_accumulator(node, half)
+    drop_enabled_autocast(gm)  # its ops are decided now: no live autocast re-decides them at run time
 
 
 def _resolved(requested: str, target: str) -> str:

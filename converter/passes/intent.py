@@ -33,9 +33,17 @@ How the regions are found:
   (``annotate=True``), which records it through ``torch.fx.traceback.annotate`` while exporting.
 * **torch.fx.symbolic_trace** records no autocast at all: the block runs eagerly at trace time.
   While tracing, :class:`AutocastMarks` stands in for ``torch.autocast.__enter__``/``__exit__``
-  (the class's own methods run unchanged inside) and keeps a stack of the open regions; the FX
-  tracer tags each node it makes with the innermost one (:func:`tag_traced`). The FX graph keeps
-  no autocast call: every op of the region has its dtype decided explicitly.
+  (the class's own methods run unchanged inside), keeps a stack of the open regions and records
+  the same ``_enter_autocast``/``_exit_autocast`` calls the inlined export regions have, so both
+  graphs compute what the model computes (capture's eval-mode check compares them); the FX tracer
+  tags each node it makes with the innermost region (:func:`tag_traced`).
+
+Once decided, an *enabled* region's autocast calls are removed from the graph
+(:func:`drop_enabled_autocast`): every op in it has its dtype decided explicitly, and a live
+autocast would re-decide some of them at run time behind the report's back (under a bf16 autocast
+an fp16 ``cat`` even fails: ``Unexpected floating ScalarType in at::autocast::prioritize``). An
+``enabled=False`` region keeps its calls: they change nothing the decisions say, and keep the
+region fp32 when the converted module runs under an outer autocast, as the model's own block did.
 
 Only autocast blocks entered from model code count: the frames of torch itself (and of this
 package) are skipped to find the ``with`` line, and a block torch enters internally is ignored.
@@ -47,6 +55,7 @@ from __future__ import annotations
 import contextlib
 import re
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional
@@ -58,13 +67,14 @@ from converter.ir.meta import HALF_NAMES, META_INFO, META_INTENT, META_REGION, R
 from converter.ir.ops import MATMUL_CONV_OPS
 
 __all__ = ["AUTOCAST_LOWER_OPS", "USER_FILE", "UserIntent", "AutocastMarks", "autocast_intent", "add_intent", "tag_traced",
-           "region_location", "mark_kept_modules", "kept_modules", "applicable_intent", "half_in"]
+           "region_location", "mark_kept_modules", "kept_modules", "applicable_intent", "half_in", "drop_enabled_autocast"]
 
 #: the ops an enabled autocast region runs in its lower-precision dtype (torch.autocast's CUDA and
 #: CPU lower-precision lists: the matmul class, convolutions, attention, prelu)
 AUTOCAST_LOWER_OPS = MATMUL_CONV_OPS | {"prelu"}
 #: ``RuleRef.file`` of the user's intent
 USER_FILE = "<user>"
+_ENTER, _EXIT = torch.amp.autocast_mode._enter_autocast, torch.amp.autocast_mode._exit_autocast
 #: the ``torch.fx.traceback.annotate`` key export records the ``with`` line of an autocast block under
 _ANNOTATION = "mpconvert_autocast"
 _SKIP = (str(Path(torch.__file__).resolve().parent), str(Path(__file__).resolve().parent.parent))
@@ -149,10 +159,12 @@ def _where(frame) -> Optional[str]:
 class AutocastMarks:
     """Context manager: while tracing, every ``torch.autocast`` block the model enters is recorded
     (see the module docstring). ``annotate``: record the ``with`` line for torch.export's graph
-    through ``torch.fx.traceback.annotate``; otherwise the FX tracer reads :func:`tag_traced`."""
+    through ``torch.fx.traceback.annotate``. ``tracer``: the FX tracer, which gets the block's
+    ``_enter_autocast``/``_exit_autocast`` calls and reads :func:`tag_traced`."""
 
-    def __init__(self, *, annotate: bool = False):
+    def __init__(self, *, annotate: bool = False, tracer: Optional[torch.fx.Tracer] = None):
         self.annotate = annotate
+        self.tracer = tracer
         self.count = 0
 
     def __enter__(self) -> "AutocastMarks":
@@ -187,6 +199,10 @@ class AutocastMarks:
         self.count += 1
         _STACK.append(entry)
         stack.callback(lambda: _STACK.remove(entry) if entry in _STACK else None)
+        if self.tracer is not None:  # FX: the calls the inlined export regions have (converter.passes.regions)
+            args = (str(ctx.device), ctx.fast_dtype, bool(ctx._enabled), bool(ctx._cache_enabled))
+            enter = self.tracer.create_proxy("call_function", _ENTER, args, {})
+            stack.callback(lambda: self.tracer.create_proxy("call_function", _EXIT, (enter,), {}))
         if self.annotate:
             import torch.fx.traceback as fx_traceback
 
@@ -202,7 +218,7 @@ class AutocastMarks:
 
 def tag_traced(node: torch.fx.Node) -> None:
     """FX tracer: tag a node made inside an autocast block with the innermost block's intent and region."""
-    if _STACK and node.op in ("call_function", "call_method", "call_module"):
+    if _STACK and node.op in ("call_function", "call_method", "call_module") and node.target not in (_ENTER, _EXIT):
         tag, intent = _STACK[-1]
         add_intent(node, intent)
         node.meta[META_REGION] = (tag,)
@@ -210,18 +226,42 @@ def tag_traced(node: torch.fx.Node) -> None:
 
 def region_location(nodes: Iterable[torch.fx.Node]) -> str:
     """torch.export: the ``with`` line of the autocast region whose body is ``nodes``, as
-    :class:`AutocastMarks` annotated it (the first op's line when it did not)."""
+    :class:`AutocastMarks` annotated it (the first op's line when it did not). The line most of the
+    region's own nodes carry: export copies a node's meta onto checks it inserts before it (an
+    ``_assert_tensor_metadata`` of an input made outside the region carries the outer line)."""
     nodes = list(nodes)
+    lines = []
     for node in nodes:
         custom = node.meta.get("custom") or {}
         if isinstance(custom, dict) and custom.get(_ANNOTATION) and not any(i.autocast for i in node.meta.get(META_INTENT, ())):
-            return str(custom[_ANNOTATION])
+            lines.append(str(custom[_ANNOTATION]))
+    if lines:
+        return Counter(lines).most_common(1)[0][0]  # ties: the first seen
     for node in nodes:
         frames = re.findall(r'File "([^"]+)", line (\d+)', node.meta.get("stack_trace") or "")
         frames = [(p, n) for p, n in frames if not p.startswith(_SKIP)]
         if frames:
             return f"{frames[-1][0].rsplit('/', 1)[-1]}:{frames[-1][1]} (its first op)"
     return ""
+
+
+def drop_enabled_autocast(gm: torch.fx.GraphModule) -> int:
+    """Remove the ``_enter_autocast``/``_exit_autocast`` calls of every enabled autocast region of a
+    decided graph (see the module docstring); returns how many regions."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not _ENTER or len(node.args) < 3 or node.args[2] is not True:
+            continue
+        leaves = [u for u in node.users if u.op == "call_function" and u.target is _EXIT]
+        if len(leaves) != len(node.users):
+            continue  # the context is used some other way: keep it
+        for leave in leaves:
+            gm.graph.erase_node(leave)
+        gm.graph.erase_node(node)
+        count += 1
+    if count:
+        gm.recompile()
+    return count
 
 
 # ---------------------------------------------------------------------------------------------
