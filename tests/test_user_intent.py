@@ -23,8 +23,8 @@ from torch import nn
 
 import converter
 from converter.ir.meta import META_CAST, META_DECISION
-from converter.report.markdown import md_escape
 from converter.report.explain import explain, explain_rows
+from converter.report.markdown import md_escape
 
 pytestmark = pytest.mark.filterwarnings("ignore::converter.api.SlowHalfWarning")
 
@@ -334,7 +334,7 @@ def test_t5_keep_in_fp32_modules_wo_in_fp16():
     names = {r["name"] for r in user}
     act = [c for c in conv.report.casts if set(c["consumers"]) & names]
     assert [(c["src_dtype"], c["dtype"], c["on_weight"]) for c in act] == [("fp16", "fp32", False)] * 4, act
-    assert f"1. [user] _keep_in_fp32_modules of T5ForConditionalGeneration: wo (in the model code) -> fp32" in explain(conv, user[0]["name"])
+    assert "1. [user] _keep_in_fp32_modules of T5ForConditionalGeneration: wo (in the model code) -> fp32" in explain(conv, user[0]["name"])
 
     model.eval()
     conv.module.eval()

@@ -142,7 +142,7 @@ class MetaKey:
 CONTRACT: tuple[MetaKey, ...] = (
     MetaKey(META_INFO, "node", "NodeInfo", ("capture", "lower", "rewrite"),
             ("ir", "decide", "place", "calibrate", "search", "measure", "fp32_math", "report", "export", "train", "api",
-             "verify", "simplify", "checkpoint"),
+             "verify", "simplify", "checkpoint", "intent"),
             "what capture learned: op, module, kind, outputs (lower and rewrite describe the nodes they make)"),
     MetaKey(META_DECISION, "node", "Decision", ("decide", "lower", "place", "calibrate"),
             ("rewrite", "fp32_math", "search", "measure", "report", "export", "api", "verify"),
@@ -163,17 +163,19 @@ CONTRACT: tuple[MetaKey, ...] = (
             "marks a node the trainer inserted (e.g. embedding_grad_shrink)"),
     MetaKey(META_MATH, "node", "MathRecord", ("fp32_math",), ("report",),
             "the fp32 math a matmul/conv node runs with (ieee/tf32/inherit); on the scope calls fp32_math inserted"),
-    MetaKey(META_REGION, "node", "tuple[str, ...]", ("regions", "rewrite"), ("rewrite",),
-            "the no_grad/autocast regions (outermost first) capture inlined the node from; casts are not shared across"),
+    MetaKey(META_REGION, "node", "tuple[str, ...]", ("regions", "rewrite", "intent"), ("rewrite",),
+            "the no_grad/autocast regions (outermost first) capture inlined (or FX traced) the node from; casts are not "
+            "shared across"),
     MetaKey(META_MODE_FLAG, "node", "bool", ("modes",), ("lower",),
             "marks the node reading self.training (or p * self.training) that capture put in a mode-dependent op"),
     MetaKey(META_CHECKPOINT, "node", "CheckpointTag", ("capture", "regions", "rewrite", "lower", "fp32_math"),
             ("checkpoint", "rewrite", "fp32_math"),
             "the torch.utils.checkpoint region the node ran in; casts take their consumer's; code generation "
             "runs each region under checkpoint (converter.passes.checkpoint)"),
-    MetaKey(META_INTENT, "node", "tuple[UserIntent, ...]", ("capture", "regions", "intent"), ("decide",),
+    MetaKey(META_INTENT, "node", "tuple[UserIntent, ...]", ("intent",), ("intent",),
             "the user's precision intent over the node (its innermost autocast region, _keep_in_fp32_modules), "
-            "first applicable wins; outranks every rule file (converter.passes.intent)"),
+            "first applicable wins; capture and regions tag through converter.passes.intent, decide reads through "
+            "its applicable_intent; outranks every rule file"),
     MetaKey(GM_GRAPH, "graph", "GraphMeta", ("api",), ("report",),
             "graph-level facts: tracer, precision, capture errors, rule files; in extra: lower's list, "
             "the fp32_math setting and region count"),
