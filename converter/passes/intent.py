@@ -282,8 +282,8 @@ def kept_modules(model: torch.nn.Module, target: str) -> dict[str, tuple[str, st
     kept: dict[str, tuple[str, str]] = {}
     for name, _ in model.named_parameters(remove_duplicate=False):
         hit = next(((attr, entry) for attr, entry, rx in patterns if rx.search(name)), None)
-        if hit is not None:
-            kept.setdefault(name.rsplit(".", 1)[0] if "." in name else "", hit)
+        if hit is not None and "." in name:  # a parameter of the root module itself would pin every op: not a module
+            kept.setdefault(name.rsplit(".", 1)[0], hit)
     return kept
 
 
