@@ -106,6 +106,11 @@ def _uninitialized(node: torch.fx.Node) -> bool:
     return info is not None and info.op in _UNINITIALIZED
 
 
+#: the calls that enter and leave an inlined autocast region (converter.passes.regions): global state, so the
+#: lockstep run below makes each once for both runs (twice, the second exit would restore the first's autocast)
+_AUTOCAST_ENTER, _AUTOCAST_EXIT = torch.amp.autocast_mode._enter_autocast, torch.amp.autocast_mode._exit_autocast
+
+
 def _first_overflow(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> Optional[tuple[torch.fx.Node, float]]:
     """Run ``gm`` and, in lockstep, the same graph with its inserted casts skipped (fp32); return
     the first node whose converted output is non-finite while its fp32 output is finite, with the
@@ -120,8 +125,10 @@ def _first_overflow(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> Opti
     last_use = {inp: i for i, node in enumerate(nodes) for inp in node.all_input_nodes}
     mixed: dict = {}
     ref: dict = {}
+    entered: list = []  # autocast regions open now: left on an early return
     # both runs read the same buffers: restore them (a train-mode batch norm would update its statistics twice)
-    with preserved_state(gm), torch.no_grad():
+    with preserved_state(gm), torch.no_grad(), contextlib.ExitStack() as leave:
+        leave.callback(lambda: [_AUTOCAST_EXIT(ctx) for ctx in reversed(entered)])
         for i, node in enumerate(nodes):
             if node.op == "output":
                 break
@@ -136,6 +143,12 @@ def _first_overflow(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> Opti
                 rec = node.meta.get(META_CAST)
                 if rec is not None and rec.inserted:
                     ref[node] = ref[node.args[0]]  # the fp32 graph has no such cast
+                elif node.target in (_AUTOCAST_ENTER, _AUTOCAST_EXIT):
+                    ref[node] = mixed[node]
+                    if node.target is _AUTOCAST_ENTER:
+                        entered.append(mixed[node])
+                    else:
+                        entered.remove(mixed[node.args[0]])
                 else:
                     ref[node] = run(node.target, *map_arg((node.args, node.kwargs), ref.__getitem__))
                 if _nonfinite(mixed[node]) and not _nonfinite(ref[node]) and not _uninitialized(node):

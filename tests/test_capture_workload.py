@@ -199,8 +199,9 @@ class _RegionModel(nn.Module):
     def forward(self, x):
         with torch.no_grad():
             gate = torch.sigmoid(self.inner(x) * self.scale)
+        y = self.outer(x)  # outside the autocast block: an autocast(enabled=False) region is fp32 (the user's intent)
         with torch.autocast("cpu", enabled=False):
-            y = self.outer(x) * 2
+            y = y * 2
         return y * gate
 
 

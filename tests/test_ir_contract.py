@@ -102,7 +102,7 @@ def test_contract_names_exactly_the_stages_that_use_each_key():
 
 def test_contract_entries_are_complete_and_unique():
     keys = [entry.key for entry in ir_meta.CONTRACT]
-    assert len(keys) == len(set(keys)) == 17, keys
+    assert len(keys) == len(set(keys)) == 18, keys
     for entry in ir_meta.CONTRACT:
         assert entry.on in ("node", "graph") and entry.type and entry.writers and entry.doc, entry
     assert {e.key for e in ir_meta.CONTRACT if e.on == "graph"} == {ir_meta.GM_GRAPH, ir_meta.GM_PARAM_DTYPES, ir_meta.GM_PARAM_STORAGE,

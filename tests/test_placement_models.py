@@ -215,7 +215,10 @@ def _check(name: str, build, precision: str) -> str:
     assert db["mincut"] >= db["autocast"] - 0.5, line
     assert db["mincut"] >= db["simple"] - 0.5, line
     half_amp, half_ours = amp_flops.by_dtype.get(dtype, 0), flops.by_dtype.get(dtype, 0)
-    assert half_ours >= 0.9 * half_amp, f"{line}; half matmul FLOPs {half_ours} vs autocast {half_amp}"
+    # matmuls the model itself keeps in fp32 (T5's _keep_in_fp32_modules in fp16), which autocast over fp32
+    # weights cannot see, count as half for this comparison
+    user = sum(r["flops"] for r in convs["mincut"].report.nodes if r["rule_level"] == "user" and r["precision"] == "fp32")
+    assert half_ours + user >= 0.9 * half_amp, f"{line}; half matmul FLOPs {half_ours} (+{user} fp32 by the model) vs autocast {half_amp}"
     recorder = RoundTripRecorder()
     _run(convs["mincut"].module, args, kwargs, mode=recorder)
     assert not recorder.flags, f"{name} {precision}: {recorder.flags[:5]}"

@@ -50,6 +50,7 @@ __all__ = [
     "META_REGION",
     "META_MODE_FLAG",
     "META_CHECKPOINT",
+    "META_INTENT",
     "GM_GRAPH",
     "GM_PARAM_DTYPES",
     "GM_PARAM_STORAGE",
@@ -93,7 +94,7 @@ FP32Math = Literal["ieee", "tf32", "inherit"]
 NodeKind = Literal["compute", "fixed", "alias", "passive", "cast"]
 NODE_KINDS: tuple[str, ...] = get_args(NodeKind)
 #: ``RuleRef.table``: a rule table, or where a non-rule decision came from
-RuleTable = Literal["node", "module", "module_type", "op", "default", "builtin", "placement", "calibration"]
+RuleTable = Literal["node", "module", "module_type", "op", "default", "builtin", "placement", "calibration", "user"]
 # NoteStage, NOTE_LABELS and note_text live in the torch-free converter.ir.notes (imported above)
 
 # ---------------------------------------------------------------------------------------------
@@ -111,6 +112,7 @@ META_MATH = "mp_math"
 META_REGION = "mp_region"
 META_MODE_FLAG = "mp_mode_flag"
 META_CHECKPOINT = "mp_checkpoint"
+META_INTENT = "mp_intent"
 GM_GRAPH = "mp_graph"
 GM_PARAM_DTYPES = "mp_param_dtypes"
 GM_PARAM_STORAGE = "mp_param_storage"
@@ -140,7 +142,7 @@ class MetaKey:
 CONTRACT: tuple[MetaKey, ...] = (
     MetaKey(META_INFO, "node", "NodeInfo", ("capture", "lower", "rewrite"),
             ("ir", "decide", "place", "calibrate", "search", "measure", "fp32_math", "report", "export", "train", "api",
-             "verify", "simplify", "checkpoint"),
+             "verify", "simplify", "checkpoint", "intent"),
             "what capture learned: op, module, kind, outputs (lower and rewrite describe the nodes they make)"),
     MetaKey(META_DECISION, "node", "Decision", ("decide", "lower", "place", "calibrate"),
             ("rewrite", "fp32_math", "search", "measure", "report", "export", "api", "verify"),
@@ -161,14 +163,19 @@ CONTRACT: tuple[MetaKey, ...] = (
             "marks a node the trainer inserted (e.g. embedding_grad_shrink)"),
     MetaKey(META_MATH, "node", "MathRecord", ("fp32_math",), ("report",),
             "the fp32 math a matmul/conv node runs with (ieee/tf32/inherit); on the scope calls fp32_math inserted"),
-    MetaKey(META_REGION, "node", "tuple[str, ...]", ("regions", "rewrite"), ("rewrite",),
-            "the no_grad/autocast regions (outermost first) capture inlined the node from; casts are not shared across"),
+    MetaKey(META_REGION, "node", "tuple[str, ...]", ("regions", "rewrite", "intent"), ("rewrite",),
+            "the no_grad/autocast regions (outermost first) capture inlined (or FX traced) the node from; casts are not "
+            "shared across"),
     MetaKey(META_MODE_FLAG, "node", "bool", ("modes",), ("lower",),
             "marks the node reading self.training (or p * self.training) that capture put in a mode-dependent op"),
     MetaKey(META_CHECKPOINT, "node", "CheckpointTag", ("capture", "regions", "rewrite", "lower", "fp32_math"),
             ("checkpoint", "rewrite", "fp32_math"),
             "the torch.utils.checkpoint region the node ran in; casts take their consumer's; code generation "
             "runs each region under checkpoint (converter.passes.checkpoint)"),
+    MetaKey(META_INTENT, "node", "tuple[UserIntent, ...]", ("intent",), ("intent",),
+            "the user's precision intent over the node (its innermost autocast region, _keep_in_fp32_modules), "
+            "first applicable wins; capture and regions tag through converter.passes.intent, decide reads through "
+            "its applicable_intent; outranks every rule file"),
     MetaKey(GM_GRAPH, "graph", "GraphMeta", ("api",), ("report",),
             "graph-level facts: tracer, precision, capture errors, rule files; in extra: lower's list, "
             "the fp32_math setting and region count"),
@@ -278,6 +285,8 @@ class RuleRef:
     pattern: str = ""
 
     def __str__(self) -> str:
+        if self.table == "user":  # the user's intent in the model code: "[user] autocast region at m.py:12"
+            return f"[user] {self.pattern}"
         if self.table in ("default", "builtin", "placement", "calibration") and not self.pattern:
             return f"{self.file}:[{self.table}]"
         return f"{self.file}:[{self.table}].{self.pattern}"

@@ -65,6 +65,10 @@ starts in the original's mode.
 **Higher-order regions.** ``torch.no_grad()``/``set_grad_enabled`` and ``torch.autocast`` blocks,
 which torch.export records as nested graphs, are inlined between plain grad-mode/autocast calls
 (:mod:`converter.passes.regions`), so their ops get decisions and model.py is plain Python.
+Autocast blocks and transformers' ``_keep_in_fp32_modules`` are the user's precision intent: both
+tracers tag the nodes they cover (symbolic_trace through :class:`~converter.passes.intent.AutocastMarks`,
+as FX records no autocast), and *decide* ranks that intent above every rule file
+(:mod:`converter.passes.intent`).
 
 **Custom autograd Functions.** Both tracers record a ``torch.autograd.Function``'s forward only, so
 its backward would be lost; :class:`~converter.passes.autograd_fns.OpaqueFunctions` keeps each
@@ -101,6 +105,7 @@ from converter.ir.state import preserved_state
 from converter.passes.autograd_fns import OpaqueFunctions, restore_function_calls
 from converter.passes.checkpoint import CheckpointMarks, active_tag, tag_export_graph
 from converter.passes.guards import dim_ranges, narrowed_dims
+from converter.passes.intent import AutocastMarks, mark_kept_modules, tag_traced
 from converter.passes.modes import is_random, make_mode_aware, random_ops
 from converter.passes.recurrent import RecurrentOps, restore_aten_ops
 from converter.passes.regions import inline_regions
@@ -228,6 +233,8 @@ class _Tracer(torch.fx.Tracer):
         tag = active_tag()  # inside a torch.utils.checkpoint call (converter.passes.checkpoint)
         if tag is not None and hasattr(proxy, "node"):
             proxy.node.meta[META_CHECKPOINT] = tag
+        if hasattr(proxy, "node"):
+            tag_traced(proxy.node)  # inside a torch.autocast block (converter.passes.intent)
         return proxy
 
 
@@ -262,7 +269,7 @@ def _user_location(frame) -> str:
 def _trace_fx(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Shapes) -> torch.fx.GraphModule:
     tracer = _Tracer()
     # OpaqueFunctions: a custom autograd Function stays one call, backward included (passes.autograd_fns)
-    with _EagerRandom(), CheckpointMarks(), OpaqueFunctions(tracer):
+    with _EagerRandom(), CheckpointMarks(), OpaqueFunctions(tracer), AutocastMarks(tracer=tracer):
         graph = tracer.trace(model)
     gm = new_graph_module(tracer.root, graph, type(model).__name__)
     shapes.dims = {
@@ -397,7 +404,8 @@ def _run_export(model: torch.nn.Module, args: tuple, kwargs: dict, spec: Any, *,
 
     # RecurrentOps: LSTM/GRU/RNN keep their sequence dim dynamic (converter.passes.recurrent)
     with fx_config.patch(backed_size_oblivious=oblivious), RecurrentOps(), \
-            (SizeBudget() if budget else contextlib.nullcontext()), CheckpointMarks(annotate=True), OpaqueFunctions():
+            (SizeBudget() if budget else contextlib.nullcontext()), CheckpointMarks(annotate=True), OpaqueFunctions(), \
+            AutocastMarks(annotate=True):
         ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=spec)
     restore_aten_ops(ep.graph_module)
     return ep
@@ -639,6 +647,8 @@ def _finish_capture(result: tuple, used: str, shapes: _Shapes, tracer: str, mode
             gm, eval_gm, used, modes, shapes = exported, exported_eval, "export", export_modes, export_shapes
     if eval_gm is not None:
         annotate(eval_gm, root_type=type(model).__name__)
+    for graph in (gm, eval_gm) if eval_gm is not None else (gm,):
+        mark_kept_modules(graph, model)  # transformers' _keep_in_fp32_modules (converter.passes.intent)
     return Captured(gm=gm, tracer=used, args=args, kwargs=kwargs, errors=errors,
                     dynamic_dims=shapes.dims, shapes_note=shapes.note, modes=modes, eval_gm=eval_gm,
                     narrowed_dims=shapes.narrowed, dynamic_ranges=shapes.ranges)

@@ -22,6 +22,15 @@ leaves a buffer made from an fp32 tensor (the sums run in fp32, as the out-of-pl
 to its widest input); ``half``/``fp32``/… set it. The producer's decision records the in-place node and
 its rule (``accumulator of in-place index_add_ 'index_add_' (<rule>): …``); rewrite casts the operands
 to the accumulator's dtype.
+
+The user's intent outranks every rule file (:mod:`converter.passes.intent`): a compute node under an
+``autocast(enabled=False)`` block, or in a module of ``_keep_in_fp32_modules`` (fp16), is fp32; a
+matmul-class node under an enabled ``autocast(dtype=...)`` block runs in that dtype. The decision's
+rule is ``[user] autocast region at file.py:LINE`` (or ``[user] _keep_in_fp32_modules of …``) and
+its first match is that intent at the ``user`` level. In an enabled autocast region, a rule's ``half``
+means the region's dtype (the reason says so). A ``banned`` op is still an error there. Once every
+node is decided, the autocast calls of enabled regions leave the graph (their ops' dtypes are now
+explicit; :func:`~converter.passes.intent.drop_enabled_autocast`).
 """
 from __future__ import annotations
 
@@ -32,11 +41,12 @@ import torch.fx
 
 from converter.ir.errors import MpconvertError
 from converter.ir.graphmodule import pauses_gc
-from converter.ir.meta import BUILTIN, META_DECISION, META_INFO, META_VALUE, Decision, RuleRef, TensorSpec, name_of
+from converter.ir.meta import BUILTIN, META_DECISION, META_INFO, META_VALUE, Decision, Match, RuleRef, TensorSpec, name_of
 from converter.ir.ops import ACCUMULATE_OPS
 from converter.passes.autograd_fns import autograd_function
+from converter.passes.intent import applicable_intent, drop_enabled_autocast, half_in
 from converter.rules.loader import Rules
-from converter.rules.precedence import DEFAULT_LEVEL, PRECEDENCE, SCOPED_LEVELS
+from converter.rules.precedence import DEFAULT_LEVEL, PRECEDENCE, SCOPED_LEVELS, USER_LEVEL, rank
 
 __all__ = ["AUTOGRAD_FUNCTION_RULE", "CONSTANT_RANGE_RULE", "VALUE_SCALAR_OPS", "BannedOpError", "decide", "decision_reason", "overflowing_constant"]
 
@@ -115,12 +125,15 @@ def decide(gm: torch.fx.GraphModule, rules: Rules, *, precision: str) -> None:
     """Annotate every call node of ``gm`` with a :class:`Decision` (see module docstring)."""
     tainted: dict[torch.fx.Node, str] = {}
     for node in gm.graph.nodes:
-        _decide_node(node, rules, precision)
+        region = half_in(node)  # an enabled autocast region: a rule's half is its dtype
+        half = region.half if region is not None else precision
+        _decide_node(node, rules, precision, half)
         if META_DECISION in node.meta:
-            node.meta[META_DECISION] = _keep_for_constant(node, node.meta[META_DECISION], precision, tainted)
+            node.meta[META_DECISION] = _keep_for_constant(node, node.meta[META_DECISION], half, tainted)
         info = node.meta.get(META_INFO)
         if info is not None and info.inplace and info.kind == "alias" and info.op in ACCUMULATE_OPS:
-            _decide_accumulator(node, precision)
+            _decide_accumulator(node, half)
+    drop_enabled_autocast(gm)  # its ops are decided now: no live autocast re-decides them at run time
 
 
 def _resolved(requested: str, target: str) -> str:
@@ -159,7 +172,8 @@ def _decide_accumulator(node: torch.fx.Node, target: str) -> None:
         reason=f"accumulator of in-place {op} {node.name!r} ({rule_text}): {how}")
 
 
-def _decide_node(node: torch.fx.Node, rules: Rules, precision: str) -> None:
+def _decide_node(node: torch.fx.Node, rules: Rules, precision: str, half: str) -> None:
+    """Decide one node; ``precision``: the conversion's target, ``half``: what a rule's ``half`` means here."""
     info = node.meta.get(META_INFO)
     if info is None or node.op in ("placeholder", "get_attr", "output") or info.kind == "passive":
         return
@@ -182,8 +196,9 @@ def _decide_node(node: torch.fx.Node, rules: Rules, precision: str) -> None:
             matches=matches,
         )
         return
+    intent = applicable_intent(node, info.op, precision)
     function = autograd_function(node)
-    if function is not None and not any(m.level_name in (PRECEDENCE[0], "op") for m in matches):
+    if function is not None and intent is None and not any(m.level_name in (PRECEDENCE[0], "op") for m in matches):
         node.meta[META_DECISION] = Decision(
             precision="fp32",
             requested="fp32",
@@ -193,7 +208,7 @@ def _decide_node(node: torch.fx.Node, rules: Rules, precision: str) -> None:
             matches=matches,
         )
         return
-    if not matches:
+    if not matches and intent is None:
         node.meta[META_DECISION] = Decision(
             precision="fp32",
             requested="fp32",
@@ -202,15 +217,24 @@ def _decide_node(node: torch.fx.Node, rules: Rules, precision: str) -> None:
             unmatched=True,
         )
         return
-    win = matches[0]
+    win = matches[0] if matches else None
     ban = next((m for m in matches if m.precision == "banned"), None)
     if ban is not None and (win.level_name != PRECEDENCE[0] or win.precision == "banned"):  # a node rule may lift a ban
         message = rules.rule_for(ban).message
         raise BannedOpError(f"node {node.name!r} (op {info.op}) is banned by {ban.rule}: {message}")
-    resolved = _resolved(win.precision, precision)
+    if intent is not None:  # the user's intent in the model code outranks every rule file
+        user = Match(rule=intent.rule, precision=intent.precision, level=rank(USER_LEVEL), level_name=USER_LEVEL,
+                     reason=intent.reason)
+        node.meta[META_DECISION] = Decision(
+            precision=intent.precision, requested=intent.precision, rule=intent.rule,
+            reason=f"{USER_LEVEL} intent [{intent.label}]: {intent.reason}", matches=(user, *matches))
+        return
+    resolved = _resolved(win.precision, half)
     reason = decision_reason(win.level_name, win.rule.pattern, win.rule.file, win.reason, win.scope)
     if win.level_name == DEFAULT_LEVEL:
         reason = f"no rule matches op {info.op!r}: {win.rule.file} default is {win.precision}"
+    if win.precision == "half" and half != precision:
+        reason += f"; half is {half} here, the dtype of the [user] {half_in(node).label}"
     node.meta[META_DECISION] = Decision(
         precision=resolved,
         requested=win.precision,

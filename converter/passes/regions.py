@@ -22,6 +22,10 @@ rewrite never shares a cast between consumers in different regions, because a ca
 ``no_grad`` would cut the gradient of a consumer outside it. Nested regions are inlined inside
 out. An exception raised inside a region leaves the grad mode as the region set it (a plain
 graph has no ``finally``); the model's own ``with`` block would have restored it.
+
+An autocast region is also the user's precision intent: its nodes get ``node.meta["mp_intent"]``
+from the region's arguments and its ``with`` line (:mod:`converter.passes.intent`; an inner
+region's own intent wins).
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ import torch
 import torch.fx
 
 from converter.ir.meta import META_CHECKPOINT, META_REGION
+from converter.passes.intent import add_intent, autocast_intent, region_location
 
 __all__ = ["inline_regions", "REGION_OPS"]
 
@@ -86,6 +91,17 @@ def _inline_one(gm: torch.fx.GraphModule, node: torch.fx.Node, *, region_id: int
         enter, leave = _bracket(graph, node, bracket)
         outputs = _copy_body(gm, sub, operands, str(sub_node.target), tag)
         leave()
+    if node.target is _AUTOCAST:  # the user's precision intent over the region's nodes
+        device_type, dtype, enabled, _ = bracket
+        body = []
+        new = enter.next
+        while new is not node:
+            body.append(new)
+            new = new.next
+        intent = autocast_intent(str(device_type), dtype, bool(enabled), region_location(body))
+        for n in body:
+            if n.op != "get_attr" and n.target is not torch.amp.autocast_mode._exit_autocast:
+                add_intent(n, intent)
     _keep_checkpoint(first, node)
     for user in list(node.users):
         user.replace_all_uses_with(outputs[user.args[1]])

@@ -11,7 +11,7 @@ import difflib
 from typing import Any, Sequence
 
 from converter.ir.notes import note_text
-from converter.rules.precedence import OVERRIDE_LEVEL, SCOPED_LEVELS, describe, rank
+from converter.rules.precedence import OVERRIDE_LEVEL, SCOPED_LEVELS, USER_LEVEL, describe, rank
 
 __all__ = ["explain", "explain_rows", "closest_names"]
 
@@ -92,6 +92,8 @@ def _match_lines(r: dict) -> list[str]:
         scope = f", scope module {mt['scope']!r}" if mt["scope"] else ""
         pattern = f"{mt['pattern']!r} in " if mt["pattern"] else ""
         head = f"{pattern}{mt['file']}{scope} -> {mt['precision']}"
+        if mt["level"] == USER_LEVEL:  # not a rule file: the model's own code says so
+            head = f"{mt['pattern']} (in the model code) -> {mt['precision']}"
         if i == 0:
             verdict = "WINS" + (f": {_why(mt, matches[1])}" if len(matches) > 1 else ": the only rule that matches")
             if not rule_applies:
@@ -127,6 +129,8 @@ def _why(win: dict, other: dict) -> str:
     wr, orank = rank(win["level"]), rank(other["level"])
     if win["level"] == OVERRIDE_LEVEL:
         return "calibration overrides every rule: the value measured on real inputs would overflow fp16"
+    if win["level"] == USER_LEVEL and other["level"] != USER_LEVEL:
+        return "the user's precision intent in the model code outranks every rule file"
     if wr < orank:
         return f"{win['level']} outranks {other['level']}"
     if wr == orank and win["scope"] != other["scope"] and win["level"] in SCOPED_LEVELS:

@@ -43,7 +43,7 @@ def md_escape(value: Any) -> str:
 def to_markdown(report: ReportView) -> str:
     """report.md: the summary line, memory, numerics, ops, modules, casts and every node."""
     out: list[str] = []
-    for section in (_header, _summary, _fp32_math, _memory, _numerics, _calibration, _ops, _unmatched, _modules, _casts, _nodes):
+    for section in (_header, _summary, _user_intent, _fp32_math, _memory, _numerics, _calibration, _ops, _unmatched, _modules, _casts, _nodes):
         out.extend(section(report))
     return "\n".join(out)
 
@@ -151,6 +151,21 @@ def _calibration(report: ReportView) -> list[str]:
              md_escape(f"{r.get('evidence', '')} {r.get('source') or ''}".strip()), md_escape(r.get("absmax", ""))] for r in risky)))
         out.append("")
     return out
+
+
+def _user_intent(report: ReportView) -> list[str]:
+    """The decisions the model's own code made (autocast regions, ``_keep_in_fp32_modules``): above every rule file."""
+    found: dict[str, dict[str, int]] = {}
+    for r in report.nodes:
+        if r.get("rule_level") == "user":
+            counts = found.setdefault(r["rule"], {})
+            counts[r["precision"]] = counts.get(r["precision"], 0) + 1
+    if not found:
+        return []
+    return ["## The model's own precision intent", "",
+            "Decided by the model code itself; this outranks every rule file (docs/rules.md, Precedence).", "",
+            _table(["Rule", "Nodes"], ([md_escape(rule), " · ".join(f"{p} {n}" for p, n in sorted(counts.items()))]
+                                       for rule, counts in found.items())), ""]
 
 
 def _ops(report: ReportView) -> list[str]:
