@@ -81,36 +81,38 @@ def test_stock_t5_converts_to_fp16_close_to_fp32():
 
 
 class MaskedAttention(nn.Module):
-    """One attention head whose causal mask is written in one of the ways models write it."""
+    """Attention whose causal mask, written in one of the ways models write it, plus a learned relative
+    bias (T5-style), is an additive float mask read by half attention: cast to fp16, its fill is -inf."""
 
-    def __init__(self, style: str, d: int = 16):
+    def __init__(self, style: str, d: int = 16, t: int = 6):
         super().__init__()
         self.style = style
         self.qkv = nn.Linear(d, 3 * d)
+        self.rel_bias = nn.Parameter(0.1 * torch.randn(t, t))
         self.out = nn.Linear(d, d)
 
     def forward(self, x):
         q, k, v = self.qkv(x).chunk(3, dim=-1)
-        scores = q @ k.transpose(-1, -2) / 4.0
         t = x.shape[1]
         future = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+        low = torch.finfo(x.dtype).min
         if self.style == "masked_fill_finfo_min":
-            scores = scores.masked_fill(future, torch.finfo(scores.dtype).min)
+            mask = torch.zeros(t, t, device=x.device).masked_fill(future, low)
         elif self.style == "masked_fill_1e9":
-            scores = scores.masked_fill(future, -1e9)
+            mask = torch.zeros(t, t, device=x.device).masked_fill(future, -1e9)
         elif self.style == "where_finfo_min":
-            scores = torch.where(future, torch.finfo(scores.dtype).min, scores)
-        elif self.style == "additive_full_triu":  # HF's older causal masks
-            scores = scores + torch.full((t, t), torch.finfo(scores.dtype).min, device=x.device).triu(1)
-        elif self.style == "additive_one_minus_mask":  # (1 - mask) * finfo.min, BERT-style
-            keep = (~future).to(scores.dtype)
-            scores = scores + (1.0 - keep) * torch.finfo(scores.dtype).min
+            mask = torch.where(future, low, torch.zeros(t, t, device=x.device))
+        elif self.style == "full_triu":  # HF's older causal masks
+            mask = torch.full((t, t), low, device=x.device).triu(1)
+        elif self.style == "one_minus_mask":  # (1 - mask) * finfo.min, BERT-style
+            mask = (1.0 - (~future).to(x.dtype)) * low
         else:
             raise ValueError(self.style)
-        return self.out(scores.softmax(-1) @ v)
+        mask = mask + self.rel_bias[:t, :t]  # an additive mask built from the fill
+        return self.out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
 
 
-_FILLS = ["masked_fill_finfo_min", "masked_fill_1e9", "where_finfo_min", "additive_full_triu", "additive_one_minus_mask"]
+_FILLS = ["masked_fill_finfo_min", "masked_fill_1e9", "where_finfo_min", "full_triu", "one_minus_mask"]
 
 
 @pytest.mark.parametrize("style", _FILLS)
@@ -130,13 +132,15 @@ def test_mask_fills_convert_to_fp16(style):
     assert sqnr(g_out, g_ref) > 35, f"{style}: gradient SQNR {sqnr(g_out, g_ref):.1f} dB"
 
 
-class OverflowBesideMask(MaskedAttention):
+class OverflowBesideMask(nn.Module):
     """The mask is a fill, but the masked scores are then scaled beyond fp16's range: a real overflow in the
     very tensor that carries the fill (``where``: in its unmasked elements; ``matmul``: before the mask)."""
 
-    def __init__(self, where: str):
-        super().__init__("additive_full_triu")
+    def __init__(self, where: str, d: int = 16):
+        super().__init__()
         self.where = where
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, d)
 
     def forward(self, x):
         q, k, v = self.qkv(x).chunk(3, dim=-1)

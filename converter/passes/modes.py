@@ -20,7 +20,11 @@ RNN ``train=True`` (LSTM/GRU dropout)    ``train=self.training``
 =======================================  =====================================================
 
 Only ``True`` flags (and non-zero probabilities) are rewritten: a submodule that was in eval mode
-inside a model in train mode (a frozen BatchNorm) stays in eval mode. ``.train()``/``.eval()`` on
+inside a model in train mode (a frozen BatchNorm) stays in eval mode. A batch norm without running
+statistics (``F.batch_norm(w, None, None, training=True)``: weight standardisation) uses its batch's
+statistics in both modes and keeps ``training=True``. When the eval check below fails, the eval-mode
+trace tells mode flags from constants: :func:`constant_flags` gives back the literal of a flag the
+model passes in eval mode too (``F.dropout(x, p, training=True)``: MC dropout, random in both modes). ``.train()``/``.eval()`` on
 the converted module then behave as on the original. Capture checks the mode it did not trace
 (eval) against the original model on the example inputs; a model whose Python code branches on
 ``self.training`` in some other way fails that check and is captured in its own mode instead,
