@@ -213,7 +213,8 @@ def _first_overflow(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> Opti
     mixed: dict = {}
     ref: dict = {}
     shadow: dict = {}  # fp32 values with the fill constants at 0, for the nodes that carry fills
-    unwritten: set[int] = set()  # storages of empty()/new_empty() outputs no in-place op has written yet
+    # storages of empty()/new_empty() outputs no in-place op has written yet (held, so no other tensor reuses them)
+    unwritten: dict[int, torch.Tensor] = {}
     # both runs read the same buffers: restore them (a train-mode batch norm would update its statistics twice)
     with preserved_state(gm), torch.no_grad():
         for i, node in enumerate(nodes):
@@ -246,21 +247,23 @@ def _first_overflow(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> Opti
     return None
 
 
-def _checked_overflow(node: torch.fx.Node, mixed: dict, ref: dict, shadow: dict, unwritten: set, run, cast: bool) -> bool:
+def _checked_overflow(node: torch.fx.Node, mixed: dict, ref: dict, shadow: dict, unwritten: dict, run, cast: bool) -> bool:
     """One step of :func:`_first_overflow` after ``node`` ran in both runs: track unwritten memory and
     fill-carrying values, and say whether ``node`` overflowed on data."""
     if _uninitialized(node):  # nothing reads its bits: zeros in both runs, checked once written
         for t in output_tensors(mixed[node]) + output_tensors(ref[node]):
             t.zero_()
-        unwritten |= _storages(mixed[node]) | _storages(ref[node])
+            if t.numel():
+                unwritten[t.untyped_storage().data_ptr()] = t
         return False
     info = node.meta.get(META_INFO)
     if unwritten and info is not None and info.inplace:
-        unwritten -= _storages(mixed[node]) | _storages(ref[node])
+        for ptr in _storages(mixed[node]) | _storages(ref[node]):
+            unwritten.pop(ptr, None)
     fills = _fill_source(node)
     if (fills or any(n in shadow for n in node.all_input_nodes)) and _large(ref[node]):
         shadow[node] = shadow[node.args[0]] if cast else _shadow_value(node, run, ref, shadow, fills)
-    if unwritten and _storages(mixed[node]) & unwritten:
+    if unwritten and not _storages(mixed[node]).isdisjoint(unwritten):
         return False  # a view of memory not written yet
     found = _overflowed(mixed[node], ref[node])
     return bool(found) and not _fill_only(found, shadow.get(node))

@@ -370,6 +370,21 @@ def test_weight_standardised_conv_cli_exits_0(tmp_path, capfd):
     assert code == 0, err  # was 3: "running_mean must be defined in evaluation mode"
 
 
+def test_batch_norm_without_running_stats_keeps_batch_statistics_in_eval():
+    """nn.BatchNorm2d(track_running_stats=False) normalises by the batch in both modes (export records
+    aten.batch_norm(x, weight, bias, None, None, True, ...)): one graph, equal to the original in both modes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8, track_running_stats=False), nn.ReLU(), nn.Conv2d(8, 4, 3))
+    x = torch.randn(4, 3, 10, 10)
+    conv = converter.convert(model, (x,), precision="bf16", tracer="export")
+    modes = conv.report.extra["modes"]
+    assert not isinstance(conv.module, TwoModeGraphModule) and "branches on" not in modes, modes
+    for training in (True, False):
+        model.train(training), conv.module.train(training)
+        got = sqnr(conv.module(x), model(x))
+        assert got > 30, f"training={training}: {got:.1f} dB"
+
+
 class McDropoutNet(nn.Module):
     """MC dropout (``training=True`` always) on one branch, ordinary dropout on the other."""
 

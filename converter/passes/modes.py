@@ -103,16 +103,18 @@ def make_mode_aware(gm: torch.fx.GraphModule) -> list[str]:
     return changed
 
 
-_BATCH_NORMS = (_aten.batch_norm.default, F.batch_norm)
+#: where each batch norm takes its running statistics: aten's schema puts weight and bias first
+_RUNNING_STATS = {_aten.batch_norm.default: (3, 4), F.batch_norm: (1, 2)}
 
 
 def _batch_statistics_only(node: torch.fx.Node) -> bool:
     """A batch norm with no running statistics (``F.batch_norm(w, None, None, training=True)``: weight
     standardisation, ``track_running_stats=False``) normalises by its batch's statistics in both modes:
     its ``training=True`` is a constant, not the mode (with ``training=False`` it would fail)."""
-    if node.target not in _BATCH_NORMS:
+    if node.target not in _RUNNING_STATS:
         return False
-    return _get(node, 1, "running_mean") is None and _get(node, 2, "running_var") is None
+    mean, var = _RUNNING_STATS[node.target]
+    return _get(node, mean, "running_mean") is None and _get(node, var, "running_var") is None
 
 
 def constant_flags(train_gm: torch.fx.GraphModule, eval_gm: torch.fx.GraphModule) -> list[str]:
