@@ -18,8 +18,14 @@ the model moved to another device, runs a copy of the graph whose device constan
 A call the graph was not captured for (other keyword arguments, other non-tensor values, other
 dtypes or ranks, another size of a static dimension, a Cache object, the other train/eval mode of a
 graph frozen in one mode) runs the model's original fp32 forward instead, with a
-:class:`FallbackWarning` that names the difference (once per difference). ``generate()`` works this way:
-its calls pass ``return_dict`` (and ``past_key_values`` with a cache), so decoding runs the original forward.
+:class:`FallbackWarning` that names the difference (once per difference).
+
+A Hugging Face model captured without its key/value cache (``report.extra["cache"]``: a stock
+decoder, ``config.use_cache=True``) serves ``use_cache=False``/``None`` with the graph. A call that
+asks for a cache (``use_cache=True`` or a ``cache``/``past_key_values``: every step of ``generate()``)
+is a decoding step, which the training graph cannot serve: it runs the original forward under
+``torch.autocast`` in the conversion's half dtype, with one :class:`FallbackWarning`, counted in
+``calls["cache"]``.
 
 The converted forward runs with autocast off: the graph already carries its casts, and an outer
 ``torch.autocast`` (HF ``Trainer(bf16=True)``, Lightning ``precision="bf16-mixed"``) would override

@@ -79,6 +79,7 @@ def test_stock_llama_converts_as_a_training_graph_without_the_cache():
 
     assert conv.report.extra["cache"].startswith(NO_CACHE), conv.report.extra["cache"]
     assert model.config.use_cache is True  # the user's config is left as it was
+    assert "| key/value cache | captured without the key/value cache (use_cache=False" in conv.report.to_markdown()
     out = conv.module(**example)
     assert out.past_key_values is None and out.logits.dtype == torch.float32
     # use_cache=False is what the graph computes: served; use_cache=True: one clear line
