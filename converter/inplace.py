@@ -268,9 +268,9 @@ class ConvertedForward:
         given = [name for name in CACHE_ARGUMENTS if named.get(name) is not None]
         if given:
             return kwargs, f"a key/value cache ({given[0]}=...)"
-        if "use_cache" in kwargs:
+        if "use_cache" in kwargs or self._example.get("use_cache") is not None:
             kwargs = {k: v for k, v in kwargs.items() if k != "use_cache"}
-            if self._example.get("use_cache") is not None:
+            if self._example.get("use_cache") is not None:  # the example passed use_cache=False
                 kwargs["use_cache"] = self._example["use_cache"]
         return kwargs, None
 

@@ -111,6 +111,29 @@ def test_stock_llama_without_weights_converts():
     assert conv.report.summary["by_precision"]["bf16"] > 0, conv.report.summary
 
 
+def test_an_example_with_use_cache_false_is_served_with_and_without_the_keyword():
+    """The old way (use_cache=False in the example): before, a call without the keyword fell back to
+    fp32 and ``conv.module(use_cache=True)`` failed with ``AssertionError: Guard failed: use_cache == False``."""
+    model = _stock("llama")
+    ids = _ids()
+    converter.apply(model, {"input_ids": ids, "use_cache": False}, precision="bf16")
+    conv = converter.conversion_of(model)
+    assert conv.report.extra.get("cache", "").startswith(
+        "captured without the key/value cache (use_cache=False in the example"), conv.report.extra
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        without = model(input_ids=ids).logits
+        torch.testing.assert_close(model(input_ids=ids, use_cache=False).logits, without, rtol=0, atol=0)
+    with pytest.warns(FallbackWarning, match="use_cache=True"):
+        model(input_ids=ids, use_cache=True)
+    assert converted_forward(model).calls == {"converted": 2, "fallback": 0, "cache": 1}
+    from converter.passes.capture import CacheCallError
+
+    with pytest.raises(CacheCallError, match="captured without the key/value cache"):
+        conv.module(input_ids=ids, use_cache=True)
+    torch.testing.assert_close(conv.module(input_ids=ids, use_cache=False).logits, without, rtol=0, atol=0)
+
+
 def test_an_example_that_asks_for_the_cache_gets_advice():
     model = _stock("llama")
     with pytest.raises(converter.CaptureError, match="forward returns a key/value cache object .* leave use_cache"):

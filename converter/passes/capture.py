@@ -104,7 +104,8 @@ from converter.passes.recurrent import RecurrentOps, restore_aten_ops
 from converter.passes.regions import inline_regions
 from converter.passes.size_budget import SizeBudget, SizesTooComplex
 
-__all__ = ["Captured", "CaptureError", "CacheCallError", "guard_cache_calls", "CACHE_ARGUMENTS", "capture", "normalize_inputs", "annotate", "placeholder_values", "TRACED_THROUGH"]
+__all__ = ["Captured", "CaptureError", "CacheCallError", "guard_cache_calls", "guard_cache_calls_keeping",
+           "CACHE_ARGUMENTS", "capture", "normalize_inputs", "annotate", "placeholder_values", "TRACED_THROUGH"]
 
 #: nn modules the FX tracer traces into (their forward is one functional call on their parameters)
 TRACED_THROUGH = (
@@ -616,9 +617,10 @@ def _cache_off(model: torch.nn.Module, args: tuple, kwargs: dict) -> Optional[st
     for name, value in bound.items():
         if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
             named.update(value)
-    if named.get("use_cache") is not None or any(named.get(k) is not None for k in CACHE_ARGUMENTS):
-        return None  # the example says what it wants
-    return ("captured without the key/value cache (use_cache=False; config.use_cache=True returns a cache object, "
+    if named.get("use_cache") is True or any(named.get(k) is not None for k in CACHE_ARGUMENTS):
+        return None  # the example asks for a cache
+    how = "use_cache=False in the example" if named.get("use_cache") is False else "use_cache=False"
+    return (f"captured without the key/value cache ({how}; config.use_cache=True returns a cache object, "
             "which training never reads): the graph is the training forward; calls that ask for a cache "
             "(use_cache=True, a cache, generate()) run the original forward under autocast on an applied model")
 
@@ -635,12 +637,22 @@ def guard_cache_calls(gm: torch.nn.Module) -> None:
     gm.register_forward_pre_hook(_cache_call_hook, with_kwargs=True)
 
 
-def _cache_call_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> Optional[tuple]:
+def guard_cache_calls_keeping(gm: torch.nn.Module) -> None:
+    """:func:`guard_cache_calls` for a graph whose example passed ``use_cache=False``: the keyword is
+    one of its inputs, so it is kept (``use_cache=True`` still gets the clear error)."""
+    gm.register_forward_pre_hook(_cache_call_refusal, with_kwargs=True)
+
+
+def _cache_call_refusal(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     if kwargs.get("use_cache") or any(kwargs.get(k) is not None for k in CACHE_ARGUMENTS):
         raise CacheCallError(
             "this converted module is the training graph, captured without the key/value cache (use_cache=False), "
             "so it cannot take or return one; decode with converter.apply(model, ...) (its cache calls run the "
             "original forward under autocast) or the original model, or call it without use_cache/cache")
+
+
+def _cache_call_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> Optional[tuple]:
+    _cache_call_refusal(module, args, kwargs)
     if "use_cache" in kwargs:  # use_cache=False or None: what the graph computes
         return args, {k: v for k, v in kwargs.items() if k != "use_cache"}
     return None
