@@ -77,7 +77,7 @@ def _summary(report: ReportView) -> list[str]:
         [weight_cast_label(s), f"{s.get('weight_casts', 0)} ({fmt_bytes(s.get('weight_cast_bytes', 0))} per forward)"],
         ["unmatched ops", md_escape(", ".join(s["unmatched_ops"])) or "none"],
         ["tuned for", tuned_for(report, md_escape)],
-    ]), ""]
+    ] + ([["key/value cache", md_escape(report.extra["cache"])]] if report.extra.get("cache") else [])), ""]
 
 
 def _fp32_math(report: ReportView) -> list[str]:
