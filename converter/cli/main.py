@@ -1119,7 +1119,8 @@ def _out_of_memory(exc: BaseException) -> Optional[BaseException]:
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError" or (
+        torch = sys.modules.get("torch")  # loaded by whatever ran out of memory (explain never imports it)
+        if isinstance(exc, MemoryError) or (torch is not None and isinstance(exc, torch.OutOfMemoryError)) or (
                 isinstance(exc, RuntimeError) and any(text in str(exc) for text in _OOM_TEXT)):
             return exc
         exc = exc.__cause__ or exc.__context__
