@@ -116,6 +116,79 @@ def _autocast(model, args, kwargs, dtype) -> torch.Tensor | None:
         return None
 
 
+#: fp16 gradients are taken with this loss scale (the converted module and autocast alike), as a
+#: trainer would: tiny models' parameter gradients sit near fp16's subnormals otherwise
+FP16_LOSS_SCALE = 1024.0
+#: gradient floors: the conversion's gradient SQNR may trail autocast's by this much; the cosine of
+#: the flattened gradient and of every parameter's gradient against fp32's (a sign flip fails)
+GRAD_MARGIN_DB = 1.0
+GRAD_MIN_COS = 0.99
+PARAM_MIN_COS = 0.9
+
+
+def _real(t: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+def _param_grads(module, args, kwargs, proj, *, autocast=None, scale=1.0) -> dict[str, torch.Tensor]:
+    """name -> float64 gradient of ``sum(output * proj) * scale`` / scale (fp32 loss) for every
+    parameter that requires grad and gets one; eval mode, so that no dropout RNG is involved."""
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    torch.manual_seed(0)
+    with torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext():
+        out = first_tensor(module(*args, **kwargs))
+    loss = (out.float() * proj).sum() * scale
+    grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+    return {n: _real(g.detach()).double() / scale for (n, _), g in zip(named, grads) if g is not None}
+
+
+def _compare_grads(ref: dict, got: dict) -> dict:
+    """SQNR and cosine of the flattened gradient of every parameter in both; the worst parameter's
+    cosine and SQNR; parameters only one side has. The per-parameter cosine skips gradients that are
+    zero up to fp32 rounding (norm < 1e-6 of the largest: BERT's key biases, whose exact gradient is 0)."""
+    names = [n for n in ref if n in got]
+    r = torch.cat([ref[n].reshape(-1) for n in names])
+    o = torch.cat([got[n].reshape(-1) for n in names])
+    largest = max((float(ref[n].norm()) for n in names), default=0.0)
+    per_cos = {n: float(torch.nn.functional.cosine_similarity(ref[n].reshape(-1), got[n].reshape(-1), dim=0))
+               for n in names if float(ref[n].norm()) > 1e-6 * largest}
+    per_sqnr = {n: sqnr(ref[n], got[n]) for n in per_cos}
+    worst_cos = min(per_cos.items(), key=lambda kv: kv[1], default=(None, 1.0))
+    worst_sqnr = min(per_sqnr.items(), key=lambda kv: kv[1], default=(None, float("inf")))
+    return {"sqnr": sqnr(r, o), "cos": float(torch.nn.functional.cosine_similarity(r, o, dim=0)),
+            "min_cos": worst_cos, "min_sqnr": worst_sqnr,
+            "missing": sorted(set(ref) - set(got)), "extra": sorted(set(got) - set(ref))}
+
+
+@functools.cache
+def _grads(name: str) -> dict:
+    """Parameter gradients of the cached bf16 (O1) and fp16 (O2) conversions and of autocast on the
+    original, each against the fp32 original's, for one fixed scalar loss (eval mode)."""
+    case = _case(name)
+    model, args, kwargs = case["model"], case["args"], case["kwargs"]
+    proj = torch.randn(case["ref"].shape, generator=torch.Generator().manual_seed(sum(map(ord, name)) + 7))
+    ref = _param_grads(model, args, kwargs, proj)
+    result = {}
+    previous = torch.get_num_threads()
+    for dtype, half in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        scale = FP16_LOSS_SCALE if dtype == "fp16" else 1.0
+        if dtype == "fp16":
+            torch.set_num_threads(1)  # tiny fp16 GEMMs on this CPU (conftest.one_thread)
+        try:
+            try:
+                amp = _compare_grads(ref, _param_grads(model, args, kwargs, proj, autocast=half, scale=scale))
+            except RuntimeError:  # autocast itself fails on this model (see _autocast)
+                amp = None
+            try:
+                got = _compare_grads(ref, _param_grads(case[dtype].module, args, kwargs, proj, scale=scale))
+            except Exception as exc:  # recorded for the table; the test asserts on it
+                got = {"error": _short(exc)}
+        finally:
+            torch.set_num_threads(previous)
+        result[dtype], result["amp_" + dtype] = got, amp
+    return result
+
+
 @functools.cache
 def _second(name: str) -> dict:
     """conv.module at a second batch size and length against the fp32 model there."""
@@ -414,6 +487,29 @@ def test_numerics_against_fp32_and_autocast(name):
     s = _case(name)["sqnr"]
     for dtype, floor in (("bf16", 35.0), ("fp16", 50.0)):
         assert s[dtype] >= floor, f"{name} {dtype}: SQNR {s[dtype]:.1f} dB < {floor} (autocast {_fmt(s['amp_' + dtype])})"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_gradients_against_fp32_and_autocast(name):
+    """Parameter gradients of the bf16 and fp16 conversions against the fp32 original's: SQNR at
+    least autocast's - GRAD_MARGIN_DB, and the cosine of the whole gradient and of each parameter's
+    (a gradient that lost its custom backward, sign-flipped or NaN, fails here)."""
+    grads = _grads(name)
+    for dtype in ("bf16", "fp16"):
+        got, amp = grads[dtype], grads["amp_" + dtype]
+        label = f"{name} {dtype}"
+        assert "error" not in got, f"{label}: the backward fails: {got.get('error')}"
+        assert not got["missing"] and not got["extra"], (
+            f"{label}: parameters with a gradient only in fp32 {got['missing'][:5]} / only converted {got['extra'][:5]}")
+        amp_text = "autocast fails" if amp is None else (
+            f"autocast {_fmt(amp['sqnr'])} dB, cos {amp['cos']:.4f}, worst parameter cos {amp['min_cos'][1]:.3f}")
+        detail = (f"gradient SQNR {_fmt(got['sqnr'])} dB, cos {got['cos']:.4f}, worst parameter {got['min_cos'][0]} "
+                  f"cos {got['min_cos'][1]:.3f} ({amp_text})")
+        assert got["cos"] >= GRAD_MIN_COS, f"{label}: {detail}: cosine < {GRAD_MIN_COS}"
+        assert got["min_cos"][1] >= PARAM_MIN_COS, f"{label}: {detail}: a parameter's cosine < {PARAM_MIN_COS}"
+        if amp is not None:
+            floor = amp["sqnr"] - GRAD_MARGIN_DB
+            assert got["sqnr"] >= floor, f"{label}: {detail}: SQNR < autocast - {GRAD_MARGIN_DB} dB"
 
 
 @pytest.mark.parametrize("name", NAMES)
