@@ -35,7 +35,7 @@ from converter.numerics.common import output_tensors
 from converter.numerics.device import half_speed_advice
 from converter.numerics.options import CalibrationOptions
 from converter.numerics.redecide import PlaceSettings
-from converter.passes.capture import Captured, capture
+from converter.passes.capture import Captured, capture, guard_cache_calls
 from converter.passes.checkpoint import checkpoint_regions, regions_in
 from converter.passes.decide import decide
 from converter.passes.fp32_math import DEFAULT_FP32_MATH, fp32_math
@@ -279,6 +279,8 @@ def _pipeline(model, example_inputs, *, settings: PlaceSettings, rules, tracer, 
         timings.update(codegen_s=codegen_s, check_s=check_s)
     # audit (no codegen) reports the train graph and needs no runnable module
     captured.gm = graphs[0] if len(graphs) == 1 or not codegen else _two_modes(model, *graphs)
+    if codegen and captured.cache:  # captured with use_cache=False: a call asking for a cache gets one clear error
+        guard_cache_calls(captured.gm)
     return captured, rule_set, settings.target, timings
 
 
@@ -348,7 +350,7 @@ def _report(captured: Captured, rule_set: Rules, target: str, timings: dict, *, 
                                "device": device, "lowered": list(gm.meta[GM_GRAPH].extra.get("lowered", ())),
                                "dynamic_dims": captured.dynamic_dims, "shapes": captured.shapes_note,
                                "narrowed_dims": captured.narrowed_dims,
-                               "modes": captured.modes, "library_ops": _library_ops(gm),
+                               "modes": captured.modes, "cache": captured.cache, "library_ops": _library_ops(gm),
                                "checkpoint": _checkpoint_extra(gm),
                                "simplified": fold_counts(gm.meta[GM_GRAPH].extra.get("simplified", ()))})
 

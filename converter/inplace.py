@@ -40,6 +40,7 @@ import torch.utils._pytree as pytree
 from converter.api import Conversion, convert
 from converter.ir.errors import MpconvertError
 from converter.ir.graphmodule import EVAL_PREFIX, TwoModeGraphModule
+from converter.passes.capture import CACHE_ARGUMENTS
 
 __all__ = ["apply", "conversion_of", "converted_forward", "restore", "ConvertedForward", "FallbackWarning",
            "InPlaceError"]
@@ -195,6 +196,9 @@ class ConvertedForward:
         self._warned: set[str] = set()
         #: how many calls ran the converted graph and how many the original forward
         self.calls = {"converted": 0, "fallback": 0}
+        # captured without the key/value cache (capture's _cache_off, or use_cache=False in the example)
+        self._no_cache = bool(conversion.report.extra.get("cache")) or self._example.get("use_cache") is False
+        self.calls["cache"] = 0  # decoding calls (a cache asked for): the original forward under autocast
         gm = conversion.module
         self._graphs = _Graphs(gm, self._device() or torch.device("cpu"))
         self._bind(gm)
@@ -209,6 +213,10 @@ class ConvertedForward:
     # -- calling -----------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._no_cache:
+            kwargs, cache = self._cache_call(args, kwargs)
+            if cache is not None:
+                return self._decode(cache, args, kwargs)
         why = self._mismatch(args, kwargs)
         if why is not None:
             return self._fallback(why, args, kwargs)
@@ -237,6 +245,43 @@ class ConvertedForward:
                 FallbackWarning, stacklevel=3)
         self.calls["fallback"] += 1
         return self.original(*args, **kwargs)
+
+    def _cache_call(self, args: tuple, kwargs: dict) -> tuple[dict, Optional[str]]:
+        """(the call's keyword arguments, why it asks for a key/value cache or None).
+
+        The graph was captured without the cache: ``use_cache=False``/``None`` is what it computes, so
+        the keyword takes the example's value (the graph serves the call); ``use_cache=True`` or a cache
+        (decoding, ``generate()``) is a call the training graph cannot serve."""
+        try:
+            named = _named_arguments(self._binder, args, kwargs)
+        except TypeError:
+            return kwargs, None  # _mismatch names it
+        if named.get("use_cache"):
+            return kwargs, "use_cache=True"
+        given = [name for name in CACHE_ARGUMENTS if named.get(name) is not None]
+        if given:
+            return kwargs, f"a key/value cache ({given[0]}=...)"
+        if "use_cache" in kwargs:
+            kwargs = {k: v for k, v in kwargs.items() if k != "use_cache"}
+            if self._example.get("use_cache") is not None:
+                kwargs["use_cache"] = self._example["use_cache"]
+        return kwargs, None
+
+    def _decode(self, cache: str, args: tuple, kwargs: dict) -> Any:
+        """A call that asks for a cache: a decoding step, not the training graph. It runs the original
+        forward under ``torch.autocast`` in the conversion's half dtype (autocast's op lists, not the
+        report's decisions), with one :class:`FallbackWarning` saying so."""
+        if "cache" not in self._warned:
+            self._warned.add("cache")
+            warnings.warn(
+                f"mpconvert: {type(self.model).__name__}.forward was called with {cache} (decoding, generate()); the "
+                "converted graph is the training forward, captured without the cache, so such calls run the original "
+                f"forward under torch.autocast({self.conversion.precision})", FallbackWarning, stacklevel=3)
+        self.calls["cache"] += 1
+        device_type = _autocast_type(self._device() or self._graphs.home)
+        dtype = torch.bfloat16 if self.conversion.precision == "bf16" else torch.float16
+        with torch.autocast(device_type=device_type, dtype=dtype):
+            return self.original(*args, **kwargs)
 
     def _device(self) -> Optional[torch.device]:
         for tensor in self.model.parameters():

@@ -41,6 +41,7 @@ from torch.fx.graph import CodeGen, _custom_builtins
 from torch.fx.node import map_aggregate
 
 from converter.export.errors import EmitError
+from converter.export.functions import function_lines
 from converter.export.shape_guards import guard_lines
 from converter.export.source_text import (
     check_attribute_path,
@@ -376,9 +377,11 @@ def _export_codegen(source: torch.fx.Graph, graph: torch.fx.Graph, original: Opt
 
 
 def _forward_source(gm: torch.fx.GraphModule, prepared: _Graph, original: Optional[nn.Module], warnings: list[str], *,
-                    source: torch.fx.Graph, name: str = "forward") -> tuple[str, list[str], dict[str, Any], str]:
+                    source: torch.fx.Graph, name: str = "forward",
+                    functions: Optional[list] = None) -> tuple[str, list[str], dict[str, Any], str]:
     """(the annotated method ``name`` for graph ``source``, the import lines it needs, the fp32-math
-    runtime helpers it calls, the io note for the docstring)."""
+    runtime helpers it calls, the io note for the docstring). The custom autograd Function classes it
+    calls are appended to ``functions``."""
     graph = prepared.graph
     pytree_info = getattr(source._codegen, "pytree_info", None)
     if pytree_info is not None and pytree_info.in_spec is not None:
@@ -398,7 +401,14 @@ def _forward_source(gm: torch.fx.GraphModule, prepared: _Graph, original: Option
     runtime = {key: obj for key, obj in used.items() if obj in RUNTIME_HELPERS}
     for key, obj in runtime.items():
         body = re.sub(rf"\b{re.escape(key)}\b", obj.__name__, body)
-    imports = [line for line in _import_lines({k: v for k, v in used.items() if k not in runtime}, warnings) if line != "import torch"]
+    # custom autograd Functions (passes.autograd_fns): model.py defines or imports the class, calls Fn.apply
+    called = {key: obj.autograd_function for key, obj in used.items() if isinstance(getattr(obj, "autograd_function", None), type)}
+    for key, cls in called.items():
+        body = re.sub(rf"\b{re.escape(key)}\b", f"{cls.__name__}.apply", body)
+        if functions is not None and cls not in functions:
+            functions.append(cls)
+    imports = [line for line in _import_lines({k: v for k, v in used.items() if k not in runtime and k not in called}, warnings)
+               if line != "import torch"]
     forward = "\n".join("    " + line if line else "" for line in body.rstrip().splitlines())
     return forward, imports, runtime, io_note
 
@@ -422,9 +432,11 @@ def _forwards(gm: torch.fx.GraphModule, original: Optional[nn.Module], warnings:
     runtime: dict[str, Any] = {}
     prepared_graphs: list[_Graph] = []
     io_note = ""
+    functions: list[type] = []
     for name, source in sources:
         prepared = _prepare_graph(gm, source)
-        method, lines, helpers, io_note = _forward_source(gm, prepared, original, warnings, source=source, name=name)
+        method, lines, helpers, io_note = _forward_source(gm, prepared, original, warnings, source=source, name=name,
+                                                          functions=functions)
         methods.append(method)
         imports += [line for line in lines if line not in imports]
         runtime.update(helpers)
@@ -434,6 +446,8 @@ def _forwards(gm: torch.fx.GraphModule, original: Optional[nn.Module], warnings:
     if runtime:
         imports += ["", "", '# fp32 math scopes around fp32 matmul/conv runs (mpconvert docs/rules.md, "fp32 math")',
                     *runtime_source().splitlines(), ""]
+    if functions:  # their classes, backward included (converter.export.functions)
+        imports += function_lines(functions, warnings)
     return "\n\n".join(methods), imports, prepared_graphs, io_note
 
 

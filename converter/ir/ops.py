@@ -295,6 +295,9 @@ def canonical_op(node: torch.fx.Node, root: Optional[torch.nn.Module] = None) ->
             return _normalise(aten)
         if target in _FUNCTION_OPS:
             return _FUNCTION_OPS[target]
+        function = getattr(target, "autograd_function", None)  # a custom autograd Function (passes.autograd_fns)
+        if isinstance(function, type):
+            return function.__name__
         name = getattr(target, "__name__", str(target))
         return _normalise(name)
     return node.op

@@ -62,6 +62,12 @@ whose train mode cannot be traced at all is captured in its own mode, its mode f
 way ``Captured.modes`` (``report.extra["modes"]``) says what happened and why. The converted module
 starts in the original's mode.
 
+**Key/value caches.** A Hugging Face model whose ``config.use_cache`` is true (stock decoders and
+encoder-decoders) would return a ``DynamicCache``, which no graph can return and training never
+reads: unless the example asks for a cache, it is traced with ``use_cache=False`` on a shell's copy of
+its config, and ``Captured.cache`` (``report.extra["cache"]``) says so. Decoding calls are served by
+:mod:`converter.inplace`.
+
 **Higher-order regions.** ``torch.no_grad()``/``set_grad_enabled`` and ``torch.autocast`` blocks,
 which torch.export records as nested graphs, are inlined between plain grad-mode/autocast calls
 (:mod:`converter.passes.regions`), so their ops get decisions and model.py is plain Python.
@@ -91,6 +97,7 @@ from converter.ir.graphmodule import new_graph_module
 from converter.ir.meta import META_CHECKPOINT, META_INFO, META_SOURCE, META_VALUE, NodeInfo, TensorSpec
 from converter.ir.ops import CAST_OPS, NORM_OPS, canonical_op, explicit_dtype, is_inplace
 from converter.ir.state import preserved_state
+from converter.passes.autograd_fns import OpaqueFunctions, restore_function_calls
 from converter.passes.checkpoint import CheckpointMarks, active_tag, tag_export_graph
 from converter.passes.guards import narrowed_dims
 from converter.passes.modes import is_random, make_mode_aware, random_ops
@@ -98,7 +105,7 @@ from converter.passes.recurrent import RecurrentOps, restore_aten_ops
 from converter.passes.regions import inline_regions
 from converter.passes.size_budget import SizeBudget, SizesTooComplex
 
-__all__ = ["Captured", "CaptureError", "capture", "normalize_inputs", "annotate", "placeholder_values", "TRACED_THROUGH"]
+__all__ = ["Captured", "CaptureError", "CacheCallError", "guard_cache_calls", "CACHE_ARGUMENTS", "capture", "normalize_inputs", "annotate", "placeholder_values", "TRACED_THROUGH"]
 
 #: nn modules the FX tracer traces into (their forward is one functional call on their parameters)
 TRACED_THROUGH = (
@@ -150,6 +157,8 @@ class Captured:
     modes: str = ""
     #: the graph of the model in eval mode, when it branches on self.training (``gm`` is then the train graph)
     eval_gm: Optional[torch.fx.GraphModule] = None
+    #: why the graph returns no key/value cache (a Hugging Face model captured with use_cache=False), or ""
+    cache: str = ""
 
 
 def normalize_inputs(example_inputs: Any) -> tuple[tuple, dict]:
@@ -251,7 +260,8 @@ def _user_location(frame) -> str:
 
 def _trace_fx(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Shapes) -> torch.fx.GraphModule:
     tracer = _Tracer()
-    with _EagerRandom(), CheckpointMarks():
+    # OpaqueFunctions: a custom autograd Function stays one call, backward included (passes.autograd_fns)
+    with _EagerRandom(), CheckpointMarks(), OpaqueFunctions(tracer):
         graph = tracer.trace(model)
     gm = new_graph_module(tracer.root, graph, type(model).__name__)
     shapes.dims = {
@@ -266,6 +276,7 @@ def _trace_fx(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Shapes
 def _trace_export(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Shapes) -> torch.fx.GraphModule:
     ep = _export_dynamic(model, args, kwargs, shapes)
     gm = _module_of(ep)
+    restore_function_calls(gm)  # custom autograd Functions: their calls, not the stand-in ops
     # ep.module() replaces train()/eval() on the instance by ones that raise NotImplementedError;
     # the graph reads self.training instead (converter.passes.modes), so the class's methods serve
     for name in ("train", "eval"):
@@ -380,7 +391,7 @@ def _run_export(model: torch.nn.Module, args: tuple, kwargs: dict, spec: Any, *,
 
     # RecurrentOps: LSTM/GRU/RNN keep their sequence dim dynamic (converter.passes.recurrent)
     with fx_config.patch(backed_size_oblivious=oblivious), RecurrentOps(), \
-            (SizeBudget() if budget else contextlib.nullcontext()), CheckpointMarks(annotate=True):
+            (SizeBudget() if budget else contextlib.nullcontext()), CheckpointMarks(annotate=True), OpaqueFunctions():
         ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=spec)
     restore_aten_ops(ep.graph_module)
     return ep
@@ -567,13 +578,84 @@ def capture(
     # every trace runs on a shell of the model (see shell); this guard puts back any buffer a run
     # writes in place, also when a tracer raises
     with preserved_state(model):
-        result, used, shapes, advice = _first_capture(order, model, args, kwargs, dynamic, dynamic_shapes, errors)
+        cache = _cache_off(model, args, kwargs)
+        traced = model if cache is None else shell(model, config={"use_cache": False})
+        result, used, shapes, advice = _first_capture(order, traced, args, kwargs, dynamic, dynamic_shapes, errors)
         if result is not None and used == "export" and order[0] == "export" and "fx" not in errors:
             errors["fx"] = (f"not tried: {type(model).__name__} is a Hugging Face PreTrainedModel, which "
                             "symbolic_trace cannot trace (Python control flow on inputs and config); used torch.export")
         if result is None:
-            raise CaptureError(errors, advice=advice)
-        return _finish_capture(result, used, shapes, tracer, model, args, kwargs, dynamic, dynamic_shapes, errors)
+            raise CaptureError(errors, advice=advice or _cache_advice(errors))
+        captured = _finish_capture(result, used, shapes, tracer, traced, args, kwargs, dynamic, dynamic_shapes, errors)
+        captured.cache = cache or ""
+        return captured
+
+
+#: forward arguments that hand a key/value cache in (transformers 5 renamed ``past_key_values`` to ``cache``)
+CACHE_ARGUMENTS = ("cache", "past_key_values", "cache_params")
+
+
+def _cache_off(model: torch.nn.Module, args: tuple, kwargs: dict) -> Optional[str]:
+    """The note saying the training graph is captured without the key/value cache, or None.
+
+    A Hugging Face model whose ``config.use_cache`` is true (every stock decoder and encoder-decoder)
+    returns a ``DynamicCache`` from ``forward``, which no graph can return (torch.export refuses it)
+    and which training never reads. Unless the example asks for a cache (``use_cache=True`` or a
+    cache argument), the model is traced with ``use_cache=False`` set on a shell's copy of its
+    config; the model and its config are left as they are. Calls that ask for a cache (decoding,
+    ``generate``) are served by :mod:`converter.inplace` (see :class:`~converter.inplace.ConvertedForward`)."""
+    if not _is_hf_model(model) or getattr(getattr(model, "config", None), "use_cache", None) is not True:
+        return None
+    import inspect
+
+    try:
+        signature = inspect.signature(model.forward)
+        bound = signature.bind_partial(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        return None
+    if "use_cache" not in signature.parameters:
+        return None  # an encoder (BERT's config says use_cache too): no cache to leave out
+    named = dict(bound)
+    for name, value in bound.items():
+        if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+    if named.get("use_cache") is not None or any(named.get(k) is not None for k in CACHE_ARGUMENTS):
+        return None  # the example says what it wants
+    return ("captured without the key/value cache (use_cache=False; config.use_cache=True returns a cache object, "
+            "which training never reads): the graph is the training forward; calls that ask for a cache "
+            "(use_cache=True, a cache, generate()) run the original forward under autocast on an applied model")
+
+
+class CacheCallError(MpconvertError, TypeError):
+    """A call asked ``conv.module`` (a graph captured without the key/value cache) for a cache."""
+
+
+def guard_cache_calls(gm: torch.nn.Module) -> None:
+    """Make ``gm`` (captured without the cache, see :func:`_cache_off`) answer a call that asks for a
+    cache with one clear :class:`CacheCallError` instead of "unexpected keyword argument", and serve
+    ``use_cache=False``/``None``, which is what the graph computes. A forward pre-hook: the generated
+    ``forward`` takes the example's arguments only."""
+    gm.register_forward_pre_hook(_cache_call_hook, with_kwargs=True)
+
+
+def _cache_call_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> Optional[tuple]:
+    if kwargs.get("use_cache") or any(kwargs.get(k) is not None for k in CACHE_ARGUMENTS):
+        raise CacheCallError(
+            "this converted module is the training graph, captured without the key/value cache (use_cache=False), "
+            "so it cannot take or return one; decode with converter.apply(model, ...) (its cache calls run the "
+            "original forward under autocast) or the original model, or call it without use_cache/cache")
+    if "use_cache" in kwargs:  # use_cache=False or None: what the graph computes
+        return args, {k: v for k, v in kwargs.items() if k != "use_cache"}
+    return None
+
+
+def _cache_advice(errors: dict) -> Optional[str]:
+    """Plain advice when a tracer failed because forward returned a cache object."""
+    if not any("Cache" in why and "in output" in why for why in errors.values()):
+        return None
+    return ("forward returns a key/value cache object (the example passes use_cache=True or a cache), which a graph "
+            "cannot return: leave use_cache and the cache out of the example (training does not use them; "
+            "mpconvert then captures with use_cache=False)")
 
 
 def _is_hf_model(model: torch.nn.Module) -> bool:
@@ -691,14 +773,26 @@ def shell(model: torch.nn.Module, *, config: Optional[dict] = None) -> torch.nn.
     storage (tied weights stay tied; its ``requires_grad`` and ``.grad`` are the shell's own);
     buffers are the same tensors, so code that writes one in place (a train-mode batch norm) must
     run under :func:`~converter.ir.state.preserved_state`. ``config``: fields set on a copy of the
-    model's ``config``, which every submodule of the shell that shared it reads instead.
+    model's ``config``, which every submodule of the shell that shared it reads instead (and on a copy
+    of any other Hugging Face config in the tree that has the field).
     """
     original_config = getattr(model, "config", None) if config else None
-    new_config = None
-    if original_config is not None:
-        new_config = copy.copy(original_config)
-        for field_name, value in config.items():
-            setattr(new_config, field_name, value)
+    hf_config = getattr(sys.modules.get("transformers.configuration_utils"), "PretrainedConfig", None)
+    configs: dict[int, Any] = {}
+
+    def changed(value: Any) -> Any:
+        """The shell's copy of a config: the root's, and any other Hugging Face config in the tree
+        that has the field (T5's decoder stack reads a deep copy of the root's)."""
+        if id(value) not in configs:
+            new = configs[id(value)] = copy.copy(value)
+            for field_name, field_value in config.items():
+                if value is original_config or hasattr(value, field_name):
+                    setattr(new, field_name, field_value)
+        return configs[id(value)]
+
+    def is_config(value: Any) -> bool:
+        return value is original_config or (isinstance(hf_config, type) and isinstance(value, hf_config))
+
     params: dict[int, Any] = {}
     modules: dict[int, torch.nn.Module] = {}
 
@@ -711,8 +805,8 @@ def shell(model: torch.nn.Module, *, config: Optional[dict] = None) -> torch.nn.
         for key in _OWN_TABLES:
             if key in state:
                 state[key] = copy.copy(state[key])
-        if new_config is not None:
-            state.update({k: new_config for k, v in state.items() if v is original_config})
+        if original_config is not None:
+            state.update({k: changed(v) for k, v in state.items() if is_config(v)})
         state["_parameters"] = {k: _shared_param(p, params) for k, p in module._parameters.items()}
         state["_modules"] = {k: None if m is None else clone(m) for k, m in module._modules.items()}
         new.__dict__.update(state)

@@ -34,10 +34,11 @@ from converter.ir.errors import MpconvertError
 from converter.ir.graphmodule import pauses_gc
 from converter.ir.meta import BUILTIN, META_DECISION, META_INFO, META_VALUE, Decision, RuleRef, TensorSpec, name_of
 from converter.ir.ops import ACCUMULATE_OPS
+from converter.passes.autograd_fns import autograd_function
 from converter.rules.loader import Rules
 from converter.rules.precedence import DEFAULT_LEVEL, PRECEDENCE, SCOPED_LEVELS
 
-__all__ = ["CONSTANT_RANGE_RULE", "VALUE_SCALAR_OPS", "BannedOpError", "decide", "decision_reason", "overflowing_constant"]
+__all__ = ["AUTOGRAD_FUNCTION_RULE", "CONSTANT_RANGE_RULE", "VALUE_SCALAR_OPS", "BannedOpError", "decide", "decision_reason", "overflowing_constant"]
 
 #: ops whose scalar arguments are values written to or combined with the tensor (not sizes or dims)
 VALUE_SCALAR_OPS = frozenset({
@@ -46,6 +47,8 @@ VALUE_SCALAR_OPS = frozenset({
     "minimum", "fmax", "fmin", "lerp", "addcmul", "addcdiv", "nan_to_num",
 })
 CONSTANT_RANGE_RULE = RuleRef(BUILTIN, "builtin", "constant-range")
+#: a custom autograd Function that no op or node rule names runs on fp32 inputs (passes.autograd_fns)
+AUTOGRAD_FUNCTION_RULE = RuleRef(BUILTIN, "builtin", "autograd-function")
 _HALF_MAX = {"fp16": torch.finfo(torch.float16).max, "bf16": torch.finfo(torch.bfloat16).max}
 
 
@@ -176,6 +179,17 @@ def _decide_node(node: torch.fx.Node, rules: Rules, precision: str) -> None:
             requested="alias",
             rule=RuleRef(BUILTIN, "builtin", "alias"),
             reason=info.why,
+            matches=matches,
+        )
+        return
+    function = autograd_function(node)
+    if function is not None and not any(m.level_name in (PRECEDENCE[0], "op") for m in matches):
+        node.meta[META_DECISION] = Decision(
+            precision="fp32",
+            requested="fp32",
+            rule=AUTOGRAD_FUNCTION_RULE,
+            reason=(f"custom autograd Function {function.__qualname__} (user code mpconvert cannot see into, "
+                    f"backward included): runs on fp32 inputs; an [op] rule {function.__name__!r} sets it"),
             matches=matches,
         )
         return

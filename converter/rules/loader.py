@@ -410,6 +410,8 @@ def _check_pattern(pattern: str, where: str) -> None:
 
 
 def _check_op_name(pattern: str, known_ops: frozenset, where: str) -> None:
+    if pattern[:1].isupper():  # a custom autograd Function's op name is its class name (passes.autograd_fns)
+        return
     if not _GLOB_CHARS.search(pattern):
         if pattern not in known_ops:
             raise RulesError(f"{where}: unknown op name {pattern!r}{_suggest(pattern, known_ops)}")
