@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import ast
 import builtins
+import functools
 import importlib.util
 import inspect
+import re
 import symtable
 import sys
 import textwrap
 import types
+from importlib import resources
 from typing import Optional
 
 from converter.export.errors import EmitError
@@ -42,23 +45,96 @@ def function_lines(classes: list[type], warnings: list[str]) -> list[str]:
         if other is not cls:
             raise EmitError(f"cannot emit model.py: two custom autograd Functions are named {cls.__name__!r} "
                             f"({_qualified(other)} and {_qualified(cls)}); rename one")
-    lines = ["", "", "# custom autograd Functions the graph calls: forward and backward are the model's own"]
+    carried = _Carried()
+    lines: list[str] = []
     for cls in classes:
-        lines += _class_lines(cls, warnings)
-    return lines + [""]
+        plan = _Carried()
+        why = _carry(cls, plan, ())
+        if why is None:
+            carried.merge(plan)
+            continue
+        lines += _import_or_refuse(cls, why, warnings)
+    taken = sorted(name for name, _, _ in carried.blocks if name in _template_names())
+    if taken:
+        raise EmitError(f"cannot emit model.py: the custom autograd Functions' code defines {taken[0]!r}, a name model.py "
+                        "itself defines; rename it in the model's code")
+    head = ["", "", "# custom autograd Functions the graph calls: forward and backward are the model's own"]
+    return head + carried.imports + [""] + [block for _, _, code in carried.blocks for block in ("", code)] + lines + [""]
+
+
+@functools.lru_cache(maxsize=1)
+def _template_names() -> frozenset[str]:
+    """The top-level names model.py's template defines (a carried definition must not replace one)."""
+    text = resources.files("converter.export").joinpath("templates").joinpath("model.py.tmpl").read_text(encoding="utf-8")
+    found = re.findall(r"^(?:def|class)\s+(\w+)|^(\w+)\s*=", text, flags=re.M)
+    return frozenset(name for pair in found for name in pair if name) | frozenset(_TEMPLATE_MODULES)
 
 
 def _qualified(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _class_lines(cls: type, warnings: list[str]) -> list[str]:
-    source, why = _own_source(cls)
-    if source is not None:
-        imports, missing = _imports_for(source, cls)
-        if not missing:
-            return ["", *imports, "", source]
-        why = f"its code reads {', '.join(sorted(missing))} from its module"
+class _Carried:
+    """What model.py defines for the Functions: import lines and (name, object, code) blocks in order."""
+
+    def __init__(self) -> None:
+        self.imports: list[str] = []
+        self.blocks: list[tuple[str, object, str]] = []
+
+    def has(self, obj: object) -> bool:
+        return any(o is obj for _, o, _ in self.blocks)
+
+    def merge(self, other: "_Carried") -> None:
+        self.imports += [line for line in other.imports if line not in self.imports]
+        for name, obj, code in other.blocks:
+            clash = next((o for n, o, _ in self.blocks if n == name and o is not obj), None)
+            if clash is not None:
+                raise EmitError(f"cannot emit model.py: two definitions named {name!r} ({_qualified(clash)} and "
+                                f"{_qualified(obj)}) would both go into model.py for custom autograd Functions; rename one")
+            if not self.has(obj):
+                self.blocks.append((name, obj, code))
+
+
+def _carry(obj: object, plan: _Carried, stack: tuple) -> Optional[str]:
+    """Add ``obj``'s code (a Function class, or a function of its module that it calls) and what it
+    reads to ``plan``, dependencies first; None when it can be carried, else why not."""
+    source, why = _own_source(obj)
+    if source is None:
+        return why
+    namespace = _module_namespace(obj)
+    for name in sorted(_global_names(source) - {obj.__name__}):
+        if name not in namespace and hasattr(builtins, name):
+            continue
+        value = namespace.get(name, _MISSING)
+        line = _import_of(name, value)
+        if line is not None:
+            if line and line not in plan.imports:
+                plan.imports.append(line)
+            continue
+        if _is_own_helper(value, obj, name) and value not in stack:
+            if plan.has(value):
+                continue
+            inner = _carry(value, plan, stack + (obj,))
+            if inner is None:
+                continue
+            return f"its code calls {name}, which cannot be carried ({inner})"
+        if value in stack:
+            continue  # mutual reference: defined by the time it is called
+        return f"its code reads {name} from its module"
+    plan.blocks.append((obj.__name__, obj, source))
+    return None
+
+
+def _is_own_helper(value: object, owner: object, name: str) -> bool:
+    """A top-level function or autograd Function class of ``owner``'s own module, bound under its own name."""
+    from torch.autograd import Function
+
+    if not (isinstance(value, types.FunctionType) or (isinstance(value, type) and issubclass(value, Function))):
+        return False
+    return getattr(value, "__module__", None) == getattr(owner, "__module__", None) and value.__qualname__ == name
+
+
+def _import_or_refuse(cls: type, why: str, warnings: list[str]) -> list[str]:
     module = cls.__module__
     if _importable(cls):
         warnings.append(f"model.py imports the custom autograd Function {cls.__qualname__} from {module} ({why}): "
@@ -73,21 +149,30 @@ def _class_lines(cls: type, warnings: list[str]) -> list[str]:
         "level of an importable module, or make its code use only torch")
 
 
-def _own_source(cls: type) -> tuple[Optional[str], str]:
-    """(the class's code, parsed and written back; None if there is none to take, and why)."""
-    if "<locals>" in cls.__qualname__:
+def _own_source(obj: object) -> tuple[Optional[str], str]:
+    """(the code of class or function ``obj``, parsed and written back without annotations on
+    function arguments; None if there is none to take, and why)."""
+    if "<locals>" in obj.__qualname__:
         return None, "it is defined inside a function"
     try:
-        text = textwrap.dedent(inspect.getsource(cls))
+        text = textwrap.dedent(inspect.getsource(obj))
         tree = ast.parse(text)
     except (OSError, TypeError, SyntaxError):
         return None, "its source is not available"
-    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.ClassDef) or tree.body[0].name != cls.__name__:
-        return None, "its source is not one class definition"
-    for method in vars(cls).values():
+    kind = ast.ClassDef if isinstance(obj, type) else (ast.FunctionDef, ast.AsyncFunctionDef)
+    if len(tree.body) != 1 or not isinstance(tree.body[0], kind) or tree.body[0].name != obj.__name__:
+        return None, "its source is not one definition"
+    functions = list(vars(obj).values()) if isinstance(obj, type) else [obj]
+    for method in functions:
         code = getattr(getattr(method, "__func__", method), "__code__", None)
         if code is not None and set(code.co_freevars) - {"__class__"}:
-            return None, "its methods read variables of an enclosing function"
+            return None, "its code reads variables of an enclosing function"
+    for node in ast.walk(tree):  # annotations are not run (and may name typing helpers model.py lacks)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            node.returns = None
+            for arg in (*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs, node.args.vararg, node.args.kwarg):
+                if arg is not None:
+                    arg.annotation = None
     return ast.unparse(tree), ""
 
 
@@ -110,32 +195,18 @@ def _global_names(source: str) -> set[str]:
     return names
 
 
-def _imports_for(source: str, cls: type) -> tuple[list[str], set[str]]:
-    """(import lines for the names the class reads, the names that cannot be imported by name)."""
-    namespace = _module_namespace(cls)
-    lines: list[str] = []
-    missing: set[str] = set()
-    for name in sorted(_global_names(source) - {cls.__name__}):
-        if name not in namespace and hasattr(builtins, name):
-            continue
-        value = namespace.get(name, _MISSING)
-        line = _import_of(name, value)
-        if line is None:
-            missing.add(name)
-        elif line:
-            lines.append(line)
-    return lines, missing
-
-
 _MISSING = object()
 
 
-def _module_namespace(cls: type) -> dict:
-    for method in vars(cls).values():
+def _module_namespace(obj: object) -> dict:
+    """The globals ``obj``'s code reads (its module's)."""
+    if isinstance(obj, types.FunctionType):
+        return obj.__globals__
+    for method in vars(obj).values():
         func = getattr(method, "__func__", method)
         if isinstance(func, types.FunctionType):
             return func.__globals__
-    module = sys.modules.get(cls.__module__)
+    module = sys.modules.get(obj.__module__)
     return vars(module) if module is not None else {}
 
 

@@ -118,10 +118,10 @@ def _run(call: _Call, tensors: list) -> list[torch.Tensor]:
     if isinstance(out, (tuple, list)) and out and all(isinstance(o, torch.Tensor) for o in out):
         call.single = False
         return list(out)
+    what = type(out).__name__ if not isinstance(out, (tuple, list)) else f"a {type(out).__name__} with non-tensors"
     raise UnsupportedFunctionCall(
-        f"custom autograd Function {_name(call.cls)} returns {type(out).__name__}, not a tensor or a tuple of tensors, "
-        "so the captured graph cannot keep it (and its backward) as one call; return tensors only, or capture with "
-        "tracer='fx'")
+        f"custom autograd Function {_name(call.cls)} returns {what}: torch.export cannot keep it as one call with its "
+        "backward; return tensors only, or use tracer='fx'")
 
 
 def _standin_kernel(tensors: list[torch.Tensor], key: str) -> list[torch.Tensor]:
@@ -195,12 +195,20 @@ class OpaqueFunctions:
 def restore_function_calls(gm: torch.fx.GraphModule) -> int:
     """Replace the stand-in ops of an exported ``gm`` by calls of the Functions; returns how many."""
     count = 0
+    for sub in gm.modules():  # nested graphs too (no_grad/autocast regions before they are inlined)
+        if isinstance(sub, torch.fx.GraphModule):
+            count += _restore_in(sub)
+    return count
+
+
+def _restore_in(gm: torch.fx.GraphModule) -> int:
+    count = 0
     graph = gm.graph
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not _STANDIN:
             continue
         tensors, key = node.args[0], node.args[1]
-        call = _CALLS.pop(key)
+        call = _CALLS[key]
         args, kwargs = call.rebuild(list(tensors))
         with graph.inserting_before(node):
             new = graph.call_function(function_call(call.cls), args, kwargs)

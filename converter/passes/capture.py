@@ -72,6 +72,11 @@ its config, and ``Captured.cache`` (``report.extra["cache"]``) says so. Decoding
 which torch.export records as nested graphs, are inlined between plain grad-mode/autocast calls
 (:mod:`converter.passes.regions`), so their ops get decisions and model.py is plain Python.
 
+**Custom autograd Functions.** Both tracers record a ``torch.autograd.Function``'s forward only, so
+its backward would be lost; :class:`~converter.passes.autograd_fns.OpaqueFunctions` keeps each
+``Fn.apply(...)`` of a Function not defined by torch as one call node that runs the Function,
+forward and backward (:mod:`converter.passes.autograd_fns`).
+
 **Errors.** A branch on tensor values (``if x.sum() > 0``) is a :class:`CaptureError` whose
 ``advice`` says in plain words what to do (``torch.cond``, move the branch out of ``forward``, or
 split the model) and names the file and line of the branch.

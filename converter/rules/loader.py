@@ -410,7 +410,13 @@ def _check_pattern(pattern: str, where: str) -> None:
 
 
 def _check_op_name(pattern: str, known_ops: frozenset, where: str) -> None:
-    if pattern[:1].isupper():  # a custom autograd Function's op name is its class name (passes.autograd_fns)
+    if pattern[:1].isupper():
+        # a custom autograd Function's op name is its class name (passes.autograd_fns); a known op in
+        # capitals (``Linear``) is still a typo of the op name
+        lowered = pattern.lower()
+        if lowered in known_ops:
+            raise RulesError(f"{where}: unknown op name {pattern!r}; did you mean {lowered!r}? (a capitalised op name "
+                             "names a custom autograd Function class)")
         return
     if not _GLOB_CHARS.search(pattern):
         if pattern not in known_ops:
