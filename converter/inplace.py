@@ -198,7 +198,8 @@ class ConvertedForward:
         self.calls = {"converted": 0, "fallback": 0}
         # captured without the key/value cache (capture's _cache_off, or use_cache=False in the example)
         self._no_cache = bool(conversion.report.extra.get("cache")) or self._example.get("use_cache") is False
-        self.calls["cache"] = 0  # decoding calls (a cache asked for): the original forward under autocast
+        if self._no_cache:  # + decoding calls (a cache asked for): the original forward under autocast
+            self.calls["cache"] = 0
         gm = conversion.module
         self._graphs = _Graphs(gm, self._device() or torch.device("cpu"))
         self._bind(gm)
