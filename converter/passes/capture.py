@@ -105,7 +105,7 @@ from converter.ir.state import preserved_state
 from converter.passes.autograd_fns import OpaqueFunctions, restore_function_calls
 from converter.passes.checkpoint import CheckpointMarks, active_tag, tag_export_graph
 from converter.passes.guards import narrowed_dims
-from converter.passes.modes import is_random, make_mode_aware, random_ops
+from converter.passes.modes import constant_flags, is_random, make_mode_aware, random_ops
 from converter.passes.recurrent import RecurrentOps, restore_aten_ops
 from converter.passes.regions import inline_regions
 from converter.passes.size_budget import SizeBudget, SizesTooComplex
@@ -855,14 +855,17 @@ def _split_modes(trace, name: str, model: torch.nn.Module, gm: torch.fx.GraphMod
                  args: tuple, kwargs: dict, shapes: _Shapes) -> tuple:
     """(train graph, eval graph or None, note): one mode-aware graph when it computes in eval mode
     what the model does and draws no random numbers eval mode does not; else an eval graph too."""
-    try:
-        differs = _eval_mismatch(gm, model, args, kwargs)
-    except Exception as exc:  # the train graph cannot run in eval mode: it needs a graph of its own
-        differs = f"running the train graph in eval mode failed ({_short(exc)})"
+    differs = _eval_mismatch_or_failure(gm, model, args, kwargs)
     eval_gm = None
+    kept = ""
     random = random_ops(gm)
     if differs or random:
         eval_gm, _ = _trace_in_mode(trace, name, model, args, kwargs, shapes, training=False)
+        restored = constant_flags(gm, eval_gm) if differs and changed else []
+        if restored:  # literals the model passes in eval mode too (MC dropout): not the mode
+            changed = [c for c in changed if c not in restored]
+            kept = f"; {len(restored)} train-mode literal(s) kept, the model passes them in eval mode too (e.g. MC dropout)"
+            differs = _eval_mismatch_or_failure(gm, model, args, kwargs)
         dropped = len(random) - len(random_ops(eval_gm))
         if not differs and dropped > 0:
             differs = f"{dropped} random op(s) run in train mode only (e.g. stochastic depth)"
@@ -870,7 +873,9 @@ def _split_modes(trace, name: str, model: torch.nn.Module, gm: torch.fx.GraphMod
             eval_gm = None  # the random ops run in both modes: one graph serves
     _set_modes(gm, model)
     if eval_gm is None:
-        return gm, None, f"follows train()/eval(): traced in train mode, {len(changed)} mode-dependent ops read self.training"
+        if any(t.is_meta for t in model.parameters()):
+            kept += "; eval mode was run but not compared by value (the model has no weights)"
+        return gm, None, f"follows train()/eval(): traced in train mode, {len(changed)} mode-dependent ops read self.training{kept}"
     _set_modes(eval_gm, model)
     return gm, eval_gm, (f"follows train()/eval() with two graphs: the model branches on self.training ({differs}), so "
                          "it was traced in each mode and the converted module runs the train graph in train mode and "
@@ -886,15 +891,31 @@ def _set_modes(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
             sub.training = originals[path].training
 
 
+def _eval_mismatch_or_failure(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tuple, kwargs: dict) -> Optional[str]:
+    """:func:`_eval_mismatch`, or why the train graph cannot run in eval mode (it then needs a graph of its own)."""
+    try:
+        return _eval_mismatch(gm, model, args, kwargs)
+    except Exception as exc:
+        return f"running the train graph in eval mode failed ({_short(exc)})"
+
+
 def _eval_mismatch(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tuple, kwargs: dict) -> Optional[str]:
     """Why ``gm`` in eval mode does not compute what ``model`` computes in eval mode (None: it does)."""
     reference = shell(model).eval()  # the model's own modes are left as they are
+    without_weights = any(t.is_meta for t in model.parameters())
     with preserved_state(gm, reference), torch.no_grad():
         torch.manual_seed(0)  # the same random numbers for both (noise a model adds in eval mode too)
-        want = pytree.tree_leaves(reference(*args, **kwargs))
+        try:
+            want = pytree.tree_leaves(reference(*args, **kwargs))
+        except Exception:
+            if not without_weights:
+                raise
+            want = None  # eager code that reads a value (a mask check's .item()) cannot run on meta weights
         gm.eval()
         torch.manual_seed(0)
-        got = pytree.tree_leaves(gm(*args, **kwargs))
+        got = pytree.tree_leaves(gm(*args, **kwargs))  # the graph runs in eval mode, at least
+    if want is None:
+        return None
     want = [t for t in want if isinstance(t, torch.Tensor)]
     got = [t for t in got if isinstance(t, torch.Tensor)]
     if len(want) != len(got):
@@ -902,6 +923,8 @@ def _eval_mismatch(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tuple
     for i, (w, g) in enumerate(zip(want, got)):
         if w.shape != g.shape or w.dtype != g.dtype:
             return f"in eval mode output {i} is {tuple(g.shape)} {g.dtype}, the model's {tuple(w.shape)} {w.dtype}"
+        if w.is_meta or g.is_meta:  # a model built without weights (empty_weights) has no values to compare
+            continue
         if w.is_floating_point() and w.numel():
             scale = max(1.0, float(w.abs().max()))
             diff = float((w - g).abs().max())

@@ -20,7 +20,11 @@ RNN ``train=True`` (LSTM/GRU dropout)    ``train=self.training``
 =======================================  =====================================================
 
 Only ``True`` flags (and non-zero probabilities) are rewritten: a submodule that was in eval mode
-inside a model in train mode (a frozen BatchNorm) stays in eval mode. ``.train()``/``.eval()`` on
+inside a model in train mode (a frozen BatchNorm) stays in eval mode. A batch norm without running
+statistics (``F.batch_norm(w, None, None, training=True)``: weight standardisation) uses its batch's
+statistics in both modes and keeps ``training=True``. When the eval check below fails, the eval-mode
+trace tells mode flags from constants: :func:`constant_flags` gives back the literal of a flag the
+model passes in eval mode too (``F.dropout(x, p, training=True)``: MC dropout, random in both modes). ``.train()``/``.eval()`` on
 the converted module then behave as on the original. Capture checks the mode it did not trace
 (eval) against the original model on the example inputs; a model whose Python code branches on
 ``self.training`` in some other way fails that check and is captured in its own mode instead,
@@ -37,7 +41,7 @@ import torch.nn.functional as F
 
 from converter.ir.meta import META_MODE_FLAG
 
-__all__ = ["make_mode_aware", "random_ops", "is_random", "MODE_ATTR"]
+__all__ = ["make_mode_aware", "constant_flags", "random_ops", "is_random", "MODE_ATTR"]
 
 #: the GraphModule attribute the rewritten arguments read
 MODE_ATTR = "training"
@@ -80,7 +84,7 @@ def make_mode_aware(gm: torch.fx.GraphModule) -> list[str]:
             continue
         if node.target in _FLAG_ARGS:
             index, name = _FLAG_ARGS[node.target]
-            if _get(node, index, name) is True:
+            if _get(node, index, name) is True and not _batch_statistics_only(node):
                 _set(node, index, name, mode_node())
                 changed.append(node.name)
         elif node.target in _SDPA:
@@ -97,6 +101,64 @@ def make_mode_aware(gm: torch.fx.GraphModule) -> list[str]:
     if changed:
         gm.recompile()
     return changed
+
+
+#: where each batch norm takes its running statistics: aten's schema puts weight and bias first
+_RUNNING_STATS = {_aten.batch_norm.default: (3, 4), F.batch_norm: (1, 2)}
+
+
+def _batch_statistics_only(node: torch.fx.Node) -> bool:
+    """A batch norm with no running statistics (``F.batch_norm(w, None, None, training=True)``: weight
+    standardisation, ``track_running_stats=False``) normalises by its batch's statistics in both modes:
+    its ``training=True`` is a constant, not the mode (with ``training=False`` it would fail)."""
+    if node.target not in _RUNNING_STATS:
+        return False
+    mean, var = _RUNNING_STATS[node.target]
+    return _get(node, mean, "running_mean") is None and _get(node, var, "running_var") is None
+
+
+def constant_flags(train_gm: torch.fx.GraphModule, eval_gm: torch.fx.GraphModule) -> list[str]:
+    """Undo :func:`make_mode_aware` on the nodes of ``train_gm`` whose literal the model passes in eval
+    mode too: ``F.dropout(x, p, training=True)`` (MC dropout) is random in both modes, not a mode flag.
+
+    ``eval_gm`` is the model traced in eval mode (not made mode-aware). The flag nodes of both graphs
+    (dropout, batch norm, RNN, attention dropout) are matched in graph order; when both graphs have the
+    same ones, a rewritten node whose eval-mode counterpart still says ``True`` (or ``dropout_p > 0``)
+    gets its literal back. Returns the names of the nodes restored (none when the graphs do not match).
+    """
+    def flags(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+        return [n for n in gm.graph.nodes if n.op == "call_function" and (n.target in _FLAG_ARGS or n.target in _SDPA)]
+
+    ours, theirs = flags(train_gm), flags(eval_gm)
+    if len(ours) != len(theirs) or any(a.target is not b.target for a, b in zip(ours, theirs)):
+        return []
+    restored: list[str] = []
+    for node, other in zip(ours, theirs):
+        if node.target in _FLAG_ARGS:
+            index, name = _FLAG_ARGS[node.target]
+            flag = _get(node, index, name)
+            if _reads_mode(flag) and _get(other, index, name) is True:
+                _set(node, index, name, True)
+                restored.append(node.name)
+        else:
+            p = _get(node, 4, "dropout_p")
+            kept = _get(other, 4, "dropout_p")
+            if isinstance(p, torch.fx.Node) and p.target is operator.mul and _reads_mode(p.args[1]) \
+                    and isinstance(kept, float) and kept > 0:
+                _set(node, 4, "dropout_p", p.args[0])
+                if not p.users:
+                    train_gm.graph.erase_node(p)
+                restored.append(node.name)
+    if restored:
+        for node in list(train_gm.graph.nodes):  # the mode attribute read by nothing any more
+            if node.op == "get_attr" and node.target == MODE_ATTR and node.meta.get(META_MODE_FLAG) and not node.users:
+                train_gm.graph.erase_node(node)
+        train_gm.recompile()
+    return restored
+
+
+def _reads_mode(value: Any) -> bool:
+    return isinstance(value, torch.fx.Node) and value.op == "get_attr" and value.target == MODE_ATTR
 
 
 def _get(node: torch.fx.Node, index: int, name: str) -> Any:

@@ -117,6 +117,8 @@ def rewrite(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, check: Opti
             return cast
         src_dtype = runtime_dtype(src, cache)
         spec: TensorSpec = src.meta[META_VALUE]
+        if src_dtype == torch.bfloat16 and dtype == torch.float16:  # two half dtypes meet: say so
+            reason = f"{reason} (a bf16 value meets an fp16 consumer: magnitudes above 65504 become inf)"
         with graph.inserting_before(consumer):
             # created without args, which are then assigned: torch 2.13's create_node scans args with
             # pytree for raw SymInts (a warning we cannot trigger: the args are a Node and a dtype),

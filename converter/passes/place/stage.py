@@ -93,6 +93,8 @@ def place(gm: torch.fx.GraphModule, *, target: str, strategy: str = "mincut", ke
         raise ValueError(f"placement strategy must be one of {STRATEGIES}, got {strategy!r}")
     if target not in HALF_NAMES:
         raise ValueError(f"target must be fp16 or bf16, got {target!r}")
+    unresolved = [n for n in gm.graph.nodes
+                  if (d := n.meta.get(META_DECISION)) is not None and d.precision in ("follow", "promote")]
     if strategy in ("mincut", "mincut-bytes"):
         from converter.passes.place.mincut import place_mincut  # local: keeps the networkx import off the simple path
 
@@ -100,7 +102,52 @@ def place(gm: torch.fx.GraphModule, *, target: str, strategy: str = "mincut", ke
                      invariant=strategy == "mincut")
     else:
         _simple(gm)
+    if target == "fp16":
+        _keep_bf16(unresolved)
     _resolve_aliases(gm)
+
+
+def _keep_bf16(unresolved: list[torch.fx.Node]) -> None:
+    """In an fp16 conversion, a follow/promote node placed in half whose inputs are all bf16 (the output of
+    an op a rule runs in bf16, e.g. ``rules/llm.toml``'s MLP down-projection) stays bf16.
+
+    The placement problem has one half label, so it would run such a node in fp16 behind a bf16 -> fp16
+    cast: a cast that costs bytes and rounds bf16's range to fp16's (a value above 65504 becomes inf),
+    for an op that computes the same in bf16. The node keeps bf16 unless that costs more bytes: its
+    bf16 inputs' casts to fp16 are saved (unless another fp16 consumer needs them anyway), and its own
+    output needs one cast to fp16 only for fixed fp16 consumers (follow consumers keep bf16 in turn).
+    Where a bf16 value then meets an fp16 consumer, *rewrite* inserts the cast with that consumer's
+    rule as its provenance. Nodes are visited in graph order, so a run of follow ops stays bf16."""
+    free = set(unresolved)
+    for node in unresolved:
+        decision: Decision = node.meta[META_DECISION]
+        if decision.precision != "fp16":
+            continue
+        inputs = castable_inputs(node)
+        if not inputs or any(_label(i, {}) != "bf16" for i in inputs):
+            continue
+        saved = sum(_numel(i) for i in dict.fromkeys(inputs) if not _read_in_fp16(i, besides=node))
+        cost = _numel(node) if any(_reads(u, node) and u not in free and _label(u, {}) == "fp16" for u in node.users) else 0
+        if cost > saved:
+            continue
+        node.meta[META_DECISION] = decision.noted(
+            "place", "stays bf16: every input it reads is bf16 (an op a rule runs in bf16), and fp16 would add a "
+            "bf16 -> fp16 cast that costs bytes and rounds bf16's range to fp16's", precision="bf16")
+
+
+def _numel(node: torch.fx.Node) -> int:
+    info = node.meta.get(META_INFO)
+    return info.out_numel if info is not None else 0
+
+
+def _reads(user: torch.fx.Node, producer: torch.fx.Node) -> bool:
+    return user.meta.get(META_INFO) is not None and user.meta.get(META_DECISION) is not None \
+        and producer in castable_inputs(user)
+
+
+def _read_in_fp16(producer: torch.fx.Node, *, besides: torch.fx.Node) -> bool:
+    """Whether a consumer of ``producer`` other than ``besides`` runs in fp16 (its cast is there anyway)."""
+    return any(u is not besides and _reads(u, producer) and _label(u, {}) == "fp16" for u in producer.users)
 
 
 def _resolve_aliases(gm: torch.fx.GraphModule) -> None:
