@@ -48,7 +48,7 @@ DEFAULT_MAX_SHARD_SIZE = 2 * 1024**3
 _DTYPE_NAMES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL",
+    torch.bool: "BOOL", torch.complex64: "C64",  # C64: safetensors >= 0.4 (FFT filters of FNO/GFNet layers)
 }
 _NAMED_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

@@ -361,7 +361,9 @@ def map_castable_args(node: torch.fx.Node, op_name: str, fn) -> None:
     positions = castable_arg_positions(op_name, len(node.args))
     if positions is None:
         args = map_arg(node.args, track)
-        kwargs = map_arg(node.kwargs, track)
+        # never the ``out=`` tensor: the op writes it, and a cast copy would take the write instead
+        # (spectral_norm's power iteration updates its u/v buffers with div(..., out=u))
+        kwargs = {k: v if k == "out" else map_arg(v, track) for k, v in node.kwargs.items()}
         if changed:
             node.args, node.kwargs = args, kwargs
         return

@@ -85,6 +85,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import re
 import sys
 import weakref
@@ -95,6 +96,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
+from torch.nn.utils.parametrize import ParametrizationList
 from torch.overrides import TorchFunctionMode
 
 from converter.ir.errors import MpconvertError
@@ -1103,6 +1105,11 @@ def _classify(gm, node, op, outputs) -> tuple[str, Optional[torch.dtype], str]:
     float_in = [s for n in in_nodes for s in _float_specs(n)]
     if any(s.dtype == torch.float64 for s in float_out + float_in):
         return "passive", None, "fp64 tensors are never converted"
+    if float_in and any(s.dtype.is_complex for n in [node, *in_nodes] for s in _flat_specs(n.meta.get(META_VALUE))):
+        # rfft(x), view_as_complex(w), spectrum * gain: complex tensors are never converted (there is no
+        # bf16 complex dtype, and the FFTs refuse half on CPU), so the real operands keep the fp32 model's dtype
+        dtype = functools.reduce(torch.promote_types, [s.dtype for s in float_in])
+        return "fixed", dtype, f"complex op: its real inputs stay {dtype} (complex tensors are never converted to half)"
     if not float_out:
         return "passive", None, "produces no floating-point tensor"
     if is_inplace(node, op):
@@ -1116,7 +1123,8 @@ def _classify(gm, node, op, outputs) -> tuple[str, Optional[torch.dtype], str]:
             return "fixed", observed, f"cast to a dtype computed at run time (observed {observed}); kept as observed"
         kind_why = "explicit cast in the model code" if op in CAST_OPS else f"the op's own dtype argument fixes its output to {fixed}"
         return "fixed", fixed, kind_why
-    if not float_in:
+    parametrization = node.op == "call_module" and isinstance(gm.get_submodule(node.target), ParametrizationList)
+    if not float_in and not parametrization:  # a parametrized weight (weight_norm...) is computed from no input
         return "fixed", float_out[0].dtype, "no floating-point input: its dtype is set by its own arguments"
     if node.op == "call_module" and op not in NORM_OPS:
         sub = gm.get_submodule(node.target)

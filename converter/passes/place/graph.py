@@ -36,7 +36,10 @@ def castable_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
     positions = castable_arg_positions(info.op, len(node.args))
     candidates: list[torch.fx.Node] = []
     if positions is None:
-        candidates = input_nodes(node)
+        # not an ``out=`` tensor: the op writes it, so a cast copy would take the write (spectral_norm's
+        # power iteration updates its u/v buffers with div(..., out=u)) and the tensor itself never would
+        written = [v for k, v in node.kwargs.items() if k == "out" and isinstance(v, torch.fx.Node)]
+        candidates = [n for n in input_nodes(node) if n not in written or any(a is n for a in node.args)]
     else:
         for pos in positions:
             if pos < len(node.args):
