@@ -147,8 +147,8 @@ def _save(kind: str, folder) -> None:
 
 
 @pytest.mark.parametrize("kind, auto, shape", [
-    ("gpt2", "AutoModelForCausalLM", {"input_ids": (3, 8)}),
-    ("bert", "AutoModel", {"input_ids": (3, 8)}),
+    ("gpt2", "AutoModelForCausalLM", {"input_ids": (3, 8), "attention_mask": (3, 8)}),  # the forward's inputs (issue 30.3)
+    ("bert", "AutoModel", {"input_ids": (3, 8), "attention_mask": (3, 8), "token_type_ids": (3, 8)}),
     ("vit", "AutoModelForImageClassification", {"pixel_values": (3, 3, 32, 32)}),
 ])
 def test_save_pretrained_folder_converts_offline(work, capfd, monkeypatch, kind, auto, shape):

@@ -79,9 +79,12 @@ def test_cli_converts_a_checkpoint_folder_without_its_weights(tmp_path, capfd):
     assert not (tmp_path / "out" / "model.safetensors").exists() or "model.py takes" in err
     module = _load(tmp_path / "out", "meta_cli")
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
-    reference = converter.convert(real, ((ids,), {}))
+    mask = torch.ones_like(ids)  # the folder's model takes its forward's attention_mask (issue 30.3)
+    from converter.cli.hfmodel import load_pretrained_folder
+
+    reference = converter.convert(real, load_pretrained_folder(tmp_path / "ckpt").example_inputs)
     with torch.no_grad():
-        assert torch.equal(module.load(weights=tmp_path / "ckpt")(ids)["logits"], reference.module(ids)["logits"])
+        assert torch.equal(module.load(weights=tmp_path / "ckpt")(ids, mask)["logits"], reference.module(ids, mask)["logits"])
 
 
 @pytest.mark.slow

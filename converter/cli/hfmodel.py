@@ -5,19 +5,35 @@
 ``config.architectures`` (``AutoModelForCausalLM`` for ``GPT2LMHeadModel``, ``AutoModel`` for
 ``BertModel``, ...), and loads the weights with ``local_files_only=True``: nothing is downloaded.
 
-The example inputs follow the model's ``main_input_name``:
+The example inputs are the ones the model's forward takes (``inspect.signature(model.forward)``),
+sized from the config, so that the converted model takes them too (a graph takes exactly the
+inputs it was captured with):
 
-* ``input_ids`` (text): ``(batch, seq_len)`` token ids below ``vocab_size``; ``seq_len`` is capped
-  by the position table (``max_position_embeddings``/``n_positions``);
-* ``pixel_values`` (vision): ``(batch, num_channels, image_size, image_size)``;
-* ``input_values`` (audio waveforms): ``(batch, seq_len)`` samples (default 4000).
+* text: ``input_ids`` ``(batch, seq_len)`` below ``vocab_size`` (``seq_len`` capped by the position
+  table, ``max_position_embeddings``/``n_positions``), with ``attention_mask`` where the forward
+  takes it: the example is a *padded* batch (row 0 full, later rows end in pad tokens, mask 0), so
+  the graph is the one padded batches need; ``token_type_ids`` (two segments) where the forward
+  takes them and ``type_vocab_size > 1`` (BERT); encoder-decoders also get ``decoder_input_ids`` (half
+  as long, starting with ``decoder_start_token_id``) and a padded ``decoder_attention_mask``;
+* vision: ``pixel_values`` ``(batch, num_channels, image_size, image_size)``, with a padded
+  ``pixel_mask`` where the forward takes one (DETR-like);
+* audio: ``input_values`` ``(batch, seq_len)`` samples (default 4000), with a padded
+  ``attention_mask`` where the forward takes it, unless the config's ``feat_extract_norm`` is
+  ``group`` (wav2vec2-base-like models must not be given one).
+
+Not made: ``labels`` (they would put the loss into the graph, and every call, inference included,
+would then need labels; ``train.py`` takes its loss from a model file), ``position_ids`` (derived
+inside the model; making it an input would make every caller compute it) and caches.
 
 ``--batch`` (default 2) and ``--seq-len`` (default 16 tokens, 4000 audio samples) set the sizes.
-Decoders are loaded with ``use_cache=False`` (a key/value cache is not part of a training graph).
+Decoders are loaded with ``use_cache=False`` (a key/value cache is not part of a training graph);
+:func:`load_pretrained_folder` records that, and the inputs made, in ``ModelFile.source``, which the
+CLI writes into report.json (``source``) and model.py's docstring.
 """
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import os
 from pathlib import Path
@@ -148,28 +164,116 @@ def _config_int(config: Any, *names: str) -> Optional[int]:
     return None
 
 
-def example_inputs_for(model: Any, config: Any, *, batch: Optional[int] = None, seq_len: Optional[int] = None) -> tuple[tuple, dict]:
-    """``((), {main_input_name: tensor})`` sized from the config and ``batch``/``seq_len``."""
+def _forward_params(model: Any) -> set[str]:
+    """The named parameters of ``model.forward`` (``**kwargs`` does not count: only what it names)."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return set()
+    return {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+
+
+def _padded_mask(batch: int, length: int, *, pad_from: int = 0):
+    """``(batch, length)`` int64 ones, rows ``r >= 1`` ending in ``r * length // (2 * batch)`` zeros
+    (at least one zero where ``length`` allows): a right-padded batch whose rows all keep real tokens."""
+    import torch
+
+    mask = torch.ones(batch, length, dtype=torch.long)
+    for row in range(1, batch):
+        pad = min(max(1, row * length // (2 * batch)), length - 1 - pad_from) if length > 1 + pad_from else 0
+        if pad > 0:
+            mask[row, length - pad:] = 0
+    return mask
+
+
+def _token_id(config: Any, name: str, vocab: int, default: int = 0) -> int:
+    value = getattr(config, name, None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab else default
+
+
+def _text_length(config: Any, seq_len: Optional[int]) -> int:
+    limit = _config_int(config, "max_position_embeddings", "n_positions", "n_ctx")
+    length = seq_len or (min(DEFAULT_SEQ_LEN, limit) if limit else DEFAULT_SEQ_LEN)
+    if limit and length > limit:
+        raise PretrainedFolderError(f"--seq-len {length} exceeds the model's {limit} positions; pass --seq-len {limit} or less")
+    return length
+
+
+def _text_inputs(config: Any, params: set[str], batch: int, seq_len: Optional[int], gen) -> dict:
+    import torch
+
+    vocab = _config_int(config, "vocab_size") or 2
+    length = _text_length(config, seq_len)
+    pad = _token_id(config, "pad_token_id", vocab)
+    mask = _padded_mask(batch, length)
+    ids = torch.randint(0, vocab, (batch, length), generator=gen).masked_fill(mask == 0, pad)
+    out = {"input_ids": ids}
+    if "attention_mask" in params:
+        out["attention_mask"] = mask
+    types = _config_int(config, "type_vocab_size")
+    if "token_type_ids" in params and types and types > 1:  # two segments, as a tokenizer gives a pair
+        real = mask.sum(dim=1, keepdim=True)
+        position = torch.arange(length).unsqueeze(0)
+        out["token_type_ids"] = ((position >= (real + 1) // 2) & (mask == 1)).long()
+    if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
+        # half as long (a dim of its own), the target side of a padded batch
+        dec_len = max(2, length // 2) if length >= 2 else length
+        dec_mask = _padded_mask(batch, dec_len, pad_from=1)
+        dec = torch.randint(0, vocab, (batch, dec_len), generator=gen).masked_fill(dec_mask == 0, pad)
+        dec[:, 0] = _token_id(config, "decoder_start_token_id", vocab, pad)
+        out["decoder_input_ids"] = dec
+        if "decoder_attention_mask" in params:
+            out["decoder_attention_mask"] = dec_mask
+    return out
+
+
+def example_inputs_for(model: Any, config: Any, *, batch: Optional[int] = None, seq_len: Optional[int] = None,
+                       seed: int = 0) -> tuple[tuple, dict]:
+    """``((), {name: tensor, ...})``: the inputs ``model.forward`` takes (see the module docstring),
+    sized from the config and ``batch``/``seq_len``; ``seed`` draws another batch of the same form."""
     import torch
 
     batch = batch or DEFAULT_BATCH
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     name = getattr(model, "main_input_name", "input_ids")
+    params = _forward_params(model) | {name}
     if name == "input_ids":
-        vocab = _config_int(config, "vocab_size") or 2
-        limit = _config_int(config, "max_position_embeddings", "n_positions", "n_ctx")
-        length = seq_len or (min(DEFAULT_SEQ_LEN, limit) if limit else DEFAULT_SEQ_LEN)
-        if limit and length > limit:
-            raise PretrainedFolderError(f"--seq-len {length} exceeds the model's {limit} positions; pass --seq-len {limit} or less")
-        return (), {"input_ids": torch.randint(0, vocab, (batch, length), generator=gen)}
+        return (), _text_inputs(config, params, batch, seq_len, gen)
     if name == "pixel_values":
         size = _config_int(config, "image_size") or 224
         channels = _config_int(config, "num_channels") or 3
-        return (), {"pixel_values": torch.randn(batch, channels, size, size, generator=gen)}
+        out = {"pixel_values": torch.randn(batch, channels, size, size, generator=gen)}
+        if "pixel_mask" in params:  # padded images: the right-hand columns of later rows are padding
+            mask = _padded_mask(batch, size).unsqueeze(1).expand(batch, size, size).contiguous()
+            out["pixel_values"] = out["pixel_values"] * mask.unsqueeze(1)
+            out["pixel_mask"] = mask
+        return (), out
     if name == "input_values":
-        return (), {"input_values": torch.randn(batch, seq_len or DEFAULT_AUDIO_SAMPLES, generator=gen)}
+        samples = seq_len or DEFAULT_AUDIO_SAMPLES
+        values = torch.randn(batch, samples, generator=gen)
+        if "attention_mask" in params and getattr(config, "feat_extract_norm", None) != "group":
+            mask = _padded_mask(batch, samples)
+            return (), {"input_values": values * mask, "attention_mask": mask}
+        return (), {"input_values": values}
     raise PretrainedFolderError(f"{type(model).__name__} takes {name!r}, for which mpconvert makes no example inputs; "
                                 "write a model file with build_model() and example_inputs() instead")
+
+
+def _source(folder: Path, model: Any, how: str, inputs: tuple[tuple, dict], data: dict) -> dict:
+    """What the CLI records about the folder in report.json (``source``) and model.py's docstring."""
+    kwargs = inputs[1]
+    shapes = {name: list(t.shape) for name, t in kwargs.items()}
+    padded = [name for name, t in kwargs.items() if name.endswith("mask") and bool((t == 0).any())]
+    cache = getattr(getattr(model, "config", None), "use_cache", None)
+    folder_cache = data.get("use_cache")
+    note = (f"Built from the save_pretrained folder {folder.name} ({how}); its forward takes {', '.join(shapes)} "
+            "(the example was a padded batch" + (f": {', '.join(padded)} had zeros" if padded else "") + ").")
+    if cache is False:
+        said = f"config.json: use_cache={str(folder_cache).lower()}" if folder_cache is not None else "config.json sets no use_cache"
+        note += (f" Loaded with use_cache=False ({said}): the graph computes and returns "
+                 "no key/value cache; generate() with a cache needs the original model.")
+    return {"kind": "save_pretrained folder", "folder": str(folder), "built_with": how, "inputs": shapes,
+            "padded": padded, "use_cache": cache, "config_use_cache": folder_cache, "note": note}
 
 
 def load_pretrained_folder(folder: Path, *, batch: Optional[int] = None, seq_len: Optional[int] = None,
@@ -177,8 +281,14 @@ def load_pretrained_folder(folder: Path, *, batch: Optional[int] = None, seq_len
     """Build the model in ``folder`` (offline) and make its example inputs; see the module docstring.
 
     ``empty``: build it without its weights (True), with them (False), or decide (None, see
-    :func:`without_weights`)."""
+    :func:`without_weights`). ``ModelFile.make_inputs(seed)`` draws more batches of the example's
+    form (``--calibration-data synthetic``)."""
     folder = Path(folder)
     model, config, how = _build(folder, empty=without_weights(folder, empty)[0])
     inputs = example_inputs_for(model, config, batch=batch, seq_len=seq_len)
-    return ModelFile(path=folder, module=None, model=model, entry=how, example_inputs=inputs)
+
+    def make_inputs(seed: int) -> tuple[tuple, dict]:
+        return example_inputs_for(model, config, batch=batch, seq_len=seq_len, seed=seed)
+
+    return ModelFile(path=folder, module=None, model=model, entry=how, example_inputs=inputs,
+                     source=_source(folder, model, how, inputs, _read_config_json(folder)), make_inputs=make_inputs)

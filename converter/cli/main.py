@@ -3,7 +3,8 @@
 ::
 
     mpconvert MODEL [--precision bf16|fp16] [--rules F]... [--out DIR] [--tracer auto|fx|export]
-                    [--device cpu|cuda] [--calibrate] [--tolerance DB] [--onnx] [--onnx-precision fp16|bf16]
+                    [--device cpu|cuda] [--calibrate] [--calibration-data FILE] [--tolerance DB]
+                    [--onnx] [--onnx-precision fp16|bf16]
                     [--batch N] [--seq-len T] [--force] [-q] [--json] [--debug] [--entry NAME]
     mpconvert audit MODEL [...]                the report only (no model.py); writes report.json/.md/.html
     mpconvert explain OUT_DIR|MODEL NODE [...] every rule that matched NODE, and why the winner won
@@ -58,7 +59,9 @@ commands:
 MODEL is a model file defining build_model() (or a module-level `model`) and example_inputs(), and
 optionally calibration_inputs() for --calibrate, loss_fn(output, batch) + train_batches() for
 train.py (docs/model-file.md); or a save_pretrained folder with config.json (built offline with
-transformers' Auto classes; --batch and --seq-len size its example inputs). Full contract: docs/cli.md.
+transformers' Auto classes; its example inputs are the ones its forward takes, made from the config:
+input_ids with a padded attention_mask, token_type_ids, decoder_input_ids, pixel_values, ...; --batch
+and --seq-len size them; --calibrate on it needs --calibration-data FILE). Full contract: docs/cli.md.
 
 examples:
   mpconvert samples/mlp.py                          bf16 conversion into ./mlp_mp/
@@ -66,6 +69,7 @@ examples:
   mpconvert --rules llm --rules my.toml samples/mlp.py   one file per --rules; repeat it
   mpconvert samples/tiny_transformer.py --device cpu     the model will train on the CPU: its lowerings
   mpconvert path/to/checkpoint --batch 4 --seq-len 128   a save_pretrained folder, offline
+  mpconvert path/to/checkpoint --precision fp16 --calibration-data calib.safetensors   calibrated on your batches
   mpconvert samples/hf_gpt2.py --onnx               also write and verify model.onnx
   mpconvert samples/mlp.py --calibrate --tolerance 30   re-decide overflow-prone nodes; keep SQNR >= 30 dB
   mpconvert audit samples/cnn.py --json             machine-readable summary on stdout
@@ -197,7 +201,13 @@ def build_parsers(only: Optional[str] = None) -> dict[str, argparse.ArgumentPars
                          help="the model file (docs/model-file.md), or a folder written by save_pretrained (with config.json)")
     _model_options(convert)
     convert.add_argument("--out", metavar="DIR", default=None, help="output directory (default ./MODEL_mp)")
-    convert.add_argument("--calibrate", action="store_true", help="run calibration_inputs() and re-decide nodes that would overflow")
+    convert.add_argument("--calibrate", action="store_true",
+                         help="run calibration_inputs() (or --calibration-data) and re-decide nodes that would overflow")
+    convert.add_argument("--calibration-data", dest="calibration_data", metavar="FILE", default=None,
+                         help="calibration batches (implies --calibrate): a .py file defining calibration_inputs() (docs/model-file.md), "
+                              "a .safetensors file of tensors named INPUT or I.INPUT (batch I), or `synthetic` (checkpoint folders: "
+                              "random padded batches made from config.json). Needed for --calibrate on a checkpoint folder; "
+                              "replaces a model file's calibration_inputs()")
     convert.add_argument("--tolerance", metavar="DB", default=None,
                          help="with calibration: minimum SQNR in dB against fp32 (implies --calibrate); exit 1 if not met")
     convert.add_argument("--onnx", action="store_true", help="also export model.onnx and verify its casts and outputs")
@@ -459,6 +469,8 @@ def _convert(ns, ui: _UI, mf, precision: str, rules, *, calibration=None, calibr
                     "--strict-modes makes this an error")
         else:
             ui.warn(f"{mf.name}: {warning.text}")
+    if getattr(mf, "source", None):  # a checkpoint folder: what was built and its inputs (report.json, model.py)
+        conv.report.extra.setdefault("source", mf.source)
     if measure and not getattr(ns, "no_measure", False) and not any(p.is_meta for p in mf.model.parameters()):
         from converter.numerics.measure import measure as _measure
 
@@ -480,6 +492,10 @@ def _default_out(model: str, suffix: str) -> Path:
 def _check_convert_options(ns) -> Optional[Any]:
     """Option checks that need no model; returns the parsed ``--tolerance``."""
     tolerance = _tolerance(ns.tolerance) if ns.tolerance is not None else None
+    if ns.calibration_data is not None:  # before the model is built: a wrong path fails at once
+        from converter.cli.calibdata import check_calibration_path
+
+        check_calibration_path(ns.calibration_data)
     if ns.onnx_precision and not ns.onnx:
         raise UsageError("--onnx-precision needs --onnx; add --onnx or drop --onnx-precision")
     if ns.onnx:
@@ -513,32 +529,62 @@ def _cmd_convert(ns, ui: _UI) -> int:
 
     calibration = None
     options = None
-    if ns.calibrate or ns.tolerance is not None:
-        if mf.calibration_inputs is None:
-            raise UsageError(
-                f"--calibrate needs calibration inputs, but {mf.name} defines no calibration_inputs(); "
-                "define it (an iterable of inputs like example_inputs()) or drop --calibrate/--tolerance"
-            )
-        try:
-            calibration = list(mf.calibration_inputs())
-        except Exception as exc:
-            raise UsageError(f"{mf.name}: calibration_inputs() raised {type(exc).__name__}: {_one_line(exc)}; fix it or drop --calibrate") from exc
-        if not calibration:
-            raise UsageError(f"{mf.name}: calibration_inputs() gave no inputs; return at least one or drop --calibrate")
+    described = ""
+    if ns.calibrate or ns.tolerance is not None or ns.calibration_data is not None:
+        calibration, described = _calibration_batches(ns, ui, mf)
         from converter.numerics.options import CalibrationOptions
 
         options = CalibrationOptions(progress=not (ui.quiet or ui.json), loss_fn=mf.loss_fn, tolerance=tolerance)
 
     conv = _convert_checked(ns, ui, mf, precision, rules, calibration, options)
+    if calibration is not None:
+        conv.report.calibration = {**conv.report.calibration, "data": described}
     return _write_conversion(ns, ui, conv, out, check_device)
+
+
+def _calibration_batches(ns, ui: _UI, mf) -> tuple[list, str]:
+    """The calibration batches and where they came from: ``--calibration-data``, else the model
+    file's ``calibration_inputs()``. A checkpoint folder has no calibration_inputs(): without
+    ``--calibration-data`` it is bad input naming the option (random batches are not calibration)."""
+    if ns.calibration_data is not None:
+        from converter.cli.calibdata import load_calibration_data
+
+        batches, described = load_calibration_data(ns.calibration_data, mf)
+        if described.startswith("synthetic"):
+            ui.warn(f"{mf.name}: calibrating on {described}: the overflow decisions follow random inputs, not your data; "
+                    "pass --calibration-data FILE with real batches for decisions you can trust")
+        return batches, described
+    if mf.calibration_inputs is None:
+        if getattr(mf, "source", None):
+            raise UsageError(f"--calibrate on the checkpoint folder {mf.name} needs --calibration-data FILE (a .py defining "
+                             "calibration_inputs(), a .safetensors of batches, or `synthetic`); see docs/cli.md")
+        raise UsageError(
+            f"--calibrate needs calibration inputs, but {mf.name} defines no calibration_inputs(); "
+            "define it (an iterable of inputs like example_inputs()), pass --calibration-data FILE, or drop --calibrate/--tolerance"
+        )
+    try:
+        calibration = list(mf.calibration_inputs())
+    except Exception as exc:
+        raise UsageError(f"{mf.name}: calibration_inputs() raised {type(exc).__name__}: {_one_line(exc)}; fix it or drop --calibrate") from exc
+    if not calibration:
+        raise UsageError(f"{mf.name}: calibration_inputs() gave no inputs; return at least one or drop --calibrate")
+    return calibration, f"calibration_inputs() of {mf.name} ({len(calibration)} batches)"
 
 
 def _convert_checked(ns, ui: _UI, mf, precision: str, rules, calibration, options):
     """:func:`_convert`, with a calibration tolerance that is not met turned into exit 1."""
+    from converter.api import PassError
     from converter.numerics.calibrate import ToleranceNotMet
 
     try:
         return _convert(ns, ui, mf, precision, rules, calibration=calibration, calibration_options=options)
+    except PassError as exc:  # a batch outside the sizes the graph serves is the user's data, not a bug
+        cause = exc.__cause__
+        if calibration is not None and "'calibrate'" in str(exc) and isinstance(cause, AssertionError) \
+                and str(cause).startswith("Guard failed"):
+            raise UsageError(f"a calibration batch does not fit the captured graph ({_one_line(cause)}); give batches of the "
+                             "example's form within the sizes it serves (report.json: dynamic_dims), or a larger --seq-len/example") from exc
+        raise
     except ToleranceNotMet as exc:
         raise _CheckFailed(
             f"{_one_line(exc)}; nothing written. Relax --tolerance, add rules that keep more ops in fp32, or use bf16",
@@ -659,6 +705,8 @@ def _cmd_audit(ns, ui: _UI) -> int:
                            device=ns.device, dynamic=not getattr(ns, "static", False), dynamic_shapes=_dynamic_shapes(mf))
         except CaptureError as exc:
             raise UsageError(_capture_message(exc, type(mf.model).__name__, mf.name, ns.tracer)) from exc
+    if getattr(mf, "source", None):
+        report.extra.setdefault("source", mf.source)
     notes: list[str] = []
     with _writing(out):
         emit_reports(report, out, force=ns.force, messages=notes)

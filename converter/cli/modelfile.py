@@ -100,6 +100,11 @@ class ModelFile:
     loss_fn: Optional[Callable] = None
     train_batches: Optional[Callable] = None
     dynamic_shapes: Optional[Callable[[], Any]] = None
+    #: where the model came from when it is not a model file (a save_pretrained folder: what was
+    #: built and how, the inputs made, use_cache); the CLI writes it into report.json and model.py
+    source: Optional[dict] = None
+    #: more inputs of the example's form, by seed (made from a folder's config; None for model files)
+    make_inputs: Optional[Callable[[int], tuple]] = None
 
     @property
     def name(self) -> str:

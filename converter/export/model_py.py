@@ -716,6 +716,7 @@ def generate_model_source(conv, *, model_file: Optional[str] = None) -> ModelSou
     imports = library + imports
     external = sorted(name for name, t in found.values.items() if t.is_meta)
     modes_note = (report.extra.get("modes") or "") if report is not None else ""
+    source_note = ((report.extra.get("source") or {}).get("note") or "") if report is not None else ""  # a checkpoint folder
     code = render_template(
         "model.py.tmpl",
         title=doc_text(f"{root_name} converted to mixed precision ({conv.precision}) by mpconvert {__version__}."),
@@ -725,7 +726,7 @@ def generate_model_source(conv, *, model_file: Optional[str] = None) -> ModelSou
         io_note=doc_text(io_note),
         modes_note=doc_text(f"WARNING: this model is {modes_note}: a model whose train mode could not be traced "
                             "(the report says why); training it runs the other mode's ops (e.g. no dropout).\n"
-                            if modes_note.startswith("frozen") else ""),
+                            if modes_note.startswith("frozen") else "") + (f"{doc_text(source_note)}\n" if source_note else ""),
         imports="".join(line + "\n" for line in imports),
         precision=repr(str(conv.precision)),
         source=repr(Path(model_file).name if model_file else root_name),

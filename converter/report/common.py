@@ -189,7 +189,7 @@ def narrowed_text(narrowed: dict) -> str:
 def calibration_rows(report: ReportView) -> tuple[list[tuple[str, str]], list[dict]]:
     """The calibration section: (fact, value) pairs and the nodes re-decided because they would overflow."""
     cal = report.calibration
-    facts = [("batches", str(cal.get("batches", "—"))), ("margin", f"{cal.get('margin', '—')} ({cal.get('margin_source', '')})"),
+    facts = ([("data", str(cal["data"]))] if cal.get("data") else []) + [("batches", str(cal.get("batches", "—"))), ("margin", f"{cal.get('margin', '—')} ({cal.get('margin_source', '')})"),
              ("overflow fallback", str(cal.get("overflow_fallback", "—")))]
     scale = cal.get("loss_scale") or {}
     if scale:
