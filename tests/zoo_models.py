@@ -98,7 +98,8 @@ _HF = {
                      max_source_positions=8, max_target_positions=32, dropout=0.1,
                      decoder_start_token_id=1, pad_token_id=0)),
     # issue 30: multi-head latent attention with a routed + shared mixture of experts (layer 1), a
-    # detection transformer on a transformers ResNet backbone (no timm, nothing pretrained)
+    # detection transformer on a transformers ResNet backbone (no timm, nothing pretrained; no encoder
+    # layer: its train-mode `isfinite().all()` branch freezes the train graph in eval mode, issue 30)
     "deepseek_v3": ("decoder", "DeepseekV3Config", "DeepseekV3ForCausalLM",
                     dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
                          num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
@@ -109,7 +110,7 @@ _HF = {
              dict(use_timm_backbone=False, use_pretrained_backbone=False, num_queries=8, num_labels=4, d_model=32,
                   backbone_config=dict(model_type="resnet", embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1],
                                        layer_type="basic", out_features=["stage2"]),
-                  encoder_layers=1, decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4,
+                  encoder_layers=0, decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4,
                   encoder_ffn_dim=64, decoder_ffn_dim=64, dropout=0.1)),
 }
 #: eager attention as an extra variant of a model built with the library's default (SDPA) attention
