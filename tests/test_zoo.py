@@ -60,7 +60,9 @@ pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
 
 TESTS = Path(__file__).resolve().parent
-NAMES = list(ZOO)
+#: MPCONVERT_ZOO_MODELS=llama,fno runs the module (its CLI and venv fixtures included) on those models only
+NAMES = [n for n in ZOO if n in os.environ["MPCONVERT_ZOO_MODELS"].split(",")] if os.environ.get(
+    "MPCONVERT_ZOO_MODELS") else list(ZOO)
 #: run as a real `python -m converter` subprocess (the others call cli.main in-process: same code, no start-up)
 SUBPROCESS_CLI = {"gpt2", "lstm_gru", "groupnorm_unet"}
 
