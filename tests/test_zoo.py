@@ -69,7 +69,7 @@ SUBPROCESS_CLI = {"gpt2", "lstm_gru", "groupnorm_unet"}
 #: models whose emitted model.py needs the library that defines a custom op they call (report.extra
 #: library_ops): in the torch-only venv it must fail with one clear line naming the package, and with
 #: the package installed it must run bit-identically (checked in this process)
-NEEDS = {"mixtral": "transformers"}
+NEEDS = {"mixtral": "transformers", "deepseek_v3": "transformers"}
 
 #: converted with dynamic=False (CLI --static); none since Swin captures a dynamic batch in seconds
 STATIC: set[str] = set()
