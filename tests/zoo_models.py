@@ -21,7 +21,7 @@ VOCAB = 96
 DEFAULT_LENGTH = 12
 
 _DEC = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64, use_cache=False, attention_dropout=0.1)
+            num_key_value_heads=2, max_position_embeddings=64, attention_dropout=0.1)
 _ENC = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
             max_position_embeddings=64, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
 
@@ -35,12 +35,12 @@ _HF = {
     "phi3": ("decoder", "Phi3Config", "Phi3ForCausalLM", dict(_DEC, pad_token_id=0, resid_pdrop=0.1)),
     "gpt_neox": ("decoder", "GPTNeoXConfig", "GPTNeoXForCausalLM",
                  dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      max_position_embeddings=64, use_cache=False, hidden_dropout=0.1, attention_dropout=0.1)),
+                      max_position_embeddings=64, hidden_dropout=0.1, attention_dropout=0.1)),
     "falcon": ("decoder", "FalconConfig", "FalconForCausalLM",
                dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
-                    new_decoder_architecture=True, use_cache=False, hidden_dropout=0.1, attention_dropout=0.1)),
+                    new_decoder_architecture=True, hidden_dropout=0.1, attention_dropout=0.1)),
     "gpt2": ("decoder", "GPT2Config", "GPT2LMHeadModel",
-             dict(vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=2, n_head=4, use_cache=False)),
+             dict(vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=2, n_head=4)),
     # a mixture-of-experts decoder (transformers' grouped_mm_fallback custom op runs the experts)
     "mixtral": ("decoder", "MixtralConfig", "MixtralForCausalLM", dict(_DEC, num_local_experts=4, num_experts_per_tok=2)),
     # soft-capped logits and sliding-window attention; ALiBi; partial rotary
@@ -48,8 +48,7 @@ _HF = {
                dict(_DEC, head_dim=16, attn_logit_softcapping=50.0, final_logit_softcapping=30.0, sliding_window=8,
                     query_pre_attn_scalar=16)),
     "bloom": ("decoder", "BloomConfig", "BloomForCausalLM",
-              dict(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4, hidden_dropout=0.1, attention_dropout=0.1,
-                   use_cache=False)),
+              dict(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4, hidden_dropout=0.1, attention_dropout=0.1)),
     "phi": ("decoder", "PhiConfig", "PhiForCausalLM",
             dict(_DEC, partial_rotary_factor=0.5, resid_pdrop=0.1, embd_pdrop=0.1)),
     # encoders
@@ -66,11 +65,11 @@ _HF = {
     # encoder-decoder
     "t5": ("seq2seq", "T5Config", "T5ForConditionalGeneration",
            dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.1,
-                use_cache=False, decoder_start_token_id=0)),
+                decoder_start_token_id=0)),
     "bart": ("seq2seq", "BartConfig", "BartForConditionalGeneration",
              dict(vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
                   decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
-                  dropout=0.1, use_cache=False)),
+                  dropout=0.1)),
     # vision
     "resnet": ("vision", "ResNetConfig", "ResNetForImageClassification",
                dict(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic", num_labels=4)),
@@ -96,9 +95,29 @@ _HF = {
     "whisper": ("speech", "WhisperConfig", "WhisperForConditionalGeneration",
                 dict(vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
                      decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=16,
-                     max_source_positions=8, max_target_positions=32, dropout=0.1, use_cache=False,
+                     max_source_positions=8, max_target_positions=32, dropout=0.1,
                      decoder_start_token_id=1, pad_token_id=0)),
+    # issue 30: multi-head latent attention with a routed + shared mixture of experts (layer 1), a
+    # detection transformer on a transformers ResNet backbone (no timm, nothing pretrained; no encoder
+    # layer: its train-mode `isfinite().all()` branch freezes the train graph in eval mode, issue 30)
+    "deepseek_v3": ("decoder", "DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                         num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+                         n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                         kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                         max_position_embeddings=64, attention_dropout=0.1)),
+    "detr": ("detection", "DetrConfig", "DetrForObjectDetection",
+             dict(use_timm_backbone=False, use_pretrained_backbone=False, num_queries=8, num_labels=4, d_model=32,
+                  backbone_config=dict(model_type="resnet", embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1],
+                                       layer_type="basic", out_features=["stage2"]),
+                  encoder_layers=0, decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4,
+                  encoder_ffn_dim=64, decoder_ffn_dim=64, dropout=0.1)),
 }
+#: eager attention as an extra variant of a model built with the library's default (SDPA) attention
+_EAGER = ("llama", "bert", "t5")
+for _name in _EAGER:
+    _f, _c, _m, _kw = _HF[_name]
+    _HF[f"{_name}_eager"] = (_f, _c, _m, dict(_kw, attn_implementation="eager"))
 
 # ---------------------------------------------------------------------------------------------
 # hand-written models
@@ -369,9 +388,7 @@ class LoraLlama(nn.Module):
         import peft
         import transformers
 
-        cfg = transformers.LlamaConfig(**_DEC)
-        cfg._attn_implementation = "eager"
-        base = transformers.LlamaForCausalLM(cfg)
+        base = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_DEC))
         lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.1)
         self.model = peft.get_peft_model(base, lora)
         for name, param in self.model.named_parameters():
@@ -399,6 +416,202 @@ class UNet2D(nn.Module):
         return self.unet(sample=sample, timestep=timestep, encoder_hidden_states=encoder_hidden_states).sample
 
 
+
+# ---------------------------------------------------------------------------------------------
+# issue 30's patterns, hand-written where transformers has no small model
+
+
+class WSConv2d(nn.Conv2d):
+    """A weight-standardised convolution (BiT, NFNet style): the weight is normalised per output channel
+    on every call with a functional ``batch_norm(training=True)`` and no running statistics, which is
+    a statement about the weight, not about ``self.training``."""
+
+    def forward(self, x):
+        w = F.batch_norm(self.weight.reshape(1, self.out_channels, -1), None, None, training=True, momentum=0.0,
+                         eps=1e-5).reshape_as(self.weight)
+        return F.conv2d(x, w, self.bias, self.stride, self.padding, self.dilation, self.groups)
+
+
+class MeanStdConv2d(nn.Conv2d):
+    """Weight standardisation written with mean and std."""
+
+    def forward(self, x):
+        flat = self.weight.flatten(1)
+        w = ((flat - flat.mean(1, keepdim=True)) / (flat.std(1, keepdim=True) + 1e-5)).view_as(self.weight)
+        return F.conv2d(x, w, self.bias, self.stride, self.padding)
+
+
+class WSConvNet(nn.Module):
+    """Weight-standardised convs with GroupNorm (the BiT ResNet recipe), dropout, a pooled head."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = WSConv2d(3, 16, 3, padding=1)
+        self.gn1 = nn.GroupNorm(4, 16)
+        self.conv = MeanStdConv2d(16, 32, 3, stride=2, padding=1)
+        self.gn2 = nn.GroupNorm(8, 32)
+        self.drop = nn.Dropout(0.1)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        x = F.relu(self.gn1(self.stem(x)))
+        x = F.relu(self.gn2(self.conv(x)))
+        return self.head(self.drop(x.mean((2, 3))))
+
+
+class MelFrontend(nn.Module):
+    """A log-mel front end under ``torch.autocast(enabled=False)`` (the user's fp32 intent: the power
+    spectrum of int16-scaled PCM reaches ~1e10, far past fp16), then a conv + GRU-free encoder."""
+
+    def __init__(self, n_fft: int = 64, hop: int = 16, mels: int = 16, dim: int = 32):
+        super().__init__()
+        self.n_fft, self.hop = n_fft, hop
+        self.register_buffer("window", torch.hann_window(n_fft), persistent=False)
+        bins = n_fft // 2 + 1
+        centres = torch.linspace(0, bins - 1, mels + 2)
+        grid = torch.arange(bins, dtype=torch.float32)
+        up = (grid[None] - centres[:-2, None]) / (centres[1:-1, None] - centres[:-2, None])
+        down = (centres[2:, None] - grid[None]) / (centres[2:, None] - centres[1:-1, None])
+        self.register_buffer("fbank", up.minimum(down).clamp_min(0.0), persistent=False)  # (mels, bins)
+        self.conv = nn.Conv1d(mels, dim, 3, padding=1)
+        self.norm = nn.LayerNorm(dim)
+        self.ff = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Dropout(0.1), nn.Linear(2 * dim, dim))
+        self.head = nn.Linear(dim, 8)
+
+    def forward(self, wave):
+        with torch.autocast(device_type=wave.device.type, enabled=False):
+            spec = torch.stft(wave.float(), self.n_fft, self.hop, window=self.window, return_complex=True)
+            power = spec.real.pow(2) + spec.imag.pow(2)
+            mel = torch.log(torch.matmul(self.fbank, power) + 1e-6)  # (batch, mels, frames)
+        x = F.gelu(self.conv(mel)).transpose(1, 2)
+        x = x + self.ff(self.norm(x))
+        return self.head(x)
+
+
+class GradReverse(torch.autograd.Function):
+    """The gradient-reversal layer of domain-adversarial training: identity forward, -scale * grad back."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -ctx.scale * grad, None
+
+
+class DomainAdversarial(nn.Module):
+    """DANN: a shared feature extractor, a label head and a domain head behind a gradient reversal;
+    returns both heads' logits side by side, so that a loss on them trains the extractor both ways."""
+
+    def __init__(self, dim: int = 32):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.features = nn.Sequential(nn.Linear(dim, dim), nn.GELU(), nn.Dropout(0.1), nn.LayerNorm(dim))
+        self.label = nn.Linear(dim, 6)
+        self.domain = nn.Sequential(nn.Linear(dim, dim), nn.ReLU(), nn.Linear(dim, 2))
+
+    def forward(self, input_ids):
+        h = self.features(self.embed(input_ids))
+        return torch.cat([self.label(h), self.domain(GradReverse.apply(h, 0.5))], -1)
+
+
+class SafeSqrt(torch.autograd.Function):
+    """sqrt whose gradient is 0 (not inf) at 0: a zero vector's norm has no NaN gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = x.sqrt()
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return torch.where(y > 0, grad / (2 * y).clamp_min(1e-12), torch.zeros_like(grad))
+
+
+class SafeDistanceAttention(nn.Module):
+    """Attention by negative Euclidean distance between token vectors (a kernel / prototype layer):
+    the distance of each token to itself is exactly 0, where plain autograd's sqrt gives 0 * inf = NaN
+    and the custom SafeSqrt gives 0."""
+
+    def __init__(self, dim: int = 32):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.key = nn.Linear(dim, dim)
+        self.value = nn.Linear(dim, dim)
+        self.drop = nn.Dropout(0.1)
+        self.head = nn.Linear(dim, 8)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        k = self.key(x)
+        dist = SafeSqrt.apply((k[:, :, None] - k[:, None]).pow(2).sum(-1))
+        h = x + self.drop(torch.softmax(-dist, -1) @ self.value(x))
+        return self.head(h)
+
+
+class ParametrizedConvNet(nn.Module):
+    """Convs under ``torch.nn.utils.parametrizations``: weight_norm (vocoders) and spectral_norm (GAN
+    discriminators), as registered parametrizations rather than the deprecated hooks."""
+
+    def __init__(self):
+        super().__init__()
+        from torch.nn.utils import parametrizations
+
+        self.conv1 = parametrizations.weight_norm(nn.Conv2d(3, 16, 3, padding=1))
+        self.conv2 = parametrizations.spectral_norm(nn.Conv2d(16, 32, 3, stride=2, padding=1))
+        self.drop = nn.Dropout(0.1)
+        self.head = parametrizations.weight_norm(nn.Linear(32, 4))
+
+    def forward(self, x):
+        x = F.leaky_relu(self.conv1(x), 0.2)
+        x = F.leaky_relu(self.conv2(x), 0.2)
+        return self.head(self.drop(x.mean((2, 3))))
+
+
+class SpectralConv1d(nn.Module):
+    """A Fourier layer (FNO): rfft, the lowest ``modes`` frequencies times a complex weight, irfft."""
+
+    def __init__(self, channels: int, modes: int, *, complex_param: bool):
+        super().__init__()
+        self.modes = modes
+        scale = 1.0 / channels
+        if complex_param:  # a complex64 parameter, as neuraloperator writes it
+            self.weight = nn.Parameter(scale * torch.randn(channels, channels, modes, dtype=torch.cfloat))
+        else:  # a real parameter viewed as complex
+            self.weight = nn.Parameter(scale * torch.randn(channels, channels, modes, 2))
+
+    def forward(self, x):
+        w = self.weight if self.weight.is_complex() else torch.view_as_complex(self.weight)
+        spec = torch.fft.rfft(x, dim=-1)
+        low = torch.einsum("bim,iom->bom", spec[..., : self.modes], w)
+        out = torch.zeros(x.shape[0], w.shape[1], spec.shape[-1], dtype=spec.dtype, device=x.device)
+        out[..., : self.modes] = low
+        return torch.fft.irfft(out, n=x.shape[-1], dim=-1)
+
+
+class FourierNeuralOperator(nn.Module):
+    """A 1-d FNO: lift, two Fourier layers with pointwise skips, project (signals of shape (batch, 3, length))."""
+
+    def __init__(self, width: int = 16, modes: int = 6):
+        super().__init__()
+        self.lift = nn.Conv1d(3, width, 1)
+        self.spectral = nn.ModuleList([SpectralConv1d(width, modes, complex_param=True),
+                                       SpectralConv1d(width, modes, complex_param=False)])
+        self.skip = nn.ModuleList(nn.Conv1d(width, width, 1) for _ in range(2))
+        self.drop = nn.Dropout(0.1)
+        self.proj = nn.Conv1d(width, 2, 1)
+
+    def forward(self, x):
+        x = self.lift(x)
+        for spectral, skip in zip(self.spectral, self.skip):
+            x = F.gelu(spectral(x) + skip(x))
+        return self.proj(self.drop(x))
+
+
 _HAND = {
     "lstm_gru": ("hand", RecurrentTagger),
     "mha": ("hand", MHAEncoder),
@@ -412,21 +625,27 @@ _HAND = {
     "checkpointed": ("hand", CheckpointedStack),
     "lora_llama": ("peft", LoraLlama),
     "unet2d": ("diffusion", UNet2D),
+    "ws_conv": ("hand", WSConvNet),
+    "mel_frontend": ("hand", MelFrontend),
+    "grad_reversal": ("hand", DomainAdversarial),
+    "safe_sqrt": ("hand", SafeDistanceAttention),
+    "param_conv": ("hand", ParametrizedConvNet),
+    "fno": ("hand", FourierNeuralOperator),
 }
 #: hand-written models that take images (``x``) rather than token ids
-_IMAGE_HAND = ("groupnorm_unet", "conv_vae")
+_IMAGE_HAND = ("groupnorm_unet", "conv_vae", "ws_conv", "param_conv")
 
 ZOO = {**{k: v[0] for k, v in _HF.items()}, **{k: v[0] for k, v in _HAND.items()}}
 HF_CLASSES = {k: v[2] for k, v in _HF.items()}
 
 
 def hf_config(name: str):
+    """The transformers config of ``name``: the library's defaults (attention implementation, caches)
+    except where the kwargs say otherwise (the ``*_eager`` variants)."""
     import transformers
 
     _family, cfg_cls, _model_cls, kwargs = _HF[name]
-    cfg = getattr(transformers, cfg_cls)(**kwargs)
-    cfg._attn_implementation = "eager"
-    return cfg
+    return getattr(transformers, cfg_cls)(**kwargs)
 
 
 def build_model(name: str) -> nn.Module:
@@ -445,6 +664,12 @@ def second_size(name: str) -> tuple[int, int]:
     family = ZOO[name]
     if family == "vision" or name in _IMAGE_HAND:
         return 3, 64 if name in ("resnet", "convnext", "segformer", *_IMAGE_HAND) else 32
+    if family == "detection":
+        return 3, 48
+    if name == "mel_frontend":
+        return 3, 560  # audio samples
+    if name == "fno":
+        return 3, 40  # signal length
     if family == "speech":
         return 3, 1200 if name == "wav2vec2" else 7  # whisper: decoder tokens (the encoder wants 16 frames)
     if family == "diffusion":
@@ -457,9 +682,14 @@ def build_inputs(name: str, *, batch: int = 2, length: int | None = None):
     images or audio; ``length`` is tokens, image side or audio samples / mel frames."""
     g = torch.Generator().manual_seed(1000 + batch * 31 + (length or 0))
     family = ZOO[name]
-    if family == "vision" or name in _IMAGE_HAND:
+    if family in ("vision", "detection") or name in _IMAGE_HAND:
         side = length or 32
-        return (), {"pixel_values" if family == "vision" else "x": torch.randn(batch, 3, side, side, generator=g)}
+        key = "x" if name in _IMAGE_HAND else "pixel_values"
+        return (), {key: torch.randn(batch, 3, side, side, generator=g)}
+    if name == "mel_frontend":  # int16-scaled PCM, as read from a WAV file
+        return (torch.randn(batch, length or 400, generator=g).mul(8000.0),), {}
+    if name == "fno":
+        return (torch.randn(batch, 3, length or 32, generator=g),), {}
     if name == "wav2vec2":
         return (), {"input_values": torch.randn(batch, length or 800, generator=g)}
     if name == "whisper":

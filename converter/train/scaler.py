@@ -180,6 +180,8 @@ def _unscale_grads(
             target = grad._values()
         else:
             target = _local_shard(grad)
+        if target.is_complex():  # a complex weight (a Fourier layer): unscaled in place through its real view
+            target = torch.view_as_real(target)
         groups[(target.device, target.dtype)].append(target)
 
     flags: dict[torch.device, torch.Tensor] = {found_inf.device: found_inf}
