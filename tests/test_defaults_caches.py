@@ -126,7 +126,7 @@ def test_an_example_with_use_cache_false_is_served_with_and_without_the_keyword(
         torch.testing.assert_close(model(input_ids=ids, use_cache=False).logits, without, rtol=0, atol=0)
     with pytest.warns(FallbackWarning, match="use_cache=True"):
         model(input_ids=ids, use_cache=True)
-    assert converted_forward(model).calls == {"converted": 2, "fallback": 0, "cache": 1}
+    assert converted_forward(model).calls == {"converted": 2, "fallback": 0, "recaptured": 0, "cache": 1}
     from converter.passes.capture import CacheCallError
 
     with pytest.raises(CacheCallError, match="captured without the key/value cache"):
@@ -170,7 +170,7 @@ def test_stock_model_applied_in_bf16_matches_autocast_in_outputs_and_gradients(n
     amp, amp_grads = _forward_backward(reference, example, weights, amp=True)
     out, grads = _forward_backward(model, example, weights)
     # "cache" counts decoding calls of models captured without their cache (BERT has none)
-    assert converted_forward(model).calls == {"converted": 1, "fallback": 0, **({"cache": 0} if STOCK[name][1] else {})}
+    assert converted_forward(model).calls == {"converted": 1, "fallback": 0, "recaptured": 0, **({"cache": 0} if STOCK[name][1] else {})}
     assert set(grads) == set(ref_grads), set(ref_grads) ^ set(grads)
     ours, theirs = sqnr(ref, out), sqnr(ref, amp)
     g_ours, g_theirs = sqnr(_flat(ref_grads), _flat(grads)), sqnr(_flat(ref_grads), _flat(amp_grads))
@@ -242,4 +242,4 @@ def test_stock_llama_trains_through_apply_and_hf_trainer():
     assert len(losses) == 8 and all(torch.isfinite(torch.tensor(losses))), losses
     assert losses[-1] < losses[0] - 0.3, losses
     assert converted_forward(model) is forward
-    assert forward.calls == {"converted": 8, "fallback": 0, "cache": 0}, forward.calls
+    assert forward.calls == {"converted": 8, "fallback": 0, "recaptured": 0, "cache": 0}, forward.calls

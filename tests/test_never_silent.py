@@ -55,9 +55,8 @@ def test_stock_t5_converts_to_fp16_close_to_fp32():
                                    num_heads=4, decoder_start_token_id=0)
     model = transformers.T5ForConditionalGeneration(config).eval()
     assert model.config._attn_implementation == "sdpa"
-    # the config is stock; the call asks for no cache (caches are item 1's part of issue 30)
-    kwargs = {"input_ids": torch.randint(0, 128, (2, 8)), "decoder_input_ids": torch.randint(0, 128, (2, 6)),
-              "use_cache": False}
+    # the config and the call are stock (use_cache=True in the config: captured without the cache)
+    kwargs = {"input_ids": torch.randint(0, 128, (2, 8)), "decoder_input_ids": torch.randint(0, 128, (2, 6))}
     conv = converter.convert(model, ((), kwargs), precision="fp16")
     conv.module.eval()
 
@@ -433,7 +432,7 @@ def test_empty_weights_llama_has_no_branches_on_training_note():
     ids = torch.randint(0, 128, (2, 8))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        conv = converter.convert(model, ((), {"input_ids": ids, "use_cache": False}), precision="bf16")
+        conv = converter.convert(model, ((), {"input_ids": ids}), precision="bf16")
     modes = conv.report.extra["modes"]
     assert "branches on" not in modes and not isinstance(conv.module, TwoModeGraphModule), modes
     assert "not compared by value (the model has no weights)" in modes, modes
