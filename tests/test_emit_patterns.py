@@ -403,3 +403,26 @@ def test_fx_captured_parametrization_is_refused_with_the_way_out():
     conv = converter.convert(_build("param"), (_example("param"),), tracer="fx")
     with pytest.raises(EmitError, match=r"'conv\.parametrizations\.weight' is a parametrized weight .*--tracer export or auto"):
         generate_model_source(conv)
+
+
+def test_spectral_norm_buffers_stay_put_in_eval_like_the_original():
+    """Found by the zoo (param_conv): the train graph's power iteration changed spectral_norm's ``_u``/``_v``
+    in eval mode too, an output difference of only ~1e-4 that the eval check let pass. A graph that writes
+    buffers in eval mode the original leaves alone now gets an eval graph of its own."""
+    from torch.nn.utils import parametrizations
+
+    torch.manual_seed(0)
+    model = nn.Sequential(parametrizations.spectral_norm(nn.Linear(8, 8)), nn.ReLU(), nn.Linear(8, 4)).eval()
+    x = torch.randn(3, 8)
+    conv = converter.convert(model, (x,), precision="bf16")
+    assert "updates buffer(s)" in conv.report.extra["modes"], conv.report.extra["modes"]
+    conv.module.eval()
+    before = {n: b.clone() for n, b in conv.module.named_buffers()}
+    for _ in range(3):
+        conv.module(x)
+    changed = [n for n, b in conv.module.named_buffers() if not torch.equal(b, before[n])]
+    assert changed == [], changed
+    conv.module.train()
+    conv.module(x)
+    assert any(not torch.equal(b, before[n]) for n, b in conv.module.named_buffers() if n.endswith(("_u", "_v"))), \
+        "train mode must keep iterating"
