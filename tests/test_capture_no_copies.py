@@ -209,7 +209,7 @@ def test_o1_training_updates_the_original_and_o2_leaves_it_as_it_was():
 def _tiny_llama():
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, vocab_size=64, use_cache=False)
+                                      num_key_value_heads=2, vocab_size=64)  # library defaults: SDPA, use_cache=True
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config)
 

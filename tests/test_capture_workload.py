@@ -41,7 +41,7 @@ def _load_emitted(directory: Path):
 
 def _decoder(family: str) -> nn.Module:
     common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=128, use_cache=False)
+                  num_key_value_heads=2, vocab_size=128)  # library defaults: SDPA, use_cache=True
     cfg = {
         "llama": lambda: transformers.LlamaConfig(**common),
         "qwen2": lambda: transformers.Qwen2Config(**common),

@@ -15,8 +15,8 @@ def _llama():
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
-    cfg._attn_implementation = "eager"
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # use_cache=True as shipped
+    cfg._attn_implementation = "eager"  # this test counts the eager attention's softmax (the zoo runs SDPA)
     model = LlamaForCausalLM(cfg).eval()
     torch.manual_seed(1)
     return model, ((), {"input_ids": torch.randint(0, 128, (2, 16))})

@@ -16,7 +16,7 @@ from converter.cli.main import main
 transformers = pytest.importorskip("transformers")
 
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              vocab_size=128, use_cache=False, tie_word_embeddings=False)
+              vocab_size=128, tie_word_embeddings=False)  # SDPA and use_cache=True as shipped
 
 
 def _load(path, name):
@@ -94,7 +94,7 @@ def test_llama3_8b_shape_converts_from_a_config_only_folder_in_little_memory(tmp
     process's peak RSS stays under 3 GiB (the fp32 weights would be 30 GiB)."""
     config = transformers.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                       num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                                      use_cache=False, tie_word_embeddings=False, rope_theta=500000.0,
+                                      tie_word_embeddings=False, rope_theta=500000.0,
                                       architectures=["LlamaForCausalLM"])
     config.save_pretrained(tmp_path / "llama3_8b")
     # the child reports its own peak (RUSAGE_CHILDREN would be the largest of every earlier child too)

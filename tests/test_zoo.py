@@ -144,6 +144,34 @@ def _real(t: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(t) if t.is_complex() else t
 
 
+@contextlib.contextmanager
+def _kept_in_fp32(model, dtype):
+    """Autocast given the model's own precision intent, as the conversion honours it: transformers'
+    ``_keep_in_fp32_modules`` (fp16 only; ``_strict`` for bf16 too) run with autocast off on fp32 inputs.
+    Plain autocast runs T5's ``wo`` in fp16, and an fp32 ``wo`` changes the gradients upstream of it
+    (T5 fp16: 49.8 dB with wo in fp32, for the conversion and for autocast alike, 56.8 dB all fp16), so
+    the baseline must run the same plan."""
+    keep = list(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
+    if dtype == torch.float16:
+        keep += list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    chosen = [m for name, m in model.named_modules() if name and any(name.split(".")[-1] == k for k in keep)]
+
+    def fp32_forward(inner):
+        def forward(*args, **kwargs):
+            cast = [a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
+            with torch.autocast("cpu", enabled=False):
+                return inner(*cast, **kwargs)
+        return forward
+
+    for m in chosen:
+        m.forward = fp32_forward(m.forward)
+    try:
+        yield
+    finally:
+        for m in chosen:
+            del m.forward
+
+
 def _param_grads(module, args, kwargs, proj, *, autocast=None, scale=1.0) -> dict[str, torch.Tensor]:
     """name -> float64 gradient of ``sum(output * proj) * scale`` / scale (fp32 loss) for every
     parameter that requires grad and gets one; eval mode, so that no dropout RNG is involved. With
@@ -152,7 +180,8 @@ def _param_grads(module, args, kwargs, proj, *, autocast=None, scale=1.0) -> dic
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     while True:
         torch.manual_seed(0)
-        with torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext():
+        with (torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()), \
+                (_kept_in_fp32(module, autocast) if autocast is not None else contextlib.nullcontext()):
             out = first_tensor(module(*args, **kwargs))
         loss = (out.float() * proj).sum() * scale
         grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
