@@ -29,6 +29,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -1131,8 +1132,6 @@ def _classify(exc: BaseException) -> tuple[int, str]:
     """Exit status and one-line message for an exception: every mpconvert error carries its own."""
     oom = _out_of_memory(exc)
     if oom is not None:  # the model or its inputs are too large for this machine: bad input, not our bug
-        import re
-
         asked = re.search(r"tried to allocate (\d+) bytes", str(oom))
         size = f"an allocation of {int(asked.group(1)) / 2**30:,.1f} GiB failed" if asked else _one_line(str(oom))[:160]
         where = re.match(r"(.*? at node '[^']+')", _one_line(str(exc)))

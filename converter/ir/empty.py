@@ -78,7 +78,7 @@ class _LargeOnMeta(TorchFunctionMode):
             count = 1
             for d in shape:
                 count *= max(d, 0)
-            if count * torch.empty((), dtype=dtype, device="meta").element_size() >= LARGE_BYTES:
+            if count * dtype.itemsize >= LARGE_BYTES:
                 out = func(*args, **{**kwargs, "device": "meta"})
                 self.made[id(out)] = out
                 return out

@@ -1094,9 +1094,8 @@ def _check_optimizer_state(given: dict, optimizer: torch.optim.Optimizer) -> Non
             if key == "params":
                 continue
             if isinstance(value, torch.Tensor):
-                if value.is_meta or ((value.is_floating_point() or value.is_complex()) and not bool(torch.isfinite(value).all())):
-                    raise ValueError(f"checkpoint optimizer param group {index} has a non-finite {key}; nothing was loaded")
-            elif isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isfinite(value):
+                _check_values(f"checkpoint optimizer param group {index}'s {key}", value)
+            elif isinstance(value, float) and not math.isfinite(value):  # ints (and bools) are finite
                 raise ValueError(f"checkpoint optimizer param group {index} has {key}={value}; nothing was loaded")
             elif key in ("lr", "weight_decay", "eps", "momentum") and not isinstance(value, (int, float, torch.Tensor)):
                 raise TypeError(f"checkpoint optimizer param group {index} has {key} of type {type(value).__name__}; "
