@@ -10,7 +10,7 @@ output projection, GELU MLP; LM head), d=128, 4 heads, B×T tokens, train mode, 
 Variants, all from the same weights and batch, interleaved after warm-up (medians):
 
 * ``autocast``: the original under ``torch.autocast("cpu", bfloat16)`` (the fused SDPA kernel);
-* ``cpu``: ``convert(device="cpu")`` (lowered attention, recomputed in backward);
+* ``cpu``: ``convert(device="cpu")`` (lowered attention; O1, so the cost model recomputes it in backward);
 * ``cpu_keep``: the same lowering without the recompute (``lower.RECOMPUTE_ATTENTION = False``);
 * ``portable``: ``convert()`` with no device (the fused op kept).
 
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     try:
         models["cpu_keep"] = converter.convert(model, (ids,), device="cpu").module
     finally:
-        lower_mod.RECOMPUTE_ATTENTION = True
+        lower_mod.RECOMPUTE_ATTENTION = None  # the cost model (O1 here: every attention recomputed)
     models["portable"] = converter.convert(model, (ids,)).module
     # independent weights per variant (the converted modules share the model's storage)
     models = {name: copy.deepcopy(m) for name, m in models.items()}

@@ -75,6 +75,14 @@ from converter.numerics.common import from_json, to_json  # noqa: E402
 __all__ = ["MODELS", "VARIANTS", "main", "run_model", "to_markdown", "check_targets"]
 
 VARIANTS = ("fp32", "autocast", "O1", "O2", "floor")
+#: ``--ablate``: O2 with one of the conversion's lowering choices flipped, timed in the same interleaved rounds,
+#: so the table shows what each choice of the cost model (converter.passes.lower.recompute_plan) is worth
+ABLATIONS = {
+    "O2-recompute": "every lowered attention recomputed in backward (the rule before the cost model)",
+    "O2-keep": "no lowered attention recomputed (probabilities kept for backward)",
+    "O2-portable": "no device lowering (converted without naming the device)",
+    "O2-raw": "without the simplify pass",
+}
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SCHEMA = 1
 
@@ -303,6 +311,39 @@ def build_variants(model: nn.Module, conv: Any, args: tuple, kwargs: dict, *, ha
     return variants
 
 
+def ablation_variants(model: nn.Module, args: tuple, kwargs: dict, *, precision: str, device: torch.device,
+                      optimizer: str, rules: list[str] | None) -> dict[str, Variant]:
+    """The ``--ablate`` variants (:data:`ABLATIONS`): O2 conversions for ``device`` with one choice flipped."""
+    import converter
+    from converter.api import _pipeline
+    from converter.numerics.redecide import PlaceSettings
+    from converter.passes import lower as lower_mod
+    from converter.train.trainer import MixedPrecisionTrainer
+
+    def o2(name: str, module: nn.Module) -> Variant:
+        opt = _make_optimizer(optimizer, module.parameters())
+        trainer = MixedPrecisionTrainer(module, opt, precision=precision, master_weights=True)
+        return Variant(name, module, args, kwargs, opt, device_type=device.type, trainer=trainer, notes=[ABLATIONS[name]])
+
+    def convert(**options: Any) -> nn.Module:
+        return converter.convert(copy.deepcopy(model), (args, kwargs), precision=precision, rules=rules,
+                                 opt_level="O2", **options).module
+
+    out: dict[str, Variant] = {}
+    for name, forced in (("O2-recompute", True), ("O2-keep", False)):
+        lower_mod.RECOMPUTE_ATTENTION = forced
+        try:
+            out[name] = o2(name, convert(device=device.type))
+        finally:
+            lower_mod.RECOMPUTE_ATTENTION = None
+    out["O2-portable"] = o2("O2-portable", convert())
+    settings = PlaceSettings(target=precision, opt_level="O2")
+    captured, *_ = _pipeline(copy.deepcopy(model), (args, kwargs), settings=settings, rules=rules, tracer="auto",
+                             device=device.type, simplify_graph=False)
+    out["O2-raw"] = o2("O2-raw", captured.gm)
+    return out
+
+
 # =========================================================================== measures
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -484,7 +525,7 @@ def _estimate_step_s(v: Variant, device: torch.device, clock: str, n: int = 2) -
 
 def run_model(spec: ModelSpec, *, device: torch.device, half: torch.dtype, optimizer: str, min_rounds: int,
               max_rounds: int, budget_s: float, block_s: float, warmup: int, profile: bool, clock: str = "wall",
-              rules: list[str] | None = None, portable: bool = False,
+              rules: list[str] | None = None, portable: bool = False, ablate: bool = False,
               log: Callable[[str], None] = print) -> dict[str, Any]:
     import converter
 
@@ -520,6 +561,10 @@ def run_model(spec: ModelSpec, *, device: torch.device, half: torch.dtype, optim
 
     variants = build_variants(model, convs["O1"], args, kwargs, half=half, device=device, optimizer=optimizer,
                               conv_o2=convs.get("O2"))
+    if ablate and not portable:
+        variants.update(ablation_variants(model, args, kwargs, precision=precision, device=device, optimizer=optimizer,
+                                          rules=rules))
+    conversion["O2"]["lowering"] = convs["O2"].report.extra.get("lowering", []) if "O2" in convs else []
     result: dict[str, Any] = {
         "description": spec.description,
         "params": sum(p.numel() for p in model.parameters()),
@@ -575,7 +620,7 @@ def run_model(spec: ModelSpec, *, device: torch.device, half: torch.dtype, optim
         if "kernels_per_step" in p:
             log(f"[{spec.name}] {name:9s} profile: {p['kernels_per_step']:.0f} kernels / {p['gpu_busy_ms']:.3f} ms GPU busy "
                 f"per step, {p['aten_calls_per_step']:.0f} aten calls / {p['aten_self_host_ms']:.3f} ms host self time")
-    for name in VARIANTS:
+    for name in result["variants"]:
         e = result["variants"][name]
         log(f"[{spec.name}] {name:9s} step {e['step_ms']:8.3f} ms ({e['step_vs_autocast']:.3f}× autocast)  "
             f"casts {e['casts']:3d} / {e['cast_bytes'] / MiB:7.2f} MiB  saved {e['saved_bytes'] / MiB:7.2f} MiB  "
@@ -596,8 +641,9 @@ def check_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                      "binding": binding, "detail": detail})
 
     portable = bool(results.get("config", {}).get("portable"))
-    # the small encoder converted for the CPU ≤ 0.90×; the portable graph ≤ 1.0×
-    step_limits = {"encoder_large": 1.0 if gpu else 0.95, "encoder_small": None if gpu else (1.0 if portable else 0.90),
+    # issue 32: converted for the CPU, the small encoder ≤ 0.90× and the large ≤ 0.80×; the portable graph ≤ 0.95× on both
+    step_limits = {"encoder_large": 1.0 if gpu else (0.95 if portable else 0.80),
+                   "encoder_small": None if gpu else (0.95 if portable else 0.90),
                    "encoder_gpu": 1.0 if gpu else None}
     for model, limit in step_limits.items():
         if model in models and limit is not None:
@@ -661,7 +707,7 @@ def to_markdown(results: dict[str, Any]) -> str:
         "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for model, r in results["models"].items():
-        for name in VARIANTS:
+        for name in r["variants"]:
             e = r["variants"][name]
             lines.append(
                 f"| {model} | {name} | {_f(e['step_ms'], '.3f' if e['step_ms'] < 10 else '.1f')} | "
@@ -726,6 +772,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rules", nargs="+", help="rule files layered over the defaults for the converted variants")
     p.add_argument("--portable", action="store_true", help="convert without naming the device (no device lowerings; "
                    "by default the converted variants are converted for the device they run on)")
+    p.add_argument("--ablate", action="store_true", help="also time O2 with each lowering choice flipped: "
+                   + "; ".join(f"{k}: {v}" for k, v in ABLATIONS.items()))
     p.add_argument("--profile", action="store_true", help="also store per-op times (fwd/bwd/opt) of every variant: where O2 loses to the floor "
                    "(on CUDA: torch.profiler kernels, GPU busy time and host ops per step)")
     p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/<device>.json); Markdown next to it")
@@ -771,7 +819,7 @@ def main(argv: list[str] | None = None) -> int:
         "schema": SCHEMA,
         "machine": machine_info(device),
         "config": {"argv": argv, "quick": a.quick, "precision": a.precision, "optimizer": a.optimizer, "clock": clock,
-                   "rules": a.rules or [], "portable": a.portable,
+                   "rules": a.rules or [], "portable": a.portable, "ablate": a.ablate,
                    "rules_text": {str(r): Path(r).read_text() for r in (a.rules or []) if Path(r).is_file()},
                    "min_rounds": min_rounds, "max_rounds": a.max_rounds, "budget_s": budget,
                    "block_ms": a.block_ms, "warmup_rounds": warmup},
@@ -786,7 +834,7 @@ def main(argv: list[str] | None = None) -> int:
         results["models"][name] = run_model(
             MODELS[name], device=device, half=half, optimizer=a.optimizer, min_rounds=min_rounds,
             max_rounds=a.max_rounds, budget_s=budget, block_s=a.block_ms / 1e3, warmup=warmup, profile=a.profile, clock=clock, rules=a.rules,
-            portable=a.portable)
+            portable=a.portable, ablate=a.ablate)
     results["wall_s"] = time.perf_counter() - t_all
     results["targets"] = check_targets(results)
     out.parent.mkdir(parents=True, exist_ok=True)

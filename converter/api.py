@@ -443,7 +443,7 @@ def _convert_graph(gm: torch.fx.GraphModule, done: list[str], rule_set: Rules, *
                    calibration, calibration_options, device, simplify_graph: bool) -> None:
     """decide → lower → place → (calibrate) → rewrite → simplify → fp32_math on one captured graph."""
     _run_stage("decide", done, decide, gm, rule_set, precision=settings.target)
-    lowered = _run_stage("lower", done, lower, gm, device=device)
+    lowered = _run_stage("lower", done, lower, gm, device=device, opt_level=settings.opt_level)
     gm.meta[GM_GRAPH].extra.update(device=device, lowered=tuple(lowered))
     _run_stage("place", done, settings.run, gm)
     if calibration is not None:
@@ -503,6 +503,7 @@ def _report(captured: Captured, rule_set: Rules, target: str, timings: dict, *, 
     return build_report(gm, precision=target, tracer=captured.tracer, rules=rule_set.to_dict(),
                         extra={"capture_errors": captured.errors, "timings": timings, "opt_level": opt_level,
                                "device": device, "lowered": list(gm.meta[GM_GRAPH].extra.get("lowered", ())),
+                               "lowering": list(gm.meta[GM_GRAPH].extra.get("lowering", ())),
                                "dynamic_dims": captured.dynamic_dims, "shapes": captured.shapes_note,
                                "narrowed_dims": captured.narrowed_dims, "dynamic_ranges": captured.dynamic_ranges,
                                "modes": captured.modes, "cache": captured.cache, "library_ops": _library_ops(gm),

@@ -167,7 +167,8 @@ def test_provenance_names_the_attention_rule():
     entry = next(e for e in conv.report.to_dict()["nodes"] if e["op"] == "softmax")
     assert entry["precision"] == "bf16" and [stage for stage, _ in entry["notes"]] == ["lower"], entry
     assert "lowered" not in entry["reason"], entry["reason"]
-    assert "| tuned for | cpu · lowered: scaled_dot_product_attention |" in conv.report.to_markdown()
+    assert ("| tuned for | cpu · lowered: scaled_dot_product_attention · attention probabilities recomputed in backward "
+            "for 1 of 1 lowered calls, kept for 0 (") in conv.report.to_markdown()
     assert "tuned for cpu · lowered: scaled_dot_product_attention" in conv.report.to_html()
     # the attention FLOPs are still counted, now on the two matmuls
     portable = converter.convert(copy.deepcopy(model), (x,))
@@ -443,3 +444,89 @@ def test_batch_norm_on_half_activations_for_cuda(precision):
     # the running statistics and the affine parameters stay fp32
     assert all(p.dtype == torch.float32 for n, p in conv.module.named_parameters() if "bn" in n)
     assert conv.module.meta["mp_param_dtypes"]["b1.bn.weight"] == torch.float32
+
+
+# ----------------------------------------------------------------------------- the recompute cost model
+
+
+def _encoder_case(d_model: int, heads: int, ff: int, batch: int, seq: int):
+    from benchmarks.common import encoder
+
+    return encoder(d_model, heads, ff, batch, seq)
+
+
+def _saved_bytes(module: nn.Module, x: torch.Tensor, *, autocast: bool = False) -> int:
+    from benchmarks.common import SavedTensorMeter
+
+    meter = SavedTensorMeter(exclude=list(module.parameters()) + [x])
+    with meter, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        module(x)
+    return meter.bytes
+
+
+def _choices(conv) -> list[dict]:
+    return [c for c in conv.report.to_dict()["lowering"] if c["lowering"] == "recompute_attention"]
+
+
+def test_cost_model_keeps_small_probabilities_under_o2_and_recomputes_under_o1():
+    """The benchmark's small encoder (d128 h4, B2×T16): under O2 each layer's probability matrix (4 KiB)
+    fits the budget (half of the 768 KiB of weight copies autocast saves and O2 does not), so no
+    checkpoint region is made (the recompute cost 1.10× vs 0.87× autocast's step here); under O1
+    there is no budget and both are recomputed. Saved activations stay ≤ autocast's either way, and
+    keeping or recomputing gives bit-identical gradients."""
+    model, x = _encoder_case(128, 4, 512, 2, 16)
+    o2 = converter.convert(copy.deepcopy(model), (x,), opt_level="O2", device="cpu")
+    o1 = converter.convert(copy.deepcopy(model), (x,), opt_level="O1", device="cpu")
+    kept, recomputed = _choices(o2), _choices(o1)
+    assert [c["chosen"] for c in kept] == [False, False], kept
+    assert [c["chosen"] for c in recomputed] == [True, True], recomputed
+    assert o2.report.extra["checkpoint"]["count"] == 0 and o1.report.extra["checkpoint"]["count"] == 2
+    assert "kept: its probabilities (4.0 KiB) fit the budget" in kept[0]["why"], kept[0]["why"]
+    assert "(kept so far 8.0 KiB of 0.38 MiB, half the 0.75 MiB of half weight copies" in kept[1]["why"], kept[1]["why"]
+    assert "under O1 the graph saves the half weight copies autocast saves" in recomputed[0]["why"], recomputed[0]["why"]
+    # the node's own reason carries the choice (explain shows it)
+    assert "kept: its probabilities" in o2.decisions["scaled_dot_product_attention_softmax"].full_reason
+    assert "kept for 2 (cost model" in o2.report.to_markdown()
+
+    # O2 as it trains: MixedPrecisionTrainer stores the weights in bf16 (what the budget counts on)
+    from converter.train.trainer import MixedPrecisionTrainer
+
+    MixedPrecisionTrainer(o2.module, torch.optim.SGD(o2.module.parameters(), lr=1e-3), precision="bf16", master_weights=True)
+    assert {p.dtype for p in o2.module.parameters()} >= {torch.bfloat16}
+    ours, theirs = _saved_bytes(o2.module, x), _saved_bytes(model, x, autocast=True)
+    assert ours <= 0.5 * theirs, f"O2 with kept probabilities saves {ours} B, autocast {theirs} B"
+
+    from converter.passes import lower as lower_mod
+
+    lower_mod.RECOMPUTE_ATTENTION = True
+    try:
+        forced = converter.convert(copy.deepcopy(model), (x,), opt_level="O2", device="cpu")
+    finally:
+        lower_mod.RECOMPUTE_ATTENTION = None
+    assert forced.report.extra["checkpoint"]["count"] == 2
+    assert [c["why"] for c in _choices(forced)] == ["recomputed: forced by converter.passes.lower.RECOMPUTE_ATTENTION"] * 2
+    MixedPrecisionTrainer(forced.module, torch.optim.SGD(forced.module.parameters(), lr=1e-3), precision="bf16",
+                          master_weights=True)
+    a, b = o2.module, forced.module
+    a(x).float().pow(2).mean().backward()
+    b(x).float().pow(2).mean().backward()
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(pa.grad, pb.grad), name
+
+
+def test_cost_model_recomputes_probabilities_larger_than_the_budget():
+    """A long sequence on a narrow model (d64 h4, B2×T512): each probability matrix is 4 MiB against a
+    budget of 96 KiB, so both attentions are recomputed under O2 too, and the converted model saves
+    no more than autocast (keeping them would save ~8 MiB more)."""
+    model, x = _encoder_case(64, 4, 256, 2, 512)
+    conv = converter.convert(copy.deepcopy(model), (x,), opt_level="O2", device="cpu")
+    choices = _choices(conv)
+    assert [c["chosen"] for c in choices] == [True, True], choices
+    assert "keeping its probabilities would save 4.00 MiB more than the fused kernel, over the budget (kept 0.0 KiB of 96.0 KiB)" \
+        in choices[0]["why"], choices[0]["why"]
+    assert conv.report.extra["checkpoint"]["count"] == 2
+    from converter.train.trainer import MixedPrecisionTrainer
+
+    MixedPrecisionTrainer(conv.module, torch.optim.SGD(conv.module.parameters(), lr=1e-3), precision="bf16", master_weights=True)
+    ours, theirs = _saved_bytes(conv.module, x), _saved_bytes(model, x, autocast=True)
+    assert ours <= theirs, f"O2 saves {ours} B, autocast {theirs} B"

@@ -176,9 +176,9 @@ CONTRACT: tuple[MetaKey, ...] = (
             "the user's precision intent over the node (its innermost autocast region, _keep_in_fp32_modules), "
             "first applicable wins; capture and regions tag through converter.passes.intent, decide reads through "
             "its applicable_intent; outranks every rule file"),
-    MetaKey(GM_GRAPH, "graph", "GraphMeta", ("api",), ("report",),
-            "graph-level facts: tracer, precision, capture errors, rule files; in extra: lower's list, "
-            "the fp32_math setting and region count"),
+    MetaKey(GM_GRAPH, "graph", "GraphMeta", ("api", "lower"), ("report",),
+            "graph-level facts: tracer, precision, capture errors, rule files; in extra: lower's list and its "
+            "cost model's choices (lower writes extra['lowering']), the fp32_math setting and region count"),
     MetaKey(GM_PARAM_DTYPES, "graph", "dict[str, torch.dtype]", ("rewrite", "api"), ("report", "export", "train", "api", "lightning"),
             "fqn -> the dtype each parameter may be stored in (O2); the emitted model.py sets it too"),
     MetaKey(GM_PARAM_STORAGE, "graph", "dict[str, str]", ("rewrite",), ("report",),

@@ -14,6 +14,17 @@ shape (B, H, T, E)     flash bf16 flash fp32 lowered bf16 (this module)
 2, 4, 16, 32           0.68 ms    0.08 ms    0.28 ms
 =====================  =========  =========  ==================================
 
+**Recompute or keep: a cost model.** Unfused, autograd would keep each call's (B, H, L, S)
+probability matrix. Recomputing it in backward (the lowered ops in a checkpoint region of their
+own) saves what the fused kernel saves, at the price of a second attention forward and a
+checkpoint call, whose fixed cost dominates small shapes (small encoder, B2×T16: 1.10× autocast's
+step recomputed, 0.87× kept). :func:`recompute_plan` keeps the probabilities when they fit a
+budget that keeps saved activations at or under autocast's: under O2 the weights are stored in
+half, so autograd keeps no half copy of them where autocast keeps one per weight; half of those
+bytes may go to kept probabilities, smallest first. Under O1 the budget is 0. Each call's choice,
+with the sizes it compared, is in its nodes' reasons and in ``report.json["lowering"]``
+(``benchmarks/run.py --ablate`` times the choices flipped).
+
 The lowered ops run in the precision *decide* gave the attention node, so the step needs no
 cast (fp32 attention would cast q, k, v and the output). Numerics: the fused bf16 kernel keeps
 q·kᵀ in fp32 and rounds the probabilities to bf16 before P·V; the lowered graph rounds q·kᵀ to
@@ -49,6 +60,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import torch
@@ -56,6 +68,7 @@ import torch.fx
 
 from converter.ir.graphmodule import pauses_gc
 from converter.ir.meta import (
+    GM_GRAPH,
     META_CHECKPOINT,
     META_DECISION,
     META_INFO,
@@ -70,30 +83,148 @@ from converter.ir.meta import (
 from converter.ir.ops import canonical_op
 from converter.passes.capture import _classify, _flat_specs, _spec_of
 
-__all__ = ["lower", "DEVICES", "RECOMPUTE_ATTENTION"]
+__all__ = ["lower", "DEVICES", "RECOMPUTE_ATTENTION", "LoweringChoice", "recompute_plan"]
 
 DEVICES = ("cpu", "cuda")
-#: the lowered attention runs inside a checkpoint region of its own: backward recomputes the scores and
-#: probabilities instead of keeping the (B, H, L, S) probability matrix of every layer, so it saves what
-#: the fused kernel saves (q, k, v) at the price of a second attention forward (benchmarks/cpu_attention.py)
-RECOMPUTE_ATTENTION = True
+#: whether a lowered attention runs inside a checkpoint region of its own (backward recomputes its scores and
+#: probabilities instead of keeping the (B, H, L, S) probability matrix, so it saves what the fused kernel
+#: saves, q, k and v, at the price of a second attention forward and a checkpoint call). ``None`` (the
+#: default): the cost model of :func:`recompute_plan` decides per call; True/False force it (benchmarks).
+RECOMPUTE_ATTENTION: Optional[bool] = None
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
 _LOWERED_PRECISIONS = ("bf16",)
 _HALF_IO_NORMS = ("batch_norm",)
 #: the half dtypes whose activations each device's batch norm kernels take with fp32 statistics
 _HALF_IO_PRECISIONS = {"cpu": ("bf16",), "cuda": ("fp16", "bf16")}
+_HALF_BYTES = 2
+#: the ops that read a parameter as a weight: autocast saves a half copy of it for backward, O2 storage does not
+_WEIGHT_OPS = frozenset({"linear", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+                         "conv_transpose3d", "matmul", "mm", "addmm", "bmm", "baddbmm"})
+
+
+@dataclass(frozen=True)
+class LoweringChoice:
+    """One decision of the lowering cost model, for the report (``report.json["lowering"]``)."""
+
+    node: str  #: the node the choice is about (the attention, before it was lowered)
+    lowering: str  #: what was decided: ``"recompute_attention"``
+    chosen: bool  #: True: applied
+    why: str  #: the sizes compared and the conclusion, in words
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"node": self.node, "lowering": self.lowering, "chosen": self.chosen, "why": self.why}
+
+
+def _mib(nbytes: float) -> str:
+    """Bytes in MiB, or KiB below 0.1 MiB (the small models' matrices are a few KiB)."""
+    return f"{nbytes / 2 ** 20:.2f} MiB" if nbytes >= 0.1 * 2 ** 20 else f"{nbytes / 1024:.1f} KiB"
+
+
+def _numel(spec: TensorSpec) -> int:
+    return math.prod(int(d) for d in spec.shape)
+
+
+def _kept_bytes(call: dict[str, Any]) -> int:
+    """What keeping a lowered attention's autograd state costs beyond the fused kernel's: the (…, L, S)
+    probabilities (the softmax output, which P·V also saves) and the boolean mask masked_fill saves;
+    q·scale replaces the fused kernel's saved output, of the same size."""
+    q, k = call["query"].meta[META_VALUE], call["key"].meta[META_VALUE]
+    lead = torch.broadcast_shapes(tuple(q.shape[:-2]), tuple(k.shape[:-2]))
+    length, source = int(q.shape[-2]), int(k.shape[-2])
+    extra = math.prod(int(d) for d in lead) * length * source * _HALF_BYTES
+    mask = call["attn_mask"]
+    if mask is not None and mask.meta[META_VALUE].dtype == torch.bool:
+        extra += _numel(mask.meta[META_VALUE])
+    if call["is_causal"]:
+        extra += length * source
+    return extra
+
+
+def _weight_copy_bytes(gm: torch.fx.GraphModule) -> int:
+    """Bytes of the half weight copies autocast saves for backward that O2's half storage does not make:
+    one per parameter that every reader reads as the weight of a half matmul or convolution."""
+    total = 0
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or not node.users:
+            continue
+        value = node.meta.get(META_VALUE)
+        if not isinstance(value, TensorSpec) or not value.dtype.is_floating_point:
+            continue
+        readers = [u for u in node.users if (u.meta.get(META_INFO) is None or u.meta[META_INFO].kind != "passive")]
+        if readers and all(_reads_as_half_weight(u, node) for u in readers):
+            total += _numel(value) * _HALF_BYTES
+    return total
+
+
+def _reads_as_half_weight(user: torch.fx.Node, param: torch.fx.Node) -> bool:
+    """Does ``user``, a half matmul or convolution, read ``param`` as its weight (which autograd saves; a
+    bias is not saved)? A linear's or convolution's weight is its second argument."""
+    info, decision = user.meta.get(META_INFO), user.meta.get(META_DECISION)
+    if info is None or info.op not in _WEIGHT_OPS or decision is None or decision.precision not in ("fp16", "bf16"):
+        return False
+    if info.op.startswith(("linear", "conv")):
+        return (len(user.args) > 1 and user.args[1] is param) or user.kwargs.get("weight") is param
+    return True
+
+
+def recompute_plan(gm: torch.fx.GraphModule, calls: list[tuple[torch.fx.Node, dict[str, Any]]], *,
+                   opt_level: str) -> dict[torch.fx.Node, LoweringChoice]:
+    """The cost model for the lowered attentions: which recompute their probabilities in backward.
+
+    Keeping a lowered attention's probabilities costs memory (:func:`_kept_bytes` per call) and no
+    time; recomputing costs a second attention forward and a checkpoint call per step (~0.3 ms of
+    fixed overhead per call on a 2-core Xeon: on the small encoder, B2×T16, that is 1.14× vs 0.85×
+    autocast's step) and no memory. The promise is that the converted model saves no more
+    activations than autocast. Under O2 the weights are stored in half, so autograd saves no half
+    copy of them, where autocast saves one per weight: that difference (:func:`_weight_copy_bytes`)
+    is the budget. Calls are kept, smallest first, while their probabilities fit in half of it (the
+    other half is margin for what the static sizes do not see); the rest are recomputed. Under O1
+    the graph saves the weight copies autocast saves, so the budget is 0 and every call recomputes.
+    """
+    if RECOMPUTE_ATTENTION is not None:
+        forced = "recomputed" if RECOMPUTE_ATTENTION else "kept"
+        return {node: LoweringChoice(node.name, "recompute_attention", RECOMPUTE_ATTENTION,
+                                     f"{forced}: forced by converter.passes.lower.RECOMPUTE_ATTENTION")
+                for node, _ in calls}
+    plan: dict[torch.fx.Node, LoweringChoice] = {}
+    for node, _ in calls:
+        if META_CHECKPOINT in node.meta:
+            plan[node] = LoweringChoice(node.name, "recompute_attention", True,
+                                        "recomputed in backward with the model's own checkpoint region")
+    calls = [(node, call) for node, call in calls if node not in plan]
+    budget = _weight_copy_bytes(gm) // 2 if opt_level == "O2" and calls else 0
+    sizes = {node: _kept_bytes(call) for node, call in calls}
+    spent = 0
+    for node, _ in sorted(calls, key=lambda item: sizes[item[0]]):
+        size = sizes[node]
+        if spent + size <= budget:
+            spent += size
+            plan[node] = LoweringChoice(node.name, "recompute_attention", False, (
+                f"kept: its probabilities ({_mib(size)}) fit the budget (kept so far {_mib(spent)} of {_mib(budget)}, "
+                f"half the {_mib(2 * budget)} of half weight copies autocast saves and O2 storage does not), so "
+                f"backward reads them instead of recomputing the attention"))
+        else:
+            where = ("under O1 the graph saves the half weight copies autocast saves, so there is no budget"
+                     if opt_level != "O2" else f"over the budget (kept {_mib(spent)} of {_mib(budget)})")
+            plan[node] = LoweringChoice(node.name, "recompute_attention", True, (
+                f"recomputed in backward: keeping its probabilities would save {_mib(size)} more than the fused "
+                f"kernel, {where}; saved activations stay at the fused kernel's"))
+    return plan
 
 
 @pauses_gc
-def lower(gm: torch.fx.GraphModule, *, device: Optional[str]) -> list[str]:
-    """Apply the lowerings for ``device`` (None: none); returns the names of the nodes replaced."""
+def lower(gm: torch.fx.GraphModule, *, device: Optional[str], opt_level: str = "O1") -> list[str]:
+    """Apply the lowerings for ``device`` (None: none); returns the names of the nodes replaced.
+
+    The cost model's choices (:class:`LoweringChoice`) go to ``gm.meta[GM_GRAPH].extra["lowering"]``."""
     if device is None:
         return []
     if device not in DEVICES:
         raise ValueError(f"device must be one of {DEVICES} or None, got {device!r}")
     lowered = []
     nodes = list(gm.graph.nodes)
+    attention: list[tuple[torch.fx.Node, dict[str, Any]]] = []
     # checkpoint region ids for the recomputed attentions: after every id the model's own regions use
     regions = itertools.count(1 + max((n.meta[META_CHECKPOINT].region for n in nodes if META_CHECKPOINT in n.meta), default=-1))
     for node in nodes:
@@ -112,8 +243,15 @@ def lower(gm: torch.fx.GraphModule, *, device: Optional[str]) -> list[str]:
         call = _sdpa_call(node)
         if call is None:
             continue
-        _lower_attention(gm, node, info, decision, call, regions)
-        lowered.append(node.name)
+        attention.append((node, call))
+    plan = recompute_plan(gm, attention, opt_level=opt_level)
+    for node, call in attention:
+        name = node.name
+        _lower_attention(gm, node, node.meta[META_INFO], node.meta[META_DECISION], call, regions, plan[node])
+        lowered.append(name)
+    graph_meta = gm.meta.get(GM_GRAPH)
+    if graph_meta is not None:
+        graph_meta.extra["lowering"] = tuple(plan[node].to_dict() for node, _ in attention)
     return lowered
 
 
@@ -173,20 +311,21 @@ def _sdpa_call(node: torch.fx.Node) -> Optional[dict[str, Any]]:
 
 
 def _lower_attention(gm: torch.fx.GraphModule, node: torch.fx.Node, info: NodeInfo, decision: Decision,
-                     call: dict[str, Any], regions: Iterator[int]) -> None:
+                     call: dict[str, Any], regions: Iterator[int], choice: LoweringChoice) -> None:
     graph = gm.graph
     q, k, v, mask = call["query"], call["key"], call["value"], call["attn_mask"]
     head_dim = q.meta[META_VALUE].shape[-1]
     scale = float(call["scale"]) if call["scale"] is not None else 1.0 / math.sqrt(head_dim)
     why = (f"from {node.name} (scaled_dot_product_attention, {decision.precision}) for CPU: the fused "
            f"bf16 flash-attention kernel is 2-4x slower here (converter/lower.py); the softmax reads "
-           f"{decision.precision} and accumulates in fp32 inside its kernel, as it did inside the fused op")
+           f"{decision.precision} and accumulates in fp32 inside its kernel, as it did inside the fused op; "
+           f"{choice.why}")
     new: list[torch.fx.Node] = []
 
-    # inside the model's own checkpoint region, the region's tag; else a region of its own when the
-    # attention is recomputed in backward (RECOMPUTE_ATTENTION), so that it saves q, k, v as the fused op does
+    # inside the model's own checkpoint region, the region's tag; else a region of its own when the cost
+    # model recomputes the attention in backward (recompute_plan), so that it saves q, k, v as the fused op does
     tag = node.meta.get(META_CHECKPOINT)
-    if tag is None and RECOMPUTE_ATTENTION:
+    if tag is None and choice.chosen:
         tag = CheckpointTag(region=next(regions), preserve_rng_state=True)
 
     def emit(op: str, target: Any, *args: Any, **kwargs: Any) -> torch.fx.Node:

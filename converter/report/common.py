@@ -128,6 +128,12 @@ def tuned_for(report: ReportView, escape: Callable[[str], str]) -> str:
         return "portable (no device named: nothing device-specific)"
     lowered = report.extra.get("lowered") or []
     what = escape(", ".join(lowered)) if lowered else "nothing to lower"
+    choices = [c for c in report.extra.get("lowering") or [] if isinstance(c, dict) and c.get("lowering") == "recompute_attention"]
+    if choices:  # the cost model's choices (converter.passes.lower.recompute_plan); each node's reason gives the sizes
+        recomputed = sum(1 for c in choices if c.get("chosen"))
+        what += (f" · attention probabilities recomputed in backward for {recomputed} of {len(choices)} lowered calls, "
+                 f"kept for {len(choices) - recomputed} (cost model: what O2's half weights leave under autocast's "
+                 f"saved activations)")
     return f"{escape(str(device))} · lowered: {what}"
 
 
