@@ -530,3 +530,22 @@ def test_cost_model_recomputes_probabilities_larger_than_the_budget():
     MixedPrecisionTrainer(conv.module, torch.optim.SGD(conv.module.parameters(), lr=1e-3), precision="bf16", master_weights=True)
     ours, theirs = _saved_bytes(conv.module, x), _saved_bytes(model, x, autocast=True)
     assert ours <= theirs, f"O2 saves {ours} B, autocast {theirs} B"
+
+
+def test_attention_too_large_to_unfuse_keeps_the_fused_kernel(monkeypatch):
+    """A call whose lowered scores and probabilities would exceed MAX_UNFUSED_SCORES_BYTES keeps the
+    fused kernel (it streams them in blocks), with the sizes in its reason and in report.json."""
+    from converter.passes import lower as lower_mod
+
+    model, x = _encoder_case(128, 4, 512, 2, 16)  # scores + probabilities: 2·4·16·16 · 2 · 2 B = 8 KiB per call
+    monkeypatch.setattr(lower_mod, "MAX_UNFUSED_SCORES_BYTES", 8 * 1024 - 1)
+    conv = converter.convert(copy.deepcopy(model), (x,), opt_level="O2", device="cpu")
+    assert len(_sdpa_nodes(conv.module)) == 2 and conv.report.to_dict()["lowered"] == []
+    choices = conv.report.to_dict()["lowering"]
+    assert [(c["lowering"], c["chosen"]) for c in choices] == [("lower_attention", False)] * 2, choices
+    assert "it would hold 8.0 KiB of scores and probabilities at once, over the 8.0 KiB bound" in choices[0]["why"]
+    assert "kept fused" in conv.decisions["scaled_dot_product_attention"].full_reason
+    assert "2 attention call(s) kept fused" in conv.report.to_markdown()
+    monkeypatch.setattr(lower_mod, "MAX_UNFUSED_SCORES_BYTES", 8 * 1024)
+    assert converter.convert(copy.deepcopy(model), (x,), opt_level="O2", device="cpu").report.to_dict()["lowered"] == [
+        "scaled_dot_product_attention", "scaled_dot_product_attention_1"]

@@ -22,7 +22,9 @@ step recomputed, 0.87× kept). :func:`recompute_plan` keeps the probabilities wh
 budget that keeps saved activations at or under autocast's: under O2 the weights are stored in
 half, so autograd keeps no half copy of them where autocast keeps one per weight; half of those
 bytes may go to kept probabilities, smallest first. Under O1 the budget is 0. Each call's choice,
-with the sizes it compared, is in its nodes' reasons and in ``report.json["lowering"]``
+with the sizes it compared, is in its nodes' reasons and in ``report.json["lowering"]``. A call whose
+scores and probabilities would exceed :data:`MAX_UNFUSED_SCORES_BYTES` (256 MiB: B8 H8 at 2k tokens)
+is not lowered at all: the fused kernel streams them in blocks
 (``benchmarks/run.py --ablate`` times the choices flipped).
 
 The lowered ops run in the precision *decide* gave the attention node, so the step needs no
@@ -83,7 +85,7 @@ from converter.ir.meta import (
 from converter.ir.ops import canonical_op
 from converter.passes.capture import _classify, _flat_specs, _spec_of
 
-__all__ = ["lower", "DEVICES", "RECOMPUTE_ATTENTION", "LoweringChoice", "recompute_plan"]
+__all__ = ["lower", "DEVICES", "RECOMPUTE_ATTENTION", "MAX_UNFUSED_SCORES_BYTES", "LoweringChoice", "recompute_plan"]
 
 DEVICES = ("cpu", "cuda")
 #: whether a lowered attention runs inside a checkpoint region of its own (backward recomputes its scores and
@@ -98,6 +100,8 @@ _HALF_IO_NORMS = ("batch_norm",)
 #: the half dtypes whose activations each device's batch norm kernels take with fp32 statistics
 _HALF_IO_PRECISIONS = {"cpu": ("bf16",), "cuda": ("fp16", "bf16")}
 _HALF_BYTES = 2
+#: a call whose lowered scores + probabilities (bf16) would exceed this many bytes keeps the fused kernel
+MAX_UNFUSED_SCORES_BYTES = 256 * 2 ** 20
 #: the ops that read a parameter as a weight: autocast saves a half copy of it for backward, O2 storage does not
 _WEIGHT_OPS = frozenset({"linear", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
                          "conv_transpose3d", "matmul", "mm", "addmm", "bmm", "baddbmm"})
@@ -108,7 +112,7 @@ class LoweringChoice:
     """One decision of the lowering cost model, for the report (``report.json["lowering"]``)."""
 
     node: str  #: the node the choice is about (the attention, before it was lowered)
-    lowering: str  #: what was decided: ``"recompute_attention"``
+    lowering: str  #: what was decided: ``"recompute_attention"``, or ``"lower_attention"`` (chosen False: kept fused)
     chosen: bool  #: True: applied
     why: str  #: the sizes compared and the conclusion, in words
 
@@ -225,6 +229,7 @@ def lower(gm: torch.fx.GraphModule, *, device: Optional[str], opt_level: str = "
     lowered = []
     nodes = list(gm.graph.nodes)
     attention: list[tuple[torch.fx.Node, dict[str, Any]]] = []
+    fused: list[LoweringChoice] = []  # calls the size bound leaves fused
     # checkpoint region ids for the recomputed attentions: after every id the model's own regions use
     regions = itertools.count(1 + max((n.meta[META_CHECKPOINT].region for n in nodes if META_CHECKPOINT in n.meta), default=-1))
     for node in nodes:
@@ -243,16 +248,39 @@ def lower(gm: torch.fx.GraphModule, *, device: Optional[str], opt_level: str = "
         call = _sdpa_call(node)
         if call is None:
             continue
+        refused = _too_large_to_unfuse(node, call)
+        if refused is not None:
+            fused.append(refused)
+            continue
         attention.append((node, call))
     plan = recompute_plan(gm, attention, opt_level=opt_level)
+    choices = fused + [plan[node] for node, _ in attention]
     for node, call in attention:
         name = node.name
         _lower_attention(gm, node, node.meta[META_INFO], node.meta[META_DECISION], call, regions, plan[node])
         lowered.append(name)
     graph_meta = gm.meta.get(GM_GRAPH)
     if graph_meta is not None:
-        graph_meta.extra["lowering"] = tuple(plan[node].to_dict() for node, _ in attention)
+        graph_meta.extra["lowering"] = tuple(choice.to_dict() for choice in choices)
     return lowered
+
+
+def _too_large_to_unfuse(node: torch.fx.Node, call: dict[str, Any]) -> Optional[LoweringChoice]:
+    """The fused kernel stays when the lowered graph's score matrix would be too large to materialise.
+
+    The lowered forward holds one call's (…, L, S) scores and probabilities at once (recomputed or
+    not), where the fused kernel streams them in blocks: at B8 H8 and 4k tokens that is 2 GiB per call.
+    Above :data:`MAX_UNFUSED_SCORES_BYTES` the call keeps the fused kernel (slower here, bounded memory)."""
+    q, k = call["query"].meta[META_VALUE], call["key"].meta[META_VALUE]
+    lead = torch.broadcast_shapes(tuple(q.shape[:-2]), tuple(k.shape[:-2]))
+    scores = math.prod(int(d) for d in lead) * int(q.shape[-2]) * int(k.shape[-2]) * 2 * _HALF_BYTES
+    if scores <= MAX_UNFUSED_SCORES_BYTES:
+        return None
+    why = (f"kept fused: lowered, it would hold {_mib(scores)} of scores and probabilities at once, over the "
+           f"{_mib(MAX_UNFUSED_SCORES_BYTES)} bound (converter.passes.lower.MAX_UNFUSED_SCORES_BYTES); the fused "
+           f"kernel streams them in blocks")
+    node.meta[META_DECISION] = node.meta[META_DECISION].noted("lower", why)
+    return LoweringChoice(node.name, "lower_attention", False, why)
 
 
 def _half_io_norm(node: torch.fx.Node, decision: Decision, device: str) -> bool:

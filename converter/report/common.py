@@ -134,6 +134,9 @@ def tuned_for(report: ReportView, escape: Callable[[str], str]) -> str:
         what += (f" · attention probabilities recomputed in backward for {recomputed} of {len(choices)} lowered calls, "
                  f"kept for {len(choices) - recomputed} (cost model: what O2's half weights leave under autocast's "
                  f"saved activations)")
+    kept_fused = [c for c in report.extra.get("lowering") or [] if isinstance(c, dict) and c.get("lowering") == "lower_attention"]
+    if kept_fused:
+        what += f" · {len(kept_fused)} attention call(s) kept fused: their score matrices are over the size bound"
     return f"{escape(str(device))} · lowered: {what}"
 
 
