@@ -384,6 +384,9 @@ def test_emulated_contexts_that_run_eagerly(emulated):
     with torch.device("cpu"):  # a default-device context (torch.set_default_device) does not stop graphs
         graphed(x)
     assert graphed.stats.captures == 1
+    frozen.module.requires_grad_(True)  # unfrozen: the remembered "nothing requires grad" no longer holds
+    frozen(x)
+    assert (frozen.stats.captures, frozen.stats.invalidations, frozen.stats.replays) == (1, 1, 1)
 
 
 def test_emulated_moved_parameters_and_recompiled_graphs_are_captured_again(emulated):
@@ -540,6 +543,36 @@ def test_train_py_cuda_graph_flag_trains_eagerly_without_cuda(tmp_path):
     assert "cuda graph: 0 captured, 0 replayed, 3 eager calls (no CUDA device: 3)" in graphed.stdout
     assert "CudaGraphWarning" in graphed.stderr and "no CUDA device" in graphed.stderr
     assert "cuda graph:" not in plain.stdout
+
+
+_WITHOUT_MPCONVERT = """
+import runpy, sys
+sys.modules["converter"] = None  # mpconvert is not installed on this machine
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_train_py_cuda_graph_flag_with_torch_alone_and_under_torchrun(tmp_path):
+    """Without the package: a NOTICE and eager training; under torchrun (world > 1): a NOTICE, the model itself."""
+    from converter.export.verify import import_file
+
+    out = _emit_mlp(tmp_path)
+    (tmp_path / "without.py").write_text(_WITHOUT_MPCONVERT)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")}
+    alone = subprocess.run([sys.executable, "-I", str(tmp_path / "without.py"), str(out / "train.py"), "--steps", "2",
+                            "--device", "cpu", "--cuda-graph"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    assert "NOTICE: --cuda-graph needs the mpconvert package (converter.cuda_graph); training eagerly" in alone.stdout
+    assert len([line for line in alone.stdout.splitlines() if line.startswith("step ")]) == 2
+    assert "cuda graph:" not in alone.stdout
+    train = import_file(out / "train.py")
+    said: list[str] = []
+    model = nn.Linear(2, 2)
+    assert train._graphed(model, 2, said.append) is model
+    assert said == ["NOTICE: --cuda-graph is not used under torchrun (DDP reduces gradients in hooks that a graph "
+                    "replay would skip); training eagerly"]
 
 
 # ------------------------------------------------------------------------------------------ on a GPU

@@ -3,7 +3,7 @@
 Why: on a GPU a small converted model is bound by the host launching kernels, not by the GPU. In
 ``benchmarks/results/cuda_fp16.md`` (H100, torch 2.11) the 2-layer encoders, the CNN and the small
 Hugging Face models keep the GPU busy 0.2–0.8 ms of 3–14 ms steps (about 700 aten calls per step), so
-removing casts (O2) cannot pay: every O2 step there is within 0.94–1.11× autocast and slower than fp32.
+removing casts (O2) cannot pay: their O2 steps are 0.94–1.11× autocast and all slower than fp32.
 A converted graph is static for a given batch shape, which is the case CUDA graphs exist for: the
 forward's kernels and the backward's kernels are each recorded once and replayed with one launch.
 
@@ -389,15 +389,14 @@ class CudaGraphModule(nn.Module):
             return "not on one CUDA device"
         if self._capture_error is not None:
             return "capture failed"
+        self._state = self._current_state()  # what is remembered from here holds until it changes
         if not any(p.requires_grad for p in self._graph_params) and not any(t.requires_grad for t in leaves):
             return self._remember(key, "nothing requires grad")
         if self.graphs >= self.max_graphs:
             self._warn("full", f"cuda_graph: {self.max_graphs} input signature(s) are captured (max_graphs); "
                        "calls of other shapes, dtypes or train/eval mode run eagerly")
             return "cache full"
-        entry = self._capture(layout, leaves, device)
-        self._state = self._current_state()
-        return self._remember(key, entry)
+        return self._remember(key, self._capture(layout, leaves, device))
 
     def _remember(self, key: Any, entry: _Entry | str) -> _Entry | str:
         if isinstance(entry, _Entry) or len(self._entries) < _MAX_REMEMBERED:
