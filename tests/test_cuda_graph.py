@@ -214,8 +214,15 @@ def test_without_cuda_one_warning_and_bit_identical_training():
     assert graphed.enabled is False
     assert log == _train(eager, t_eager, batches)
     _assert_same_state(eager, wrapped, t_eager, t_wrapped)
-    assert (graphed.stats.eager_calls, graphed.stats.replays, graphed.stats.captures) == (4, 0, 0)
-    assert dict(graphed.stats.eager_reasons) == {"no CUDA device": 4}
+    for module, forward in ((eager, eager), (wrapped, graphed)):  # one more backward, no step: the gradients
+        module.zero_grad(set_to_none=True)
+        _loss(forward(_batch(9))).backward()
+    grads = [(n, p.grad) for n, p in wrapped.named_parameters()]
+    assert sum(g is not None for _, g in grads) == 8, grads  # fc1, norm, bn and fc2 weights and biases
+    for (name, g), p in zip(grads, eager.parameters()):
+        assert (g is None and p.grad is None) or torch.equal(g, p.grad), name
+    assert (graphed.stats.eager_calls, graphed.stats.replays, graphed.stats.captures) == (5, 0, 0)
+    assert dict(graphed.stats.eager_reasons) == {"no CUDA device": 5}
 
 
 def test_arguments_are_validated():
