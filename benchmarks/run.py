@@ -20,7 +20,12 @@ Variants (same weights, inputs, loss and optimizer for all):
   parameters stored in half per ``gm.meta["mp_param_dtypes"]``, fp32 master weights, the master
   gradient harvest and the master→model copy with ``torch._foreach_copy_``;
 * ``floor``    — ``model.to(half)`` with its floating inputs cast once, before timing: no casts at
-  all, no master weights. It is the speed floor, not a training recipe.
+  all, no master weights. It is the speed floor, not a training recipe;
+* ``O2g``      — CUDA only: ``O2`` with its forward and backward replayed as CUDA graphs
+  (``converter.cuda_graph`` on another copy of the O2 module; loss and trainer step eager). Its casts
+  and saved activations are measured on the eager path (a dispatch mode or saved-tensor hooks make
+  the wrapper run eagerly), so they are O2's; its peak memory adds the graphs' pools
+  (``graph_bytes``); ``cuda_graph`` in its entry says what was captured and why calls ran eagerly.
 
 A step is ``zero_grad`` + forward + loss + backward + optimizer step. The loss is the model's
 output when it is a scalar (the CNN returns its loss), else ``output.float().pow(2).mean()``.
@@ -72,7 +77,7 @@ from benchmarks.common import (  # noqa: E402
 )
 from converter.numerics.common import from_json, to_json  # noqa: E402
 
-__all__ = ["MODELS", "VARIANTS", "main", "run_model", "to_markdown", "check_targets"]
+__all__ = ["MODELS", "VARIANTS", "EXTRA_VARIANTS", "main", "run_model", "to_markdown", "check_targets"]
 
 VARIANTS = ("fp32", "autocast", "O1", "O2", "floor")
 #: ``--ablate``: O2 with one of the conversion's lowering choices flipped, timed in the same interleaved rounds,
@@ -83,6 +88,8 @@ ABLATIONS = {
     "O2-portable": "no device lowering (converted without naming the device)",
     "O2-raw": "without the simplify pass",
 }
+#: variants only some runs have (``O2g``: CUDA graphs, on CUDA only; the --ablate ones), in table order after VARIANTS
+EXTRA_VARIANTS = ("O2g", *ABLATIONS)
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SCHEMA = 1
 
@@ -201,12 +208,14 @@ class Variant:
     trainer: Any = None  # MixedPrecisionTrainer (O2)
     grad_scaler: Any = None  # torch.amp.GradScaler (autocast fp16)
     notes: list[str] = field(default_factory=list)
+    call: Any = None  # what the forward calls instead of ``module`` (O2g: the CUDA-graph wrapper of ``module``)
 
     def forward(self) -> Any:
+        call = self.call if self.call is not None else self.module
         if self.autocast is not None:
             with torch.autocast(self.device_type, dtype=self.autocast):
-                return self.module(*self.args, **self.kwargs)
-        return self.module(*self.args, **self.kwargs)
+                return call(*self.args, **self.kwargs)
+        return call(*self.args, **self.kwargs)
 
     def zero_grad(self) -> None:
         if self.trainer is not None:
@@ -266,11 +275,13 @@ def _make_optimizer(kind: str, params) -> torch.optim.Optimizer:
 
 
 def build_variants(model: nn.Module, conv: Any, args: tuple, kwargs: dict, *, half: torch.dtype,
-                   device: torch.device, optimizer: str, conv_o2: Any = None) -> dict[str, Variant]:
-    """The five variants, each on its own copy of the same weights.
+                   device: torch.device, optimizer: str, conv_o2: Any = None,
+                   graphed: bool | None = None) -> dict[str, Variant]:
+    """The five variants (six with ``O2g``), each on its own copy of the same weights.
 
     ``conv``: the O1 conversion; ``conv_o2``: the conversion placed for O2 storage
     (``opt_level="O2"``: weight casts are free in the cost model), else a copy of ``conv``.
+    ``graphed``: add ``O2g`` (default: on CUDA, where CUDA graphs exist).
     """
     from converter.train.trainer import MixedPrecisionTrainer
 
@@ -296,12 +307,25 @@ def build_variants(model: nn.Module, conv: Any, args: tuple, kwargs: dict, *, ha
     o2 = conv_o2.module if conv_o2 is not None else copy.deepcopy(conv.module)
     if "mp_param_dtypes" not in getattr(o2, "meta", {}):  # deepcopy must keep it; fail loudly if not
         raise RuntimeError("deepcopy of the converted GraphModule lost meta['mp_param_dtypes']")
+    if graphed is None:
+        graphed = device.type == "cuda"
+    o2g = copy.deepcopy(o2) if graphed else None  # before O2's trainer gives o2's weights half storage
     opt2 = _make_optimizer(optimizer, o2.parameters())
     trainer = MixedPrecisionTrainer(o2, opt2, precision=precision, master_weights=True)
     n_half = sum(1 for p in o2.parameters() if p.dtype == half)
     variants["O2"] = Variant("O2", o2, args, kwargs, opt2, device_type=device.type, trainer=trainer,
                              notes=[f"{n_half}/{sum(1 for _ in o2.parameters())} params stored in {dtype_name}; "
                                     "MixedPrecisionTrainer(master_weights=True)"])
+
+    if o2g is not None:
+        from converter.train.cuda_graph import cuda_graph
+
+        opt2g = _make_optimizer(optimizer, o2g.parameters())
+        trainer_g = MixedPrecisionTrainer(o2g, opt2g, precision=precision, master_weights=True)
+        variants["O2g"] = Variant("O2g", o2g, args, kwargs, opt2g, device_type=device.type, trainer=trainer_g,
+                                  call=cuda_graph(o2g),
+                                  notes=["O2 with converter.cuda_graph: forward and backward replay CUDA graphs; "
+                                         "loss and trainer.step() eager"])
 
     floor = copy.deepcopy(model).to(half)
     cast_once = lambda t: t.to(half) if t.is_floating_point() else t  # noqa: E731
@@ -525,7 +549,7 @@ def _estimate_step_s(v: Variant, device: torch.device, clock: str, n: int = 2) -
 
 def run_model(spec: ModelSpec, *, device: torch.device, half: torch.dtype, optimizer: str, min_rounds: int,
               max_rounds: int, budget_s: float, block_s: float, warmup: int, profile: bool, clock: str = "wall",
-              rules: list[str] | None = None, portable: bool = False, ablate: bool = False,
+              rules: list[str] | None = None, portable: bool = False, graphed: bool | None = None, ablate: bool = False,
               log: Callable[[str], None] = print) -> dict[str, Any]:
     import converter
 
@@ -560,7 +584,7 @@ def run_model(spec: ModelSpec, *, device: torch.device, half: torch.dtype, optim
             f"{conv.timings.get('capture_s', math.nan):.3f}s, pass {conv.timings.get('pass_s', math.nan):.3f}s)")
 
     variants = build_variants(model, convs["O1"], args, kwargs, half=half, device=device, optimizer=optimizer,
-                              conv_o2=convs.get("O2"))
+                              conv_o2=convs.get("O2"), graphed=graphed)
     if ablate and not portable:
         variants.update(ablation_variants(model, args, kwargs, precision=precision, device=device, optimizer=optimizer,
                                           rules=rules))
@@ -604,6 +628,16 @@ def run_model(spec: ModelSpec, *, device: torch.device, half: torch.dtype, optim
 
     for name, v in variants.items():
         result["variants"][name].update(measure_memory(v, device))
+        stats = getattr(v.call, "stats", None)
+        if stats is not None:  # O2g: the graphs' pools are memory the step holds too
+            entry = result["variants"][name]
+            entry["graph_bytes"] = stats.graph_bytes
+            entry["state_bytes"] += stats.graph_bytes
+            entry["peak_bytes"] += stats.graph_bytes
+            entry["cuda_graph"] = {"captures": stats.captures, "replays": stats.replays,
+                                   "eager_calls": stats.eager_calls, "eager_reasons": dict(stats.eager_reasons),
+                                   "failed_captures": stats.failed_captures, "invalidations": stats.invalidations,
+                                   "capture_error": v.call.capture_error}
 
     ac = result["variants"]["autocast"]
     for entry in result["variants"].values():
@@ -614,18 +648,28 @@ def run_model(spec: ModelSpec, *, device: torch.device, half: torch.dtype, optim
         entry["saved_vs_autocast"] = entry["saved_bytes"] / ac["saved_bytes"] if ac["saved_bytes"] else None
 
     if profile:
-        result["profile"] = (profile_cuda_variants(variants, VARIANTS) if device.type == "cuda"
-                             else profile_variants(variants, VARIANTS, clock=clock))
+        result["profile"] = (profile_cuda_variants(variants, tuple(variants)) if device.type == "cuda"
+                             else profile_variants(variants, tuple(variants), clock=clock))
     for name, p in (result.get("profile") or {}).items():
         if "kernels_per_step" in p:
             log(f"[{spec.name}] {name:9s} profile: {p['kernels_per_step']:.0f} kernels / {p['gpu_busy_ms']:.3f} ms GPU busy "
                 f"per step, {p['aten_calls_per_step']:.0f} aten calls / {p['aten_self_host_ms']:.3f} ms host self time")
-    for name in result["variants"]:
+    for name in _variant_names(result):
         e = result["variants"][name]
         log(f"[{spec.name}] {name:9s} step {e['step_ms']:8.3f} ms ({e['step_vs_autocast']:.3f}× autocast)  "
             f"casts {e['casts']:3d} / {e['cast_bytes'] / MiB:7.2f} MiB  saved {e['saved_bytes'] / MiB:7.2f} MiB  "
             f"peak {e['peak_bytes'] / MiB:7.2f} MiB  SQNR {e['sqnr_db']:6.2f} dB")
+    graph = result["variants"].get("O2g", {}).get("cuda_graph")
+    if graph is not None:
+        log(f"[{spec.name}] O2g cuda_graph: {graph['captures']} captured, {graph['replays']} replays, "
+            f"{graph['eager_calls']} eager calls {graph['eager_reasons']}"
+            + (f"; capture failed: {graph['capture_error']}" if graph["capture_error"] else ""))
     return result
+
+
+def _variant_names(model_result: dict[str, Any]) -> list[str]:
+    """The variants a model's result holds, in table order."""
+    return [n for n in VARIANTS + EXTRA_VARIANTS if n in model_result["variants"]]
 
 
 # =========================================================================== targets
@@ -652,6 +696,20 @@ def check_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             add("O2 step ≤ k× autocast", model, ratio, limit, ratio <= limit,
                 f"O2 {v['O2']['step_ms']:.3f} ms vs autocast {v['autocast']['step_ms']:.3f} ms "
                 f"(O1 {v['O1']['step_ms'] / v['autocast']['step_ms']:.3f}×, floor {v['floor']['step_ms'] / v['autocast']['step_ms']:.3f}×)")
+    for model, m in models.items():
+        v = m["variants"]
+        if "O2g" not in v:
+            continue
+        ac, fp32, g = v["autocast"]["step_ms"], v["fp32"]["step_ms"], v["O2g"]["step_ms"]
+        graph = v["O2g"].get("cuda_graph") or {}
+        how = (f"O2g {g:.3f} ms vs autocast {ac:.3f} ms, fp32 {fp32:.3f} ms, O2 {v['O2']['step_ms']:.3f} ms; "
+               f"{graph.get('replays', '?')} replays, {graph.get('eager_calls', '?')} eager calls")
+        # GPU targets (issue 32); on the CPU (--graphs on) O2g runs eagerly and the rows are information
+        add("O2g step ≤ 0.9× autocast", model, g / ac, 0.9, g / ac <= 0.9, how, binding=gpu)
+        add("O2g step ≤ fp32 step", model, g / fp32, 1.0, g <= fp32, how, binding=gpu)
+        if model == "encoder_gpu":
+            add("fp32 step ≥ 3.5× O2g (GPU-sized)", model, fp32 / g, 3.5, fp32 / g >= 3.5,
+                f"fp32 {fp32:.3f} ms / O2g {g:.3f} ms (O2 {fp32 / v['O2']['step_ms']:.2f}×)", binding=gpu)
     for big in ("encoder_large", "encoder_gpu"):
         if big not in models:
             continue
@@ -707,7 +765,7 @@ def to_markdown(results: dict[str, Any]) -> str:
         "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for model, r in results["models"].items():
-        for name in r["variants"]:
+        for name in _variant_names(r):
             e = r["variants"][name]
             lines.append(
                 f"| {model} | {name} | {_f(e['step_ms'], '.3f' if e['step_ms'] < 10 else '.1f')} | "
@@ -732,7 +790,7 @@ def to_markdown(results: dict[str, Any]) -> str:
                   "| model | variant | step ms | GPU busy ms | kernels / step | aten events / step (nested incl.) | host self ms (profiled) |",
                   "|---|---|---:|---:|---:|---:|---:|"]
         for model, prof in profiled:
-            for name in VARIANTS:
+            for name in VARIANTS + EXTRA_VARIANTS:
                 if name in prof:
                     p = prof[name]
                     lines.append(f"| {model} | {name} | {_f(results['models'][model]['variants'][name]['step_ms'], '.3f')} | "
@@ -776,6 +834,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    + "; ".join(f"{k}: {v}" for k, v in ABLATIONS.items()))
     p.add_argument("--profile", action="store_true", help="also store per-op times (fwd/bwd/opt) of every variant: where O2 loses to the floor "
                    "(on CUDA: torch.profiler kernels, GPU busy time and host ops per step)")
+    p.add_argument("--graphs", choices=("auto", "on", "off"), default="auto",
+                   help="the O2g variant (O2 with converter.cuda_graph): auto = on CUDA only; on = also on the CPU, "
+                        "where its calls run eagerly (a check of the code path, not a speed-up)")
     p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/<device>.json); Markdown next to it")
     p.add_argument("--from-json", type=Path, help="only regenerate the Markdown of an existing JSON")
     return p.parse_args(argv)
@@ -819,7 +880,7 @@ def main(argv: list[str] | None = None) -> int:
         "schema": SCHEMA,
         "machine": machine_info(device),
         "config": {"argv": argv, "quick": a.quick, "precision": a.precision, "optimizer": a.optimizer, "clock": clock,
-                   "rules": a.rules or [], "portable": a.portable, "ablate": a.ablate,
+                   "rules": a.rules or [], "portable": a.portable, "graphs": a.graphs, "ablate": a.ablate,
                    "rules_text": {str(r): Path(r).read_text() for r in (a.rules or []) if Path(r).is_file()},
                    "min_rounds": min_rounds, "max_rounds": a.max_rounds, "budget_s": budget,
                    "block_ms": a.block_ms, "warmup_rounds": warmup},
@@ -830,17 +891,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: load average {load[0]} on {os.cpu_count()} cores: wall-clock timings will be noisy; "
               "consider --clock cpu", file=sys.stderr)
     t_all = time.perf_counter()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    md = out.with_suffix(".md")
+
+    def write() -> None:  # after every model: a run cut short (a time-boxed GPU session) keeps what it measured
+        results["wall_s"] = time.perf_counter() - t_all
+        results["targets"] = check_targets(results)
+        out.write_text(json.dumps(to_json(results), indent=1, allow_nan=False) + "\n")
+        md.write_text(to_markdown(results))
+
     for name in names:
         results["models"][name] = run_model(
             MODELS[name], device=device, half=half, optimizer=a.optimizer, min_rounds=min_rounds,
             max_rounds=a.max_rounds, budget_s=budget, block_s=a.block_ms / 1e3, warmup=warmup, profile=a.profile, clock=clock, rules=a.rules,
-            portable=a.portable, ablate=a.ablate)
-    results["wall_s"] = time.perf_counter() - t_all
-    results["targets"] = check_targets(results)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(to_json(results), indent=1, allow_nan=False) + "\n")
-    md = out.with_suffix(".md")
-    md.write_text(to_markdown(results))
+            portable=a.portable, graphed={"auto": None, "on": True, "off": False}[a.graphs], ablate=a.ablate)
+        write()
+    if not names:
+        write()
     print(f"wrote {out} and {md} in {results['wall_s']:.0f}s")
     for t in results["targets"]:
         tag = ("MET " if t["met"] else "MISS") if t.get("binding", True) else "info"

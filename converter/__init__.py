@@ -7,6 +7,7 @@ Public API (docs/architecture.md; the names are a stable contract)::
     report = converter.audit(model, example_inputs)
     scaler = converter.LossScaler()
     trainer = converter.MixedPrecisionTrainer(conv.module, optimizer, precision="fp16")
+    graphed = converter.cuda_graph(conv.module)   # GPU: forward and backward replay CUDA graphs
 """
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ __all__ = [
     "PrecisionError",
     "LossScaler",
     "MixedPrecisionTrainer",
+    "cuda_graph",
+    "CudaGraphModule",
+    "CudaGraphWarning",
     "ToleranceNotMet",
     "SpikeGuard",
     "TrainingStalledError",
@@ -74,6 +78,9 @@ _LAZY = {
     "ToleranceNotMet": "converter.numerics.search",
     "LossScaler": "converter.train.scaler",
     "MixedPrecisionTrainer": "converter.train.trainer",
+    "cuda_graph": "converter.train.cuda_graph",
+    "CudaGraphModule": "converter.train.cuda_graph",
+    "CudaGraphWarning": "converter.train.cuda_graph",
     "SpikeGuard": "converter.train.trainer",
     "TrainingStalledError": "converter.train.trainer",
 }

@@ -170,7 +170,7 @@ def _strict_json(text: str):
 def test_run_quick_tiniest_model_writes_valid_json(tmp_path):
     out = tmp_path / "cpu.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--models", "cnn", "--clock", "cpu",
-           "--rounds", "2", "--budget", "0", "--warmup", "1", "--out", str(out)]
+           "--rounds", "2", "--budget", "0", "--warmup", "1", "--graphs", "on", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = _strict_json(out.read_text())
@@ -178,7 +178,7 @@ def test_run_quick_tiniest_model_writes_valid_json(tmp_path):
     assert results["machine"]["torch"] == torch.__version__
     assert results["config"]["clock"] == "cpu"
     cnn = results["models"]["cnn"]
-    assert set(cnn["variants"]) == {"fp32", "autocast", "O1", "O2", "floor"}
+    assert set(cnn["variants"]) == {"fp32", "autocast", "O1", "O2", "floor", "O2g"}  # O2g: --graphs on
     assert cnn["conversion"]["tracer"] == "fx"
     assert cnn["conversion"]["capture_s"] > 0 and cnn["conversion"]["pass_s"] > 0
     for name, v in cnn["variants"].items():
@@ -190,7 +190,17 @@ def test_run_quick_tiniest_model_writes_valid_json(tmp_path):
     assert cnn["variants"]["autocast"]["casts"] > 0
     assert cnn["variants"]["O2"]["copy_casts"] > 0      # master-grad harvest and master->model copy
     assert math.isfinite(cnn["variants"]["O2"]["sqnr_db"])
+    # O2g on the CPU: the CUDA-graph wrapper runs every call eagerly (no CUDA device), the code path end to end
+    graph = cnn["variants"]["O2g"]["cuda_graph"]
+    expected_reason = "no CUDA device" if not torch.cuda.is_available() else "not on one CUDA device"
+    assert graph["captures"] == 0 and graph["replays"] == 0 and graph["eager_calls"] > 0
+    assert set(graph["eager_reasons"]) <= {expected_reason, "gradients disabled", "dispatch or function mode active",
+                                           "saved-tensor hooks active"}, graph
+    assert cnn["variants"]["O2g"]["casts"] == cnn["variants"]["O2"]["casts"]  # the same graph, run eagerly
     targets = {(t["target"], t["model"]) for t in results["targets"]}
     assert ("O2 SQNR ≥ autocast − 1 dB", "cnn") in targets
+    o2g_rows = [t for t in results["targets"] if t["target"].startswith("O2g")]
+    assert len(o2g_rows) == 2 and not any(t["binding"] for t in o2g_rows)  # GPU targets: information on the CPU
     md = out.with_suffix(".md").read_text()
     assert "| model | variant | step ms |" in md and "| cnn | O2 |" in md and torch.__version__ in md
+    assert "| cnn | O2g |" in md

@@ -47,6 +47,7 @@ from torch import nn
 from converter.ir.errors import EXIT_CHECK_FAILED, MpconvertError
 from converter.ir.meta import GM_PARAM_DTYPES, META_CAST, META_INFO, META_TRAINER
 from converter.ir.precision import half_dtype
+from converter.train.cuda_graph import CudaGraphModule
 from converter.train.scaler import LossScaler
 
 __all__ = ["MixedPrecisionTrainer", "SpikeGuard", "TrainStats", "TrainingStalledError"]
@@ -124,7 +125,8 @@ class TrainStats:
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
-    if isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+    """The model inside a data-parallel wrapper or a :func:`converter.cuda_graph` wrapper (its fqns, its meta)."""
+    if isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel, CudaGraphModule)):
         return module.module
     return module
 
