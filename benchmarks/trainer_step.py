@@ -18,12 +18,12 @@ momentum 0.9). Variants, each on its own copy of the same weights:
 
 The steps run interleaved in one process (A B C … A B C …, :func:`benchmarks.common.interleaved`)
 with one torch thread and the thread CPU clock, so other processes on a shared machine do not
-blur the figures. Printed: median ms per phase (fwd, bwd, opt = ``trainer.step()``, or
+blur the figures (``--device cuda``: on the GPU, CUDA-event clock, the conversion lowered for CUDA). Printed: median ms per phase (fwd, bwd, opt = ``trainer.step()``, or
 ``optimizer.step()`` with the GradScaler calls), the ratio of each step to autocast's, and the
 ratio of each trainer's ``opt`` to its baseline's (``opt_base``: same precision, same optimizer path).
 
-Run: ``python benchmarks/trainer_step.py [--rounds 200] [--device-lowering cpu|none] [--compare-ref REF]
-[--fused] [--json out.json]``; ``--compare-ref main`` adds ``O1@main``, ``O2@main``, ``O1_fp16@main``,
+Run: ``python benchmarks/trainer_step.py [--rounds 200] [--device cpu|cuda] [--device-lowering cpu|cuda|none]
+[--compare-ref REF] [--fused] [--only NAME,...] [--json out.json]``; ``--compare-ref main`` adds ``O1@main``, ``O2@main``, ``O1_fp16@main``,
 ``O2_fp16@main``: the trainer (and its loss scaler) as committed there, timed in the same interleaved rounds.
 """
 from __future__ import annotations
@@ -140,9 +140,11 @@ def _trainer_class_at(ref: str) -> type:
     return trainer.MixedPrecisionTrainer
 
 
-def build(*, lowering: str | None, compare_ref: str | None = None, fused: bool = False) -> tuple[dict, dict]:
+def build(*, lowering: str | None, compare_ref: str | None = None, fused: bool = False,
+          device: str = "cpu") -> tuple[dict, dict]:
     """name -> step(clock) callables for the variants, and name -> the variant whose ``opt`` is its baseline."""
     model, x = encoder(*SMALL)
+    model, x = model.to(device), x.to(device)
     steps = {"autocast": amp_step(model, x), "autocast_fe": amp_step(model, x, path="foreach"),
              "amp16": amp_step(model, x, precision="fp16", path="foreach", grad_scaler=True)}
     if fused:
@@ -169,17 +171,21 @@ def build(*, lowering: str | None, compare_ref: str | None = None, fused: bool =
 
 
 def timing_parser(description: str) -> argparse.ArgumentParser:
-    """The options every step benchmark here takes (graph_step.py adds none, this file ``--compare-ref``)."""
+    """The options every step benchmark here takes (graph_step.py adds none, this file ``--device``,
+    ``--compare-ref``, ``--fused`` and ``--only``)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--inner", type=int, default=5)
-    parser.add_argument("--device-lowering", choices=("cpu", "none"), default="cpu")
+    parser.add_argument("--device-lowering", choices=("cpu", "cuda", "none"), default=None,
+                        help="the device the graph is converted for (default: the device it runs on; none: portable)")
     parser.add_argument("--json", type=Path, default=None)
     return parser
 
 
 def lowering_of(args: argparse.Namespace) -> str | None:
-    return None if args.device_lowering == "none" else args.device_lowering
+    if args.device_lowering == "none":
+        return None
+    return args.device_lowering or getattr(args, "device", "cpu")
 
 
 def time_steps(steps: dict, args: argparse.Namespace, *, nodes: dict | None = None,
@@ -190,9 +196,11 @@ def time_steps(steps: dict, args: argparse.Namespace, *, nodes: dict | None = No
     Skipped optimizer steps (a trainer's, or a GradScaler's overflow) are counted and reported: a skipped
     step does no optimizer work and would flatter its variant.
     """
-    samples = interleaved(steps, rounds=args.rounds, warmup=5, inner=args.inner, clock="cpu")
-    result = {"machine": machine_info(), "lowering": args.device_lowering, **({"nodes": nodes} if nodes else {}),
-              "variants": {name: summarize(s) for name, s in samples.items()}}
+    device = getattr(args, "device", "cpu")
+    samples = interleaved(steps, rounds=args.rounds, warmup=5, inner=args.inner,
+                          clock="cuda" if device == "cuda" else "cpu")
+    result = {"machine": machine_info(device), "lowering": lowering_of(args) or "none",
+              **({"nodes": nodes} if nodes else {}), "variants": {name: summarize(s) for name, s in samples.items()}}
     base = result["variants"]["autocast"]["total_ms"]
     node_header = f" {'nodes':>5s}" if nodes else ""
     print(f"{'variant':18s}{node_header} {'step ms':>8s} {'fwd':>7s} {'bwd':>7s} {'opt':>7s} {'vs autocast':>12s}"
@@ -220,6 +228,8 @@ def time_steps(steps: dict, args: argparse.Namespace, *, nodes: dict | None = No
 
 def main(argv: list[str] | None = None) -> dict:
     parser = timing_parser(__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the steps run (cuda: CUDA-event clock; cpu: thread CPU time, one thread)")
     parser.add_argument("--compare-ref", default=None,
                         help="also time the trainer as committed at this git ref (before/after in one process)")
     parser.add_argument("--fused", action="store_true",
@@ -228,7 +238,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="comma-separated variants to time (autocast and each one's opt baseline are kept)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    steps, opt_base = build(lowering=lowering_of(args), compare_ref=args.compare_ref, fused=args.fused)
+    steps, opt_base = build(lowering=lowering_of(args), compare_ref=args.compare_ref, fused=args.fused,
+                            device=args.device)
     if args.only:
         keep = {"autocast", *args.only.split(",")}
         keep |= {opt_base[name] for name in keep if name in opt_base}

@@ -442,7 +442,7 @@ class _LazyNorm:
 
 
 #: slots of the trainer's readout buffer: the step's device scalars, copied to the host together
-_FOUND, _NORM, _AGREE, _AFTER = range(4)
+_FOUND, _NORM, _AGREE, _LOSS, _AFTER = range(5)
 
 
 class MixedPrecisionTrainer:
@@ -597,16 +597,16 @@ class MixedPrecisionTrainer:
                             or callback is not None or self._fsdp is not None)
         self._lazy_norm: _LazyNorm | None = None
         # One fp32 buffer per step for the device scalars the host needs (found-inf flag, gradient norm, the
-        # ranks' agreement, the scale after the last update: slots _FOUND.._AFTER), written by the ops that
-        # produce them and copied to the host with one .tolist(): GradScaler's one synchronisation per step.
+        # ranks' agreement, the loss, the scale after the last update: slots _FOUND.._AFTER), written by the
+        # ops that produce them and copied to the host with one .tolist(): GradScaler's one sync per step.
         self._readout: torch.Tensor | None = None
         self._slots: list[torch.Tensor] = []  # its 0-dim views, made once (indexing is an op per call)
         self._step_scale: float | None = None  # the scale the current step unscaled with
-        # stats.scale/overflows/loss of the last step are settled lazily, so that no sync follows the
-        # optimizer step: the scale it used, its loss sum (a device tensor), and the scale after its update
-        # (slot _AFTER, read by the next step's copy or when stats are read).
+        # stats.scale/overflows of the last step are settled lazily, so that no sync follows the optimizer
+        # step: the scale it used, and the scale after its update (slot _AFTER, read by the next step's copy
+        # or when stats are read).
         self._pending_scale: float | None = None
-        self._pending_loss: torch.Tensor | None = None
+        self._step_loss: float | None = None  # this step's mean loss (slot _LOSS)
         # the scale's value as the host last read it, valid while the scaler's _version is _scale_seen_version
         self._scale_seen: float | None = self._stats.scale if self._scaling else None
         self._scale_seen_version = self._scaler._version if self._scaling else 0
@@ -995,6 +995,8 @@ class MixedPrecisionTrainer:
         readout, slot = self._readout_on(self._scalar_device(grads, buffers))
         pending = self._pending_scale is not None
         found = norm_t = None
+        if self._loss_sum is not None:
+            slot[_LOSS].copy_(self._loss_sum)
         if self._scaling:
             found = self._scaler._unscale(self._optimizer, buffers, found_inf=slot[_FOUND])
         if self._eager_norm:
@@ -1009,6 +1011,7 @@ class MixedPrecisionTrainer:
                 torch.distributed.all_reduce(agree, op=torch.distributed.ReduceOp.MAX, group=self._ddp.process_group)
                 slot[_AGREE].copy_(agree)
         values = readout.tolist()  # the one host sync
+        self._step_loss = None if self._loss_sum is None else values[_LOSS] / self._accumulation_steps
         norm = values[_NORM] if norm_t is not None else None
         if not self._scaling:
             non_finite = values[_AGREE] > 0 if self._ddp is not None else not math.isfinite(norm)
@@ -1087,12 +1090,9 @@ class MixedPrecisionTrainer:
         self._scale_seen, self._scale_seen_version = after, self._version_after_update
 
     def _settle_stats(self) -> None:
-        """Fill in what the last step left lazy (scale, overflows, loss, gradient norm); a few reads at most."""
+        """Fill in what the last step left lazy (scale, overflows, gradient norm); two reads at most."""
         if self._pending_scale is not None:
             self._settle_scale(float(self._slots[_AFTER].item()))
-        if self._pending_loss is not None:
-            self._stats.loss = float(self._pending_loss.item()) / self._accumulation_steps
-            self._pending_loss = None
         if self._lazy_norm is not None:
             self._stats.grad_norm = self._lazy_norm.value()
             self._lazy_norm = None
@@ -1163,8 +1163,8 @@ class MixedPrecisionTrainer:
         stats.spike_skips += int(spike)
         stats.consecutive_skips = 0 if stepped else stats.consecutive_skips + 1
         stats.grad_norm = grad_norm
-        if self._loss_sum is not None:
-            self._pending_loss = self._loss_sum
+        if self._step_loss is not None:
+            stats.loss = self._step_loss
         self._loss_sum = None
         if self._callback is not None:
             self._settle_stats()
@@ -1290,7 +1290,6 @@ class MixedPrecisionTrainer:
         self._stats = stats
         self._lazy_norm = None
         self._pending_scale = None
-        self._pending_loss = None
         self._scale_seen = None  # read again at the next step (the scaler's version moved anyway)
         self._norm_history.clear()
         if self._spike_guard is not None:
