@@ -1,30 +1,36 @@
-"""Trainer step overhead: converted model + MixedPrecisionTrainer vs a plain autocast loop.
+"""Trainer step overhead: converted model + MixedPrecisionTrainer vs a plain autocast loop (and GradScaler).
 
 Model: ``nn.TransformerEncoder`` d128, 4 heads, ff 256, 2 layers, B2×T16, dropout 0, SGD (lr 1e-4,
-momentum 0.9), bf16. Variants, each on its own copy of the same weights:
+momentum 0.9). Variants, each on its own copy of the same weights:
 
 * ``autocast`` — the original model under ``torch.autocast("cpu", dtype=bfloat16)``, ``loss.backward()``,
   ``optimizer.step()``: the baseline (SGD as torch builds it by default: a per-parameter loop on CPU);
 * ``autocast_fe`` — the same with ``SGD(foreach=True)``, which the trainer switches on by default
-  (``optimizer_foreach``), so the optimizer's share is compared like for like;
+  (``optimizer_foreach``), so the optimizer's share is compared like for like: bf16's ``opt`` baseline;
 * ``O1`` / ``O2`` — ``converter.convert(..., precision="bf16", opt_level=..., device=...)``.module driven by
-  ``MixedPrecisionTrainer(master_weights=False/True)``.
+  ``MixedPrecisionTrainer(master_weights=False/True)``;
+* ``amp16`` — fp16 autocast with ``torch.amp.GradScaler("cpu")``: ``scaler.scale(loss).backward()``, then
+  ``scaler.unscale_(opt)``, ``scaler.step(opt)``, ``scaler.update()`` with ``SGD(foreach=True)``: fp16's
+  ``opt`` baseline (what the trainer's ``step()`` replaces);
+* ``O1_fp16`` / ``O2_fp16`` — the fp16 conversions driven by the trainer (dynamic loss scale);
+* with ``--fused``: ``autocast_fused``, ``amp16_fused`` (``SGD(fused=True)``, which GradScaler drives
+  through its fused-optimizer path) and ``O2_fused``, ``O2_fp16_fused`` (``optimizer_fused=True``).
 
 The steps run interleaved in one process (A B C … A B C …, :func:`benchmarks.common.interleaved`)
 with one torch thread and the thread CPU clock, so other processes on a shared machine do not
-blur the figures. Printed: median ms per phase (fwd, bwd, opt = ``trainer.step()`` or
-``optimizer.step()``) and the ratio of each step to autocast's.
+blur the figures (``--device cuda``: on the GPU, CUDA-event clock, the conversion lowered for CUDA). Printed: median ms per phase (fwd, bwd, opt = ``trainer.step()``, or
+``optimizer.step()`` with the GradScaler calls), the ratio of each step to autocast's, and the
+ratio of each trainer's ``opt`` to its baseline's (``opt_base``: same precision, same optimizer path).
 
-Run: ``python benchmarks/trainer_step.py [--rounds 200] [--device-lowering cpu|none] [--compare-ref REF]
-[--json out.json]``; ``--compare-ref 50aa920`` adds ``O1@50aa920``/``O2@50aa920``: the trainer as committed
-there, timed in the same interleaved rounds.
+Run: ``python benchmarks/trainer_step.py [--rounds 200] [--device cpu|cuda] [--device-lowering cpu|cuda|none]
+[--compare-ref REF] [--fused] [--only NAME,...] [--json out.json]``; ``--compare-ref main`` adds ``O1@main``, ``O2@main``, ``O1_fp16@main``,
+``O2_fp16@main``: the trainer (and its loss scaler) as committed there, timed in the same interleaved rounds.
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import importlib.util
-import itertools
 import json
 import subprocess
 import sys
@@ -40,30 +46,55 @@ from benchmarks.common import encoder, interleaved, machine_info, sgd, summarize
 from converter import convert
 from converter.train.trainer import MixedPrecisionTrainer
 
-__all__ = ["build", "main", "SMALL", "autocast_step", "trainer_step", "timing_parser", "lowering_of", "time_steps"]
+__all__ = ["build", "main", "SMALL", "autocast_step", "amp_step", "trainer_step", "timing_parser", "lowering_of",
+           "time_steps"]
 
 #: the small benchmark encoder: d_model, heads, ff, batch, seq
 SMALL = (128, 4, 256, 2, 16)
 
+_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
-def autocast_step(model: nn.Module, x: torch.Tensor, *, foreach: bool = False):
-    """A step(clock) of a plain autocast loop on a copy of ``model``: the reference every variant is timed against.
-    ``foreach``: the same SGD with its multi-tensor kernels (torch's CPU default loops per parameter)."""
+
+def _optimizer(params, path: str) -> torch.optim.Optimizer:
+    """The benchmark SGD with torch's default path (``"default"``), ``"foreach"`` or ``"fused"`` kernels."""
+    if path == "fused":
+        return torch.optim.SGD(list(params), lr=1e-4, momentum=0.9, fused=True)
+    return sgd(params, foreach=True if path == "foreach" else None)
+
+
+def amp_step(model: nn.Module, x: torch.Tensor, *, precision: str = "bf16", path: str = "default",
+             grad_scaler: bool = False):
+    """A step(clock) of a plain autocast loop on a copy of ``model``; with ``grad_scaler``, the loss is scaled
+    and the optimizer driven by ``torch.amp.GradScaler`` (unscale_, step, update), timed as the ``opt`` phase."""
     amp = copy.deepcopy(model)
-    amp_opt = sgd(amp.parameters(), foreach=True if foreach else None)
+    amp_opt = _optimizer(amp.parameters(), path)
+    scaler = torch.amp.GradScaler(x.device.type) if grad_scaler else None
+    dtype = _PRECISION[precision]
 
     def step(clock) -> None:
         amp_opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(x.device.type, dtype=dtype):
             out = amp(x)
         loss = out.float().pow(2).mean()
         clock.mark("fwd")
-        loss.backward()
+        (loss if scaler is None else scaler.scale(loss)).backward()
         clock.mark("bwd")
-        amp_opt.step()
+        if scaler is None:
+            amp_opt.step()
+        else:
+            scaler.unscale_(amp_opt)
+            scaler.step(amp_opt)
+            scaler.update()
         clock.mark("opt")
 
+    step.scaler = scaler
     return step
+
+
+def autocast_step(model: nn.Module, x: torch.Tensor, *, foreach: bool = False):
+    """A step(clock) of a plain bf16 autocast loop on a copy of ``model``: the reference every variant is timed
+    against. ``foreach``: the same SGD with its multi-tensor kernels (torch's CPU default loops per parameter)."""
+    return amp_step(model, x, path="foreach" if foreach else "default")
 
 
 def trainer_step(module: nn.Module, trainer, x: torch.Tensor):
@@ -78,70 +109,118 @@ def trainer_step(module: nn.Module, trainer, x: torch.Tensor):
         trainer.step()
         clock.mark("opt")
 
+    step.trainer = trainer
     return step
 
 
-def _trainer_class_at(ref: str) -> type:
-    """``MixedPrecisionTrainer`` as committed at git ``ref`` (to time before/after in one process)."""
+def _module_at(ref: str, path: str, name: str, replace: dict[str, str] | None = None):
+    """The module at ``path`` as committed at git ``ref``, imported as ``name`` (import lines rewritten by ``replace``)."""
     root = Path(__file__).resolve().parent.parent
-    source = subprocess.run(["git", "-C", str(root), "show", f"{ref}:converter/train/trainer.py"],
+    source = subprocess.run(["git", "-C", str(root), "show", f"{ref}:{path}"],
                             check=True, capture_output=True, text=True).stdout
+    for old, new in (replace or {}).items():
+        source = source.replace(old, new)
     folder = Path(tempfile.mkdtemp(prefix="trainer_at_"))
-    path = folder / "trainer_at_ref.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(f"_trainer_at_{ref}", path)
+    file = folder / f"{name}.py"
+    file.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, file)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
-    return module.MixedPrecisionTrainer
+    return module
 
 
-def build(*, lowering: str | None, compare_ref: str | None = None) -> dict:
-    """name -> step(clock) callables for the variants."""
+def _trainer_class_at(ref: str) -> type:
+    """``MixedPrecisionTrainer`` as committed at git ``ref``, with the ``LossScaler`` committed there (to time
+    before/after in one process: the scaler's unscale and update are part of ``step()``)."""
+    tag = "".join(c if c.isalnum() else "_" for c in ref)
+    scaler = _module_at(ref, "converter/train/scaler.py", f"_scaler_at_{tag}")
+    trainer = _module_at(ref, "converter/train/trainer.py", f"_trainer_at_{tag}",
+                         {"from converter.train.scaler import": f"from {scaler.__name__} import"})
+    return trainer.MixedPrecisionTrainer
+
+
+def build(*, lowering: str | None, compare_ref: str | None = None, fused: bool = False,
+          device: str = "cpu") -> tuple[dict, dict]:
+    """name -> step(clock) callables for the variants, and name -> the variant whose ``opt`` is its baseline."""
     model, x = encoder(*SMALL)
-    steps = {}
-
-    steps["autocast"] = autocast_step(model, x)
-
-    steps["autocast_fe"] = autocast_step(model, x, foreach=True)
+    model, x = model.to(device), x.to(device)
+    steps = {"autocast": amp_step(model, x), "autocast_fe": amp_step(model, x, path="foreach"),
+             "amp16": amp_step(model, x, precision="fp16", path="foreach", grad_scaler=True)}
+    if fused:
+        steps["autocast_fused"] = amp_step(model, x, path="fused")
+        steps["amp16_fused"] = amp_step(model, x, precision="fp16", path="fused", grad_scaler=True)
     trainers = {"": MixedPrecisionTrainer}
     if compare_ref is not None:
         trainers[f"@{compare_ref}"] = _trainer_class_at(compare_ref)
-    for level, (suffix, trainer_class) in itertools.product(("O1", "O2"), trainers.items()):
-        conv = convert(copy.deepcopy(model), (x,), precision="bf16", opt_level=level, device=lowering)
+    base: dict[str, str] = {}
+    plan = [(p, level, s, cls, False) for p in ("bf16", "fp16") for level in ("O1", "O2") for s, cls in trainers.items()]
+    if fused:
+        plan += [(p, "O2", "", MixedPrecisionTrainer, True) for p in ("bf16", "fp16")]
+    for precision, level, suffix, trainer_class, use_fused in plan:
+        conv = convert(copy.deepcopy(model), (x,), precision=precision, opt_level=level, device=lowering)
         module = conv.module
-        trainer = trainer_class(module, sgd(module.parameters()), precision="bf16", master_weights=level == "O2")
-        steps[level + suffix] = trainer_step(module, trainer, x)
-    return steps
+        kwargs = {"optimizer_fused": True} if use_fused else {}
+        trainer = trainer_class(module, sgd(module.parameters()), precision=precision, master_weights=level == "O2",
+                                **kwargs)
+        name = level + ("_fp16" if precision == "fp16" else "") + ("_fused" if use_fused else "") + suffix
+        steps[name] = trainer_step(module, trainer, x)
+        base[name] = ("amp16" if precision == "fp16" else "autocast") + ("_fused" if use_fused else
+                                                                         ("" if precision == "fp16" else "_fe"))
+    return steps, base
 
 
 def timing_parser(description: str) -> argparse.ArgumentParser:
-    """The options every step benchmark here takes (graph_step.py adds none, this file ``--compare-ref``)."""
+    """The options every step benchmark here takes (graph_step.py adds none, this file ``--device``,
+    ``--compare-ref``, ``--fused`` and ``--only``)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--inner", type=int, default=5)
-    parser.add_argument("--device-lowering", choices=("cpu", "none"), default="cpu")
+    parser.add_argument("--device-lowering", choices=("cpu", "cuda", "none"), default=None,
+                        help="the device the graph is converted for (default: the device it runs on; none: portable)")
     parser.add_argument("--json", type=Path, default=None)
     return parser
 
 
 def lowering_of(args: argparse.Namespace) -> str | None:
-    return None if args.device_lowering == "none" else args.device_lowering
+    if args.device_lowering == "none":
+        return None
+    return args.device_lowering or getattr(args, "device", "cpu")
 
 
-def time_steps(steps: dict, args: argparse.Namespace, *, nodes: dict | None = None) -> dict:
-    """Time ``steps`` interleaved, print the medians per phase and the ratio to autocast, write ``--json``."""
-    samples = interleaved(steps, rounds=args.rounds, warmup=5, inner=args.inner, clock="cpu")
-    result = {"machine": machine_info(), "lowering": args.device_lowering, **({"nodes": nodes} if nodes else {}),
-              "variants": {name: summarize(s) for name, s in samples.items()}}
+def time_steps(steps: dict, args: argparse.Namespace, *, nodes: dict | None = None,
+               opt_base: dict | None = None) -> dict:
+    """Time ``steps`` interleaved, print the medians per phase and the ratio to autocast, write ``--json``.
+
+    ``opt_base``: name -> the variant whose ``opt`` phase is that variant's baseline (printed as ``opt/base``).
+    Skipped optimizer steps (a trainer's, or a GradScaler's overflow) are counted and reported: a skipped
+    step does no optimizer work and would flatter its variant.
+    """
+    device = getattr(args, "device", "cpu")
+    samples = interleaved(steps, rounds=args.rounds, warmup=5, inner=args.inner,
+                          clock="cuda" if device == "cuda" else "cpu")
+    result = {"machine": machine_info(device), "lowering": lowering_of(args) or "none",
+              **({"nodes": nodes} if nodes else {}), "variants": {name: summarize(s) for name, s in samples.items()}}
     base = result["variants"]["autocast"]["total_ms"]
     node_header = f" {'nodes':>5s}" if nodes else ""
-    print(f"{'variant':14s}{node_header} {'step ms':>8s} {'fwd':>7s} {'bwd':>7s} {'opt':>7s} {'vs autocast':>12s}")
+    print(f"{'variant':18s}{node_header} {'step ms':>8s} {'fwd':>7s} {'bwd':>7s} {'opt':>7s} {'vs autocast':>12s}"
+          f" {'opt/base':>9s}  base")
     for name, entry in result["variants"].items():
         entry["vs_autocast"] = entry["total_ms"] / base
+        trainer = getattr(steps[name], "trainer", None)
+        if trainer is not None:
+            entry["skipped"] = trainer.stats.skipped + trainer.stats.spike_skips
+        ratio = ""
+        if opt_base and name in opt_base:
+            entry["opt_base"] = opt_base[name]
+            entry["opt_vs_base"] = entry["opt_ms"] / result["variants"][opt_base[name]]["opt_ms"]
+            ratio = f" {entry['opt_vs_base']:8.3f}x  {opt_base[name]}"
         node_cell = f" {nodes.get(name, ''):>5}" if nodes else ""
-        print(f"{name:14s}{node_cell} {entry['total_ms']:8.3f} {entry['fwd_ms']:7.3f} {entry['bwd_ms']:7.3f} "
-              f"{entry['opt_ms']:7.3f} {entry['vs_autocast']:11.3f}x")
+        print(f"{name:18s}{node_cell} {entry['total_ms']:8.3f} {entry['fwd_ms']:7.3f} {entry['bwd_ms']:7.3f} "
+              f"{entry['opt_ms']:7.3f} {entry['vs_autocast']:11.3f}x{ratio}")
+    skipped = {name: e["skipped"] for name, e in result["variants"].items() if e.get("skipped")}
+    if skipped:
+        print(f"skipped optimizer steps: {skipped}")
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return result
@@ -149,11 +228,23 @@ def time_steps(steps: dict, args: argparse.Namespace, *, nodes: dict | None = No
 
 def main(argv: list[str] | None = None) -> dict:
     parser = timing_parser(__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the steps run (cuda: CUDA-event clock; cpu: thread CPU time, one thread)")
     parser.add_argument("--compare-ref", default=None,
                         help="also time the trainer as committed at this git ref (before/after in one process)")
+    parser.add_argument("--fused", action="store_true",
+                        help="also time SGD(fused=True) under autocast/GradScaler and the trainer's optimizer_fused")
+    parser.add_argument("--only", default=None,
+                        help="comma-separated variants to time (autocast and each one's opt baseline are kept)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    return time_steps(build(lowering=lowering_of(args), compare_ref=args.compare_ref), args)
+    steps, opt_base = build(lowering=lowering_of(args), compare_ref=args.compare_ref, fused=args.fused,
+                            device=args.device)
+    if args.only:
+        keep = {"autocast", *args.only.split(",")}
+        keep |= {opt_base[name] for name in keep if name in opt_base}
+        steps = {name: step for name, step in steps.items() if name in keep}
+    return time_steps(steps, args, opt_base=opt_base)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,9 @@ device that registers them (CPU and CUDA in torch 2.13), and equivalent tensor o
 from __future__ import annotations
 
 import enum
+import functools
 import math
+import operator
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -65,11 +67,24 @@ _CLOSURE_MESSAGE = (
 
 
 def _has_kernel(op_name: str, device: torch.device) -> bool:
-    """Whether ``op_name`` has a kernel registered for ``device``'s backend (no host sync)."""
+    """Whether ``op_name`` has a kernel registered for ``device``'s backend (no host sync).
+
+    A found kernel is remembered: the dispatcher lookup costs ~8 µs and runs twice per step, and a
+    registered kernel stays registered. A missing one is looked up again (a backend may load later).
+    """
+    if (op_name, device.type) in _KERNELS_FOUND:
+        return True
     key = _DISPATCH_KEY_FOR_DEVICE.get(device.type)
     if key is None:
         return False
-    return bool(torch._C._dispatch_has_kernel_for_dispatch_key(op_name, key))
+    found = bool(torch._C._dispatch_has_kernel_for_dispatch_key(op_name, key))
+    if found:
+        _KERNELS_FOUND.add((op_name, device.type))
+    return found
+
+
+#: (op name, device type) pairs whose kernel :func:`_has_kernel` has found
+_KERNELS_FOUND: set[tuple[str, str]] = set()
 
 
 def _dtensor_class() -> type | None:
@@ -81,6 +96,10 @@ def _dtensor_class() -> type | None:
 
 
 _DTENSOR = _dtensor_class()
+# C-level accessors for the per-step loops over gradients
+_GRAD = operator.attrgetter("grad")
+_LAYOUT = operator.attrgetter("layout")
+_NOT_NONE = functools.partial(operator.is_not, None)
 
 
 def _local_shard(tensor: torch.Tensor) -> torch.Tensor:
@@ -167,6 +186,21 @@ def _unscale_grads(
     ``found_inf`` is a float32 0-dim tensor; grads on other devices get their own flag, which is
     then folded into ``found_inf`` (0 or 1 afterwards).
     """
+    grads = list(filter(_NOT_NONE, map(_GRAD, params)))
+    if grads and set(map(type, grads)) == {torch.Tensor} and set(map(_LAYOUT, grads)) == {torch.strided}:
+        # the common case, dense plain tensors: grouped in C++ (as torch's optimizers group theirs), no
+        # Python work per gradient; only a complex group needs its real views
+        grouped = torch._C._group_tensors_by_device_and_dtype([grads], False)
+        dense: list[tuple[tuple[torch.device, torch.dtype], list[torch.Tensor]]] = []
+        for (device, dtype), ((tensors,), _indices) in grouped.items():
+            if not allow_fp16 and dtype == torch.float16:
+                raise ValueError("Attempting to unscale FP16 gradients.")
+            if dtype.is_complex:  # a complex weight (a Fourier layer): unscaled in place through its real view
+                tensors = [torch.view_as_real(t) for t in tensors]
+                dtype = tensors[0].dtype
+            dense.append(((device, dtype), tensors))
+        _unscale_groups(dense, inv_scale=inv_scale, found_inf=found_inf)
+        return
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
     for param in params:
         grad = param.grad
@@ -183,10 +217,19 @@ def _unscale_grads(
         if target.is_complex():  # a complex weight (a Fourier layer): unscaled in place through its real view
             target = torch.view_as_real(target)
         groups[(target.device, target.dtype)].append(target)
+    _unscale_groups(groups.items(), inv_scale=inv_scale, found_inf=found_inf)
 
+
+def _unscale_groups(
+    groups: Iterable[tuple[tuple[torch.device, torch.dtype], list[torch.Tensor]]],
+    *,
+    inv_scale: torch.Tensor,
+    found_inf: torch.Tensor,
+) -> None:
+    """The kernel side of :func:`_unscale_grads`: one fused call per ((device, dtype), dense tensors) group."""
     flags: dict[torch.device, torch.Tensor] = {found_inf.device: found_inf}
     inv_by_device: dict[torch.device, torch.Tensor] = {inv_scale.device: inv_scale}
-    for (device, _dtype), tensors in groups.items():
+    for (device, _dtype), tensors in groups:
         if device not in flags:
             flags[device] = torch.zeros((), dtype=torch.float32, device=device)
             inv_by_device[device] = inv_scale.to(device)
@@ -311,6 +354,7 @@ class LossScaler:
         self._growth_tracker: torch.Tensor | None = None
         self._hysteresis_left: torch.Tensor | None = None
         self._records: dict[int, _OptimizerRecord] = defaultdict(_OptimizerRecord)
+        self._changes = 0  # see _version
 
     # ------------------------------------------------------------------ helpers
     def _check_bounds(self, value: float, what: str) -> None:
@@ -377,20 +421,61 @@ class LossScaler:
         """
         if not self._enabled:
             return
+        self._unscale(optimizer)
+
+    def _unscale(self, optimizer: torch.optim.Optimizer, buffers: list[torch.Tensor] | None = None, *,
+                 found_inf: torch.Tensor | None = None) -> torch.Tensor:
+        """``unscale_`` that returns the found-inf flag (0-dim float32 on the scale's device) without reading it.
+
+        ``buffers``: dense fp32 tensors that hold exactly ``optimizer``'s gradients, as views (the O2
+        trainer's gradient arena): they are unscaled and checked with one fused kernel per buffer
+        instead of collecting and grouping every ``.grad``. ``found_inf``: a 0-dim float32 tensor the
+        flag is written to (the trainer's readout buffer, read with its other per-step scalars in one
+        copy to the host); used as the flag itself when it is on the scale's device. The record is
+        the one ``unscale_`` keeps, so ``step``/``update`` behave the same either way. Nothing here
+        synchronises with the device.
+        """
         record = self._records[id(optimizer)]
         if record.stage is _Stage.UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         if record.stage is _Stage.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        scale = self._lazy_init(self._first_grad_device(optimizer))
+        if buffers:
+            scale = self._lazy_init(buffers[0].device)
+        else:
+            scale = self._lazy_init(self._first_grad_device(optimizer))
         inv_scale = scale.double().reciprocal().float()
-        found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        _unscale_grads(params, inv_scale=inv_scale, found_inf=found_inf, allow_fp16=False)
-        if self._sync_found_inf and torch.distributed.is_available() and torch.distributed.is_initialized():
+        out = found_inf
+        distributed = self._sync_found_inf and torch.distributed.is_available() and torch.distributed.is_initialized()
+        if out is not None and out.device == scale.device and not distributed:
+            found_inf = out.zero_()
+        else:  # a collective gets a tensor of its own, not a view into the caller's buffer
+            found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
+        if buffers is None:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            _unscale_grads(params, inv_scale=inv_scale, found_inf=found_inf, allow_fp16=False)
+        else:
+            groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+            for buffer in buffers:
+                groups[(buffer.device, buffer.dtype)].append(buffer)
+            _unscale_groups(groups.items(), inv_scale=inv_scale, found_inf=found_inf)
+        if distributed:
             torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX)
+        if out is not None and out is not found_inf:
+            out.copy_(found_inf)
         record.found_inf = found_inf
         record.stage = _Stage.UNSCALED
+        return found_inf
+
+    def _scale_tensor(self) -> torch.Tensor | None:
+        """The live 0-dim scale tensor (None before first use or when disabled); read it without a sync."""
+        return self._scale if self._enabled else None
+
+    @property
+    def _version(self) -> int:
+        """Bumped by everything that may change the scale (``update``, ``update(new_scale)``, a loaded state):
+        a caller that knows the scale's value at one version knows it as long as the version holds."""
+        return self._changes
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """``unscale_`` (if not done yet), then ``optimizer.step(*args, **kwargs)`` unless inf/NaN was found.
@@ -433,6 +518,7 @@ class LossScaler:
         """
         if not self._enabled:
             return
+        self._changes += 1
         if new_scale is not None:
             self._set_scale(new_scale)
         else:
@@ -440,7 +526,7 @@ class LossScaler:
             if not flags:
                 raise RuntimeError("No inf checks were recorded prior to update.")
             scale = self._scale
-            found_inf = flags[0].to(scale.device)
+            found_inf = flags[0] if len(flags) == 1 and flags[0].device == scale.device else flags[0].to(scale.device)
             for flag in flags[1:]:
                 found_inf = found_inf + flag.to(scale.device)
             if self._dynamic:
@@ -590,6 +676,7 @@ class LossScaler:
         if not self._enabled:
             return
         values = self.check_state_dict(state_dict)
+        self._changes += 1
         self._min_scale, self._max_scale = values["min_scale"], values["max_scale"]
         self._hysteresis, self._dynamic = values["hysteresis"], values["dynamic"]
         self._growth_factor, self._backoff_factor = values["growth_factor"], values["backoff_factor"]
