@@ -11,18 +11,22 @@ Stages:
 * ``export``  build + ``torch.export.export`` (the floor a graph pass cannot go under);
 * ``convert`` build + ``converter.convert`` (bf16, defaults);
 * ``save``    build + convert + ``Conversion.save`` (model.py, weights, train.py, reports);
-* ``cli``     ``mpconvert FOLDER --no-measure`` on a ``save_pretrained`` folder written beforehand;
+* ``cli``     ``mpconvert FOLDER`` (the default command: convert, measure against fp32 and autocast, save,
+  check) on a ``save_pretrained`` folder written beforehand;
+* ``cli_nomeasure``  the same with ``--no-measure`` (no measurement; what the ``cli`` row showed before
+  2026-11-26);
 * ``apply``   build + ``converter.apply`` (in place);
 * ``load``    a fresh process that imports the model.py written by ``save`` and calls ``load()`` (for the
   meta sizes nothing: their weights would come from ``load(weights=CHECKPOINT)``).
 
 W is the fp32 parameter bytes. Sizes ``0.06b``, ``0.3b``, ``0.6b``, ``1.1b`` are built with real (random)
 weights; ``8b`` and ``70b`` are Llama-3-8B/70B shapes built with ``converter.empty_weights()`` (parameters
-on the meta device; no weights exist), and their ``cli`` stage converts a config-only folder. Nothing is
-downloaded.
+on the meta device; no weights exist), and their ``cli`` stages convert a config-only folder (nothing to
+measure there, so ``cli`` and ``cli_nomeasure`` do the same work). Nothing is downloaded.
 
     python benchmarks/scale.py --sizes 0.06b 0.3b --out benchmarks/results/scale.json
     python benchmarks/scale.py --sizes 8b 70b --stages build export convert save
+    python benchmarks/scale.py --sizes 1.1b --stages build cli cli_nomeasure --merge   # update those rows only
 
 The Markdown table goes to ``--out`` with ``.md``; the README's "Real-size models" table is pasted from it.
 """
@@ -56,7 +60,7 @@ SIZES = {
     "70b": (dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
                  num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0), True),  # Llama-3-70B's shape
 }
-STAGES = ("build", "export", "convert", "save", "cli", "apply", "load")
+STAGES = ("build", "export", "convert", "save", "cli", "cli_nomeasure", "apply", "load")
 BATCH, SEQ = 1, 32
 
 
@@ -105,20 +109,30 @@ def _child(stage: str, size: str, work: Path) -> dict:
         out["stage_s"] = time.perf_counter() - t0
         out["params"] = sum(p.numel() for p in model.parameters())
         return out
-    if stage == "cli":
+    if stage in ("cli", "cli_nomeasure"):
         from converter.cli.main import main
 
-        t0 = time.perf_counter()
-        code = main([str(work / "pretrained"), "--out", str(work / "cli_out"), "--force", "--no-measure"])
+        t0, c0 = time.perf_counter(), time.process_time()
+        code = main([str(work / "pretrained"), "--out", str(work / "cli_out"), "--force"]
+                    + (["--no-measure"] if stage == "cli_nomeasure" else []))
         out["stage_s"] = time.perf_counter() - t0
+        out["stage_cpu_s"] = time.process_time() - c0
         out["exit"] = code
+        report = work / "cli_out" / "report.json"
+        if code == 0 and report.is_file():  # the measurement's own time and method, as report.json has them
+            data = json.loads(report.read_text())
+            measure_s = (data.get("timings") or {}).get("measure_s")
+            if measure_s is not None:
+                out["measure_s"] = measure_s
+            if (data.get("memory") or {}).get("measure_method"):
+                out["measure_method"] = data["memory"]["measure_method"]
         return out
     model = _build(size)
     out["build_s"] = time.perf_counter() - t0
     out["params"] = sum(p.numel() for p in model.parameters())
     out["W_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
     example = _inputs(size)
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     if stage == "export":
         ep = torch.export.export(model, example[0], example[1], strict=False)
         out["nodes"] = len(ep.graph.nodes)
@@ -129,7 +143,7 @@ def _child(stage: str, size: str, work: Path) -> dict:
         out["nodes"] = len(conv.module.graph.nodes)
         if stage == "save":
             out["convert_s"] = time.perf_counter() - t1
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.process_time()
             target = work / "save"
             conv.save(target, force=True)
             out["saved_bytes"] = sum(p.stat().st_size for p in target.iterdir() if p.is_file())
@@ -143,6 +157,7 @@ def _child(stage: str, size: str, work: Path) -> dict:
         else:
             model.save_pretrained(work / "pretrained")
     out["stage_s"] = time.perf_counter() - t1
+    out["stage_cpu_s"] = time.process_time() - c1
     return out
 
 
@@ -183,8 +198,8 @@ def _fmt_ratio(value, base) -> str:
 
 
 def _table(results: dict) -> str:
-    lines = ["| size | params | W | stage | time s | × export | peak RSS GiB | × W | × build RSS | note |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| size | params | W | stage | time s | CPU s | × export | peak RSS GiB | × W | × build RSS | note |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for size, stages in results.items():
         build = stages.get("build", {})
         export_s = stages.get("export", {}).get("stage_s")
@@ -194,13 +209,17 @@ def _table(results: dict) -> str:
             if row is None:
                 continue
             seconds = row.get("build_s") if stage == "build" else row.get("stage_s")
+            cpu = None if stage == "build" else row.get("stage_cpu_s")
             rss = row.get("peak_rss")
             note = row.get("error", "")
-            if stage == "cli" and row.get("exit") not in (None, 0):
+            if stage.startswith("cli") and row.get("exit") not in (None, 0):
                 note = note or f"exit {row['exit']}"
+            if row.get("measure_s") is not None:
+                note = note or f"measure {row['measure_s']:.1f} s"
             lines.append(
                 f"| {size} | {build.get('params', 0) / 1e9:.2f}B | {(W or 0) / GiB:.2f} GiB | {stage} | "
-                f"{'—' if seconds is None else f'{seconds:.1f}'} | {_fmt_ratio(seconds, export_s) if stage != 'build' else ''} | "
+                f"{'—' if seconds is None else f'{seconds:.1f}'} | {'' if cpu is None else f'{cpu:.1f}'} | "
+                f"{_fmt_ratio(seconds, export_s) if stage != 'build' else ''} | "
                 f"{'—' if rss is None else f'{rss / GiB:.2f}'} | {_fmt_ratio(rss, W)} | "
                 f"{_fmt_ratio(rss, build.get('peak_rss')) if stage != 'build' else ''} | {note} |")
     return "\n".join(lines) + "\n"
@@ -211,6 +230,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes", nargs="+", default=["0.06b", "0.3b"], choices=sorted(SIZES))
     parser.add_argument("--stages", nargs="+", default=list(STAGES), choices=STAGES)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "scale.json"))
+    parser.add_argument("--merge", action="store_true",
+                        help="update the rows this run measures in an existing --out, keeping its other rows")
     parser.add_argument("--stage", help=argparse.SUPPRESS)
     parser.add_argument("--size", help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
@@ -224,7 +245,7 @@ def main(argv=None) -> int:
         try:
             stages = {}
             for stage in args.stages:
-                if stage == "cli":
+                if stage.startswith("cli") and not (work / "pretrained").is_dir():
                     _run_stage("pretrained", size, work)
                 if stage == "load" and (SIZES[size][1] or not (work / "save" / "model.py").is_file()):
                     stages[stage] = {"error": "no weights (meta)" if SIZES[size][1] else "needs the save stage"}
@@ -236,6 +257,11 @@ def main(argv=None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.merge and out.is_file():
+        merged = json.loads(out.read_text()).get("results", {})
+        for size, stages in results.items():
+            merged.setdefault(size, {}).update(stages)
+        results = merged
     out.write_text(json.dumps({"machine": os.uname().nodename, "results": results}, indent=1))
     table = _table(results)
     out.with_suffix(".md").write_text(table)

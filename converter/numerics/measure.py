@@ -27,6 +27,27 @@ The report's static numbers come from ``node.meta``; this module checks them by 
   output, i.e. the error this node adds by itself. The nodes with the lowest local SQNR are the
   ones to pin to fp32 first.
 
+Measuring streams: it holds nothing it measures, so it adds no second copy of the weights
+(``numerics.method`` in report.json says so). The pack hook counts a saved tensor and keeps
+nothing (no backward runs; the unpack hook raises), so each half weight copy is freed after its
+op, as in a no-grad forward. A storage is told apart from a later one at the same address by a
+weak reference to it (a storage keeps its Python object while it lives): the numbers are those
+of holding every saved tensor and every weight copy. The module before this returned the tensor
+itself from the pack hook and kept a list of them: a saved *output* → its ``grad_fn`` → the
+packed tensor is a reference cycle that kept each such forward's graph, and its 2 GiB of bf16
+weight copies at 1.1B parameters, alive after the list was cleared, so the default ``mpconvert``
+run peaked at 2.28× the build's memory (``benchmarks/scale.py``, 10.20 GiB); and an activation
+allocated where an unsaved weight copy had been freed was counted as a weight copy.
+``torch.autocast`` runs with ``cache_enabled=False``: its cache holds a half copy of every weight
+until the context exits (2 GiB at 1.1B), and casting again gives the same values. The counts are
+autocast's with its cache, which casts a leaf parameter once per forward: :class:`CastCounter`
+counts a repeated cast of the same parameter to the autocast dtype as the cache hit it would have
+been, and the saved bytes count its copy once. (A model that itself calls ``w.to(half)`` twice on
+one parameter under autocast is the one case counted differently: the cache does not serve
+explicit casts.) :func:`node_errors` frees each value after its last user and evaluates the
+graph's autocast enter/exit brackets once for both passes (twice, they restored the global
+autocast state in the wrong order and left autocast's cache switched off for the process).
+
 SQNRs are :func:`converter.numerics.common.sqnr_db` over the positions finite in both (non-finite
 mismatches are counted apart): ``+inf`` means identical (``"inf"`` in report.json), ``None``
 that nothing was compared (a local SQNR: no input dtype differs). Measuring never changes the
@@ -35,7 +56,9 @@ models: buffers (BatchNorm statistics), train/eval mode and the RNG state are re
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -48,6 +71,7 @@ from converter.numerics.common import output_tensors, preserved_state, sqnr_db
 
 __all__ = [
     "measure",
+    "METHOD",
     "CastCounter",
     "count_casts",
     "saved_activations",
@@ -89,8 +113,34 @@ def _device_type(module: torch.nn.Module) -> str:
 
 
 def _autocast(dtype_name: str, module: torch.nn.Module):
-    """``torch.autocast`` on the module's device with the target half dtype."""
-    return torch.autocast(_device_type(module), dtype=DTYPES[dtype_name])
+    """``torch.autocast`` on the module's device with the target half dtype, without its weight-cast
+    cache: the cache would hold a half copy of every weight until the context exits (2 GiB at 1.1B
+    parameters in bf16); casting again gives the same values, and :class:`CastCounter` counts as
+    the cache would (see the module docstring)."""
+    return torch.autocast(_device_type(module), dtype=DTYPES[dtype_name], cache_enabled=False)
+
+
+class _Live:
+    """Storages told apart while they live: a storage at an address that a dead one had is new.
+
+    Storages keep their Python object while they live (PyTorch preserves it), so a weak
+    reference to it is alive exactly as long as the storage; keys are addresses. Address 0
+    (zero-size storages) is one storage, as the address bookkeeping before this class had it.
+    """
+
+    def __init__(self) -> None:
+        self._refs: dict[int, tuple[Any, Any]] = {}
+
+    def get(self, storage: torch.UntypedStorage) -> Any:
+        """The value put for this very storage, or None."""
+        entry = self._refs.get(storage.data_ptr())
+        if entry is None:
+            return None
+        ref, value = entry
+        return value if (storage.data_ptr() == 0 or ref() is storage) else None
+
+    def put(self, storage: torch.UntypedStorage, value: Any) -> None:
+        self._refs[storage.data_ptr()] = (weakref.ref(storage), value)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -101,14 +151,31 @@ class CastCounter(TorchDispatchMode):
     """Counts dtype-changing ``aten._to_copy`` calls between floating dtypes, with their bytes.
 
     ``weight_ptrs`` are the storages of the module's parameters and buffers: a cast reading one
-    of them is a weight cast. ``weight_copies`` collects the storages those casts produce.
+    of them is a weight cast; :meth:`copy_key` names the copy it made while that copy lives.
+    ``autocast_dtype``: the forward runs under ``torch.autocast`` to this dtype without its cache
+    (:func:`_autocast`); a cast that autocast's cache would have served (a leaf fp32 tensor that
+    requires grad, cast to that dtype before in this forward) is not counted again, and its copy
+    gets the first copy's key, so the saved bytes count it once as the cache's one copy.
     """
 
-    def __init__(self, weight_ptrs: set[int]):
+    def __init__(self, weight_ptrs: set[int], *, autocast_dtype: Optional[torch.dtype] = None):
         super().__init__()
         self.weight_ptrs = weight_ptrs
+        self.autocast_dtype = autocast_dtype
         self.casts: list[dict] = []
-        self.weight_copies: set[int] = set()
+        self._copies = _Live()  # output storage of a weight cast -> its key
+        self._cached: dict[tuple[int, torch.dtype], tuple[Any, tuple]] = {}  # (id(src), dtype) -> (weakref(src), key)
+        self._serial = itertools.count()
+
+    def copy_key(self, storage: torch.UntypedStorage) -> Optional[tuple]:
+        """The key of the weight copy ``storage`` is (None: no weight cast made it); copies that
+        autocast's cache would have shared have one key."""
+        return self._copies.get(storage)
+
+    def _cacheable(self, src: torch.Tensor, dtype: torch.dtype) -> bool:
+        """Autocast's own condition for caching a cast (``cached_cast`` in autocast_mode.cpp)."""
+        return (self.autocast_dtype is not None and dtype == self.autocast_dtype and src.dtype == torch.float32
+                and src.requires_grad and src.is_leaf and not src._is_view())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -117,7 +184,15 @@ class CastCounter(TorchDispatchMode):
             if src.dtype != out.dtype and src.dtype in _FLOATS and out.dtype in _FLOATS:
                 on_weight = src.untyped_storage().data_ptr() in self.weight_ptrs
                 if on_weight:
-                    self.weight_copies.add(out.untyped_storage().data_ptr())
+                    key: tuple = ("copy", next(self._serial))
+                    if self._cacheable(src, out.dtype):
+                        hit = self._cached.get((id(src), out.dtype))
+                        if hit is not None and hit[0]() is src:  # autocast's cache would have served it
+                            self._copies.put(out.untyped_storage(), hit[1])
+                            return out
+                        key = ("cached", id(src), out.dtype)
+                        self._cached[(id(src), out.dtype)] = (weakref.ref(src), key)
+                    self._copies.put(out.untyped_storage(), key)
                 self.casts.append({
                     "shape": list(src.shape),
                     "src": str(src.dtype).replace("torch.", ""),
@@ -140,7 +215,7 @@ class CastCounter(TorchDispatchMode):
 
 def count_casts(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, *, autocast: Optional[str] = None) -> dict:
     """Run one forward (no grad) and count its casts; ``autocast="bf16"`` runs under torch.autocast."""
-    counter = CastCounter(_storage_ptrs(module))
+    counter = CastCounter(_storage_ptrs(module), autocast_dtype=DTYPES[autocast] if autocast else None)
     ctx = _autocast(autocast, module) if autocast else contextlib.nullcontext()
     with preserved_state(module), torch.no_grad(), ctx, counter:
         _run(module, args, kwargs or {})
@@ -164,32 +239,43 @@ def saved_activations(
     With ``count_casts`` the same forward runs under a :class:`CastCounter`: it tells the half
     copies of parameters apart (``weight_copy_bytes``) and its summary is returned as ``casts``.
     Without it (faster: no Python dispatch), every non-parameter storage counts as an activation.
+    Nothing saved is kept: the forward holds what a no-grad forward holds (module docstring).
     """
     params = _storage_ptrs(module)
-    seen: dict[int, int] = {}
-    keep: list[torch.Tensor] = []  # hold every saved tensor so that no storage address is reused
+    counted = _Live()  # storages counted, while they live
+    copy_keys: set = set()
+    totals = {"bytes": 0, "copy_bytes": 0, "tensors": 0}
+    counter = CastCounter(params, autocast_dtype=DTYPES[autocast] if autocast else None) if count_casts else None
 
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        keep.append(tensor)
+    def pack(tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in params:
-            seen[ptr] = storage.nbytes()
-        return tensor
+        if storage.data_ptr() in params or counted.get(storage) is not None:
+            return None
+        counted.put(storage, True)
+        key = counter.copy_key(storage) if counter is not None else None
+        if key is not None:
+            if key in copy_keys:  # a copy autocast's cache would have shared: counted once
+                return None
+            copy_keys.add(key)
+            totals["copy_bytes"] += storage.nbytes()
+        totals["bytes"] += storage.nbytes()
+        totals["tensors"] += 1
+        return None  # counted, not kept: the tensor is freed when its op is done with it
 
-    counter = CastCounter(params) if count_casts else None
     ctx = _autocast(autocast, module) if autocast else contextlib.nullcontext()
-    with preserved_state(module), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+    with preserved_state(module), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _unpack), \
             (counter if counter is not None else contextlib.nullcontext()), ctx:
-        out = _run(module, args, kwargs or {})
-    del out
-    copies = sum(b for p, b in seen.items() if counter is not None and p in counter.weight_copies)
-    total = sum(seen.values())
-    result = {"activation_bytes": total - copies, "weight_copy_bytes": copies, "tensors": len(seen)}
+        _run(module, args, kwargs or {})
+    result = {"activation_bytes": totals["bytes"] - totals["copy_bytes"], "weight_copy_bytes": totals["copy_bytes"],
+              "tensors": totals["tensors"]}
     if counter is not None:
         result["casts"] = counter.summary()
-    keep.clear()
     return result
+
+
+def _unpack(_: None) -> torch.Tensor:
+    raise RuntimeError("saved_activations() counts what autograd saves and keeps none of it: "
+                       "its forward cannot be differentiated; please report this bug")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,6 +355,18 @@ def _reported(node: torch.fx.Node) -> bool:
     return info is not None and META_DECISION in node.meta and info.kind not in ("cast", "passive")
 
 
+#: global-state brackets in captured graphs (regions.py): evaluated once, their value shared by both passes
+_BRACKETS = (torch.amp.autocast_mode._enter_autocast, torch.amp.autocast_mode._exit_autocast)
+
+
+def _free_inputs(node: torch.fx.Node, i: int, last_use: dict, *envs: dict) -> None:
+    """Drop the values whose last user is ``node`` (the ``i``-th node) from every environment."""
+    for inp in node.all_input_nodes:
+        if last_use.get(inp) == i:
+            for env in envs:
+                env.pop(inp, None)
+
+
 def node_errors(gm: torch.fx.GraphModule, args: tuple, kwargs: Optional[dict] = None, *, worst: int = 10) -> dict:
     """Per-node cumulative and local SQNR of the converted graph (see the module docstring)."""
     kwargs = kwargs or {}
@@ -298,6 +396,12 @@ def node_errors(gm: torch.fx.GraphModule, args: tuple, kwargs: Optional[dict] = 
                 break
             else:
                 rec = node.meta.get(META_CAST)
+                if node.op == "call_function" and node.target in _BRACKETS:
+                    # enter/exit of the graph's autocast regions: once, not once per pass (two contexts
+                    # left in the wrong order restore the wrong global autocast state, cache flag included)
+                    mixed[node] = ref[node] = call(node, *map_arg((node.args, node.kwargs), lambda n: mixed[n]))
+                    _free_inputs(node, i, last_use, mixed, ref)
+                    continue
                 in_ref = map_arg((node.args, node.kwargs), lambda n: ref[n])
                 in_mixed = map_arg((node.args, node.kwargs), lambda n: mixed[n])
                 local = None
@@ -314,10 +418,7 @@ def node_errors(gm: torch.fx.GraphModule, args: tuple, kwargs: Optional[dict] = 
                     if local is not None:
                         row["local_sqnr_db"] = compare_outputs(ref[node], local)["sqnr_db"]
                     per_node[node.name] = row
-            for inp in node.all_input_nodes:
-                if last_use.get(inp) == i:
-                    mixed.pop(inp, None)
-                    ref.pop(inp, None)
+            _free_inputs(node, i, last_use, mixed, ref)
     ranked = sorted(
         (name for name, row in per_node.items() if row["local_sqnr_db"] is not None),
         key=lambda name: per_node[name]["local_sqnr_db"],
@@ -332,6 +433,16 @@ def node_errors(gm: torch.fx.GraphModule, args: tuple, kwargs: Optional[dict] = 
 
 # ---------------------------------------------------------------------------------------------
 # everything
+
+#: ``numerics.method`` in report.json: what was compared (``scope``) and how memory was kept bounded.
+#: ``scope`` is ``"full"``: every output and every node on the whole example inputs, no slice or subset.
+METHOD = {
+    "scope": "full",
+    "memory": "streamed",
+    "note": "every output and every node on the full example inputs (no slice, no subset); streamed: saved tensors "
+            "are counted and dropped, torch.autocast runs without its weight-cast cache (same values), each node's "
+            "values are freed after its last user, so measuring holds no second copy of the weights",
+}
 
 
 def measure(conv, *, autocast: bool = True, per_node: bool = True, worst: int = 10) -> dict:
@@ -361,7 +472,7 @@ def measure(conv, *, autocast: bool = True, per_node: bool = True, worst: int = 
         "saved_ratio": (saved["converted"]["activation_bytes"] / fp32_bytes) if fp32_bytes else None,
         "saved_ratio_autocast": (saved["autocast"]["activation_bytes"] / fp32_bytes) if (autocast and fp32_bytes) else None,
         "saved_method": "saved_tensors_hooks, one forward with grad, unique storages, parameters and buffers excluded; "
-                        "half copies of parameters counted apart (weight_copy)",
+                        "half copies of parameters counted apart (weight_copy); each saved tensor counted, none kept",
     }
     out["memory"] = memory
 
@@ -370,7 +481,8 @@ def measure(conv, *, autocast: bool = True, per_node: bool = True, worst: int = 
         mode = "eval" if _try_eval(gm, original) else "as-is"
         ref = _run(original, args, kwargs)
         converted = _run(gm, args, kwargs)
-        numerics: dict = {"mode": mode, "precision": precision, "vs_fp32": compare_outputs(ref, converted)}
+        numerics: dict = {"mode": mode, "precision": precision, "method": dict(METHOD),
+                          "vs_fp32": compare_outputs(ref, converted)}
         if autocast:
             with _autocast(precision, original):
                 auto = _run(original, args, kwargs)

@@ -128,6 +128,10 @@ def _numerics(report: ReportView) -> list[str]:
         rows.append(["converted vs torch.autocast", fmt_db(n["vs_autocast"]["sqnr_db"]), fmt_err(n["vs_autocast"]["max_abs_err"])])
     out += [f"Outputs on the example inputs ({md_escape(n.get('mode', ''))} mode); SQNR = 20·log10(‖ref‖/‖ref−out‖).", "",
             _table(["comparison", "SQNR", "max abs error"], rows), ""]
+    method = n.get("method")
+    if isinstance(method, dict) and method.get("note"):
+        out += [f"Method: {md_escape(method.get('scope', ''))}, {md_escape(method.get('memory', ''))} — "
+                f"{md_escape(method['note'])}.", ""]
     if n.get("worst"):
         out += ["### Error attribution: nodes that add the most error", "",
                 "Local SQNR: the node run on fp32 inputs rounded to its converted input dtypes, against fp32. "
