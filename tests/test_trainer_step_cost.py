@@ -203,6 +203,26 @@ def test_bf16_o2_step_checks_with_one_norm_into_the_readout_and_reads_the_host_o
     assert math.isfinite(trainer.stats.grad_norm)
 
 
+def test_bf16_o1_step_checks_with_the_fused_kernel_at_inv_scale_one(counter_factory):
+    """O1's gradients are separate tensors: one multi-tensor check (inv_scale 1: the values stay bit for bit)
+    instead of a norm per tensor; the norm is left to a stats read."""
+    model = _block()
+    trainer = _trainer(model, precision="bf16", master_weights=False)
+    for step in range(2):
+        _backward(trainer, model, step)
+        grads = [p.grad.clone() for p in model.parameters()]
+        counter = counter_factory(trainer.optimizer)
+        with counter:
+            assert trainer.step()
+    assert counter.ops[_UNSCALE] == 1 and len(counter.unscale_lists[0]) == len(grads), counter.ops
+    assert not [op for op in counter.ops if any(n in op for n in _NORM_OPS)], counter.ops
+    assert counter.host_reads == 1, counter.ops
+    for before, param in zip(grads, model.parameters()):
+        assert torch.equal(before, param.grad)
+    expected = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))).item()
+    assert trainer.stats.grad_norm == expected, (trainer.stats.grad_norm, expected)
+
+
 def test_gradscaler_reads_the_host_once_too(counter_factory):
     """The yardstick: torch.amp.GradScaler's unscale_/step/update read device memory once per step."""
     model = _block()
@@ -440,3 +460,16 @@ def test_optimizer_fused_switches_only_default_groups_of_sgd_adam_adamw(counter_
     assert trainer.fused_groups == 0 and adam.param_groups[0]["foreach"] is True
     with pytest.raises(TypeError, match="optimizer_fused must be a bool"):
         MixedPrecisionTrainer(_block(), torch.optim.SGD(_block().parameters(), lr=0.1), optimizer_fused=1)
+
+
+# ---------------------------------------------------------------- the benchmark that times it
+def test_trainer_step_benchmark_runs_and_reports_both_opt_baselines(tmp_path, one_thread):
+    """benchmarks/trainer_step.py end to end on one variant (no timing assertion: it only has to run)."""
+    from benchmarks import trainer_step
+
+    out = tmp_path / "trainer_step.json"
+    result = trainer_step.main(["--rounds", "1", "--inner", "1", "--only", "O2_fp16", "--json", str(out)])
+    assert set(result["variants"]) == {"autocast", "amp16", "amp16_fe", "O2_fp16"}, result["variants"].keys()
+    entry = result["variants"]["O2_fp16"]
+    assert entry["opt_base"] == {"same": "amp16_fe", "user": "amp16"} and entry["skipped"] == 0, entry
+    assert entry["opt_vs_same"] > 0 and entry["opt_vs_user"] > 0 and out.exists()
