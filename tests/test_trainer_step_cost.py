@@ -164,7 +164,7 @@ def test_o2_fp16_step_is_one_fused_unscale_over_the_arena_one_flat_copy_and_one_
         "aten._to_copy.default": 2, "aten.reciprocal.default": 1,  # 1/scale in double, rounded to fp32 once
         _UNSCALE: 1,
         "aten.copy_.default": 3,  # the loss into the readout, master->model, the scale after its update
-        "aten._amp_update_scale_.default": 1, "aten.clamp_.default": 1,  # the update, the trainer's bounds
+        "aten._amp_update_scale_.default": 1,  # the update; 65536 can neither grow past 2**24 nor back off below 1: no clamp
     }), counter.ops
     # stats read afterwards (the reads the step left lazy): exact values
     inv = 1.0 / trainer.scaler.get_scale()
@@ -281,6 +281,34 @@ def test_clean_steps_grow_the_scale_after_the_growth_interval():
         scales.append(trainer.stats.scale)
     assert scales == [64.0, 64.0, 128.0, 128.0, 128.0, 256.0, 256.0], scales
     assert trainer.stats.overflows == 0 and trainer.stats.skipped == 0
+
+
+@pytest.mark.parametrize("init_scale, poison, expected", [
+    (2.0**24, False, 2.0**24),  # at the cap, the interval's growth would pass it: clamped back
+    (1.0, True, 1.0),  # at the floor, the backoff would go below it: clamped back
+    (2.0**23, False, 2.0**24),  # growth lands on the cap: nothing to clamp
+])
+def test_the_bounds_clamp_runs_exactly_when_the_update_can_cross_a_bound(counter_factory, init_scale, poison, expected):
+    model = _block()
+    trainer = _trainer(model, loss_scale=LossScaler(init_scale=init_scale, growth_interval=1, min_scale=1.0))
+    _backward(trainer, model, 0)
+    trainer._arena.flats[0].fill_(0.5)  # finite at any of these scales (the fp16 backward may overflow at 2**24)
+    if poison:
+        trainer.master_params[0].grad.view(-1)[0] = INF
+    counter = counter_factory(trainer.optimizer)
+    with counter:
+        trainer.step()
+    assert trainer.stats.scale == expected == trainer.scaler.get_scale(), trainer.stats
+    assert counter.ops["aten.clamp_.default"] == (init_scale != 2.0**23), counter.ops
+    assert trainer.stats.overflows == 0, trainer.stats  # at the floor a backoff leaves the scale where it was
+
+
+def test_may_leave_bounds_compares_the_double_products_exactly():
+    scaler = LossScaler(init_scale=4.0, min_scale=1.0, max_scale=2.0**24, growth_factor=2.0, backoff_factor=0.5)
+    assert not scaler._may_leave_bounds((False, 2.0**23)) and scaler._may_leave_bounds((False, 2.0**23 + 1))
+    assert not scaler._may_leave_bounds((True, 2.0)) and scaler._may_leave_bounds((True, 1.5))
+    assert scaler._may_leave_bounds(None)
+    assert not LossScaler(max_scale=None)._may_leave_bounds(None)  # no bounds, nothing to clamp
 
 
 def test_overflow_count_and_scale_stay_exact_when_the_stats_are_read_only_at_the_end():

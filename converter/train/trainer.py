@@ -607,6 +607,7 @@ class MixedPrecisionTrainer:
         self._readout: torch.Tensor | None = None
         self._slots: list[torch.Tensor] = []  # its 0-dim views, made once (indexing is an op per call)
         self._step_scale: float | None = None  # the scale the current step unscaled with
+        self._step_found = False  # whether the scaler found inf/NaN this step
         # stats.scale/overflows of the last step are settled lazily, so that no sync follows the optimizer
         # step: the scale it used, and the scale after its update (slot _AFTER, read by the next step's copy
         # or when stats are read).
@@ -1040,6 +1041,7 @@ class MixedPrecisionTrainer:
         if pending:
             self._settle_scale(values[_AFTER])
         self._step_scale = scale = self._current_scale()  # the scale this step unscaled with
+        self._step_found = values[_FOUND] > 0  # the scaler's flag (what its update backs off on)
         if values[_FOUND]:
             return math.inf, True, None, params, grads, buffers
         if norm is not None:
@@ -1170,7 +1172,8 @@ class MixedPrecisionTrainer:
             if self._masters:
                 self._copy_masters_to_model()
         if self._scaling:
-            self._scaler.update()
+            # the host read this step's flag and knows the scale: the bounds' clamp only runs when needed
+            self._scaler._update(known=(self._step_found, self._step_scale))
             self._slots[_AFTER].copy_(self._scaler._scale_tensor())
             self._pending_scale = self._step_scale
             self._version_after_update = self._scaler._version
