@@ -10,21 +10,26 @@ momentum 0.9). Variants, each on its own copy of the same weights:
 * ``O1`` / ``O2`` — ``converter.convert(..., precision="bf16", opt_level=..., device=...)``.module driven by
   ``MixedPrecisionTrainer(master_weights=False/True)``;
 * ``amp16`` — fp16 autocast with ``torch.amp.GradScaler("cpu")``: ``scaler.scale(loss).backward()``, then
-  ``scaler.unscale_(opt)``, ``scaler.step(opt)``, ``scaler.update()`` with ``SGD(foreach=True)``: fp16's
-  ``opt`` baseline (what the trainer's ``step()`` replaces);
+  ``scaler.unscale_(opt)``, ``scaler.step(opt)``, ``scaler.update()``, SGD as torch builds it (what the
+  trainer's ``step()`` replaces in a user's loop); ``amp16_fe`` — the same with ``SGD(foreach=True)``;
 * ``O1_fp16`` / ``O2_fp16`` — the fp16 conversions driven by the trainer (dynamic loss scale);
 * with ``--fused``: ``autocast_fused``, ``amp16_fused`` (``SGD(fused=True)``, which GradScaler drives
   through its fused-optimizer path) and ``O2_fused``, ``O2_fp16_fused`` (``optimizer_fused=True``).
 
+Each trainer's ``opt`` phase is compared with two baselines of its precision: ``opt/same`` with the same
+optimizer kernels (``autocast_fe``/``amp16_fe``, or the ``_fused`` ones), and ``opt/user`` with the loop a
+user writes with torch's default SGD (``autocast``/``amp16``; on CUDA torch's default is foreach already).
+
 The steps run interleaved in one process (A B C … A B C …, :func:`benchmarks.common.interleaved`)
 with one torch thread and the thread CPU clock, so other processes on a shared machine do not
-blur the figures (``--device cuda``: on the GPU, CUDA-event clock, the conversion lowered for CUDA). Printed: median ms per phase (fwd, bwd, opt = ``trainer.step()``, or
-``optimizer.step()`` with the GradScaler calls), the ratio of each step to autocast's, and the
-ratio of each trainer's ``opt`` to its baseline's (``opt_base``: same precision, same optimizer path).
+blur the figures (``--device cuda``: on the GPU, CUDA-event clock, the conversion lowered for CUDA).
+Printed: median ms per phase (fwd, bwd, opt = ``trainer.step()``, or ``optimizer.step()`` with the
+GradScaler calls), the ratio of each step to autocast's, and each trainer's two ``opt`` ratios.
 
 Run: ``python benchmarks/trainer_step.py [--rounds 200] [--device cpu|cuda] [--device-lowering cpu|cuda|none]
-[--compare-ref REF] [--fused] [--only NAME,...] [--json out.json]``; ``--compare-ref main`` adds ``O1@main``, ``O2@main``, ``O1_fp16@main``,
-``O2_fp16@main``: the trainer (and its loss scaler) as committed there, timed in the same interleaved rounds.
+[--compare-ref REF] [--fused] [--only NAME,...] [--json out.json]``; ``--compare-ref main`` adds ``O1@main``,
+``O2@main``, ``O1_fp16@main``, ``O2_fp16@main``: the trainer (and its loss scaler) as committed there, timed in
+the same interleaved rounds.
 """
 from __future__ import annotations
 
@@ -141,32 +146,40 @@ def _trainer_class_at(ref: str) -> type:
 
 
 def build(*, lowering: str | None, compare_ref: str | None = None, fused: bool = False,
-          device: str = "cpu") -> tuple[dict, dict]:
-    """name -> step(clock) callables for the variants, and name -> the variant whose ``opt`` is its baseline."""
+          device: str = "cpu", only: set[str] | None = None) -> tuple[dict, dict]:
+    """name -> step(clock) callables for the variants, and trainer variant -> its two ``opt`` baselines
+    (same kernels, the user's default loop). ``only``: those trainer variants, their baselines and autocast."""
     model, x = encoder(*SMALL)
     model, x = model.to(device), x.to(device)
-    steps = {"autocast": amp_step(model, x), "autocast_fe": amp_step(model, x, path="foreach"),
-             "amp16": amp_step(model, x, precision="fp16", path="foreach", grad_scaler=True)}
-    if fused:
-        steps["autocast_fused"] = amp_step(model, x, path="fused")
-        steps["amp16_fused"] = amp_step(model, x, precision="fp16", path="fused", grad_scaler=True)
     trainers = {"": MixedPrecisionTrainer}
     if compare_ref is not None:
         trainers[f"@{compare_ref}"] = _trainer_class_at(compare_ref)
-    base: dict[str, str] = {}
     plan = [(p, level, s, cls, False) for p in ("bf16", "fp16") for level in ("O1", "O2") for s, cls in trainers.items()]
     if fused:
         plan += [(p, "O2", "", MixedPrecisionTrainer, True) for p in ("bf16", "fp16")]
+    base: dict[str, tuple[str, str]] = {}
+    named = []
     for precision, level, suffix, trainer_class, use_fused in plan:
+        name = level + ("_fp16" if precision == "fp16" else "") + ("_fused" if use_fused else "") + suffix
+        if only is None or name in only:
+            user = "amp16" if precision == "fp16" else "autocast"
+            base[name] = (user + ("_fused" if use_fused else "_fe"), user)
+            named.append((name, precision, level, trainer_class, use_fused))
+    baselines = {  # name -> (precision, optimizer path, GradScaler)
+        "autocast": ("bf16", "default", False), "autocast_fe": ("bf16", "foreach", False),
+        "amp16": ("fp16", "default", True), "amp16_fe": ("fp16", "foreach", True),
+        **({"autocast_fused": ("bf16", "fused", False), "amp16_fused": ("fp16", "fused", True)} if fused else {}),
+    }
+    wanted = {"autocast", *(b for pair in base.values() for b in pair)} if only is not None else set(baselines)
+    steps = {name: amp_step(model, x, precision=p, path=path, grad_scaler=gs)
+             for name, (p, path, gs) in baselines.items() if name in wanted}
+    for name, precision, level, trainer_class, use_fused in named:
         conv = convert(copy.deepcopy(model), (x,), precision=precision, opt_level=level, device=lowering)
         module = conv.module
         kwargs = {"optimizer_fused": True} if use_fused else {}
         trainer = trainer_class(module, sgd(module.parameters()), precision=precision, master_weights=level == "O2",
                                 **kwargs)
-        name = level + ("_fp16" if precision == "fp16" else "") + ("_fused" if use_fused else "") + suffix
         steps[name] = trainer_step(module, trainer, x)
-        base[name] = ("amp16" if precision == "fp16" else "autocast") + ("_fused" if use_fused else
-                                                                         ("" if precision == "fp16" else "_fe"))
     return steps, base
 
 
@@ -192,7 +205,8 @@ def time_steps(steps: dict, args: argparse.Namespace, *, nodes: dict | None = No
                opt_base: dict | None = None) -> dict:
     """Time ``steps`` interleaved, print the medians per phase and the ratio to autocast, write ``--json``.
 
-    ``opt_base``: name -> the variant whose ``opt`` phase is that variant's baseline (printed as ``opt/base``).
+    ``opt_base``: name -> the variants whose ``opt`` phases are that variant's baselines, (same kernels,
+    the user's default loop): printed as ``opt/same`` and ``opt/user``.
     Skipped optimizer steps (a trainer's, or a GradScaler's overflow) are counted and reported: a skipped
     step does no optimizer work and would flatter its variant.
     """
@@ -204,7 +218,7 @@ def time_steps(steps: dict, args: argparse.Namespace, *, nodes: dict | None = No
     base = result["variants"]["autocast"]["total_ms"]
     node_header = f" {'nodes':>5s}" if nodes else ""
     print(f"{'variant':18s}{node_header} {'step ms':>8s} {'fwd':>7s} {'bwd':>7s} {'opt':>7s} {'vs autocast':>12s}"
-          f" {'opt/base':>9s}  base")
+          + (f" {'opt/same':>9s} {'opt/user':>9s}  bases" if opt_base else ""))
     for name, entry in result["variants"].items():
         entry["vs_autocast"] = entry["total_ms"] / base
         trainer = getattr(steps[name], "trainer", None)
@@ -212,9 +226,11 @@ def time_steps(steps: dict, args: argparse.Namespace, *, nodes: dict | None = No
             entry["skipped"] = trainer.stats.skipped + trainer.stats.spike_skips
         ratio = ""
         if opt_base and name in opt_base:
-            entry["opt_base"] = opt_base[name]
-            entry["opt_vs_base"] = entry["opt_ms"] / result["variants"][opt_base[name]]["opt_ms"]
-            ratio = f" {entry['opt_vs_base']:8.3f}x  {opt_base[name]}"
+            same, user = opt_base[name]
+            entry["opt_base"] = {"same": same, "user": user}
+            entry["opt_vs_same"] = entry["opt_ms"] / result["variants"][same]["opt_ms"]
+            entry["opt_vs_user"] = entry["opt_ms"] / result["variants"][user]["opt_ms"]
+            ratio = f" {entry['opt_vs_same']:8.3f}x {entry['opt_vs_user']:8.3f}x  {same}, {user}"
         node_cell = f" {nodes.get(name, ''):>5}" if nodes else ""
         print(f"{name:18s}{node_cell} {entry['total_ms']:8.3f} {entry['fwd_ms']:7.3f} {entry['bwd_ms']:7.3f} "
               f"{entry['opt_ms']:7.3f} {entry['vs_autocast']:11.3f}x{ratio}")
@@ -235,15 +251,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--fused", action="store_true",
                         help="also time SGD(fused=True) under autocast/GradScaler and the trainer's optimizer_fused")
     parser.add_argument("--only", default=None,
-                        help="comma-separated variants to time (autocast and each one's opt baseline are kept)")
+                        help="comma-separated trainer variants to time (with autocast and their opt baselines)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     steps, opt_base = build(lowering=lowering_of(args), compare_ref=args.compare_ref, fused=args.fused,
-                            device=args.device)
-    if args.only:
-        keep = {"autocast", *args.only.split(",")}
-        keep |= {opt_base[name] for name in keep if name in opt_base}
-        steps = {name: step for name, step in steps.items() if name in keep}
+                            device=args.device, only=set(args.only.split(",")) if args.only else None)
     return time_steps(steps, args, opt_base=opt_base)
 
 

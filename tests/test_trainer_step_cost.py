@@ -164,7 +164,7 @@ def test_o2_fp16_step_is_one_fused_unscale_over_the_arena_one_flat_copy_and_one_
         "aten._to_copy.default": 2, "aten.reciprocal.default": 1,  # 1/scale in double, rounded to fp32 once
         _UNSCALE: 1,
         "aten.copy_.default": 3,  # the loss into the readout, master->model, the scale after its update
-        "aten._amp_update_scale_.default": 1, "aten.clamp_.default": 1,  # the update, the trainer's bounds
+        "aten._amp_update_scale_.default": 1,  # the update; 65536 can neither grow past 2**24 nor back off below 1: no clamp
     }), counter.ops
     # stats read afterwards (the reads the step left lazy): exact values
     inv = 1.0 / trainer.scaler.get_scale()
@@ -201,6 +201,26 @@ def test_bf16_o2_step_checks_with_one_norm_into_the_readout_and_reads_the_host_o
     assert counter.ops[_UNSCALE] == 0 and counter.ops["aten.linalg_vector_norm.out"] == 1, counter.ops
     assert counter.host_reads == 1, counter.ops
     assert math.isfinite(trainer.stats.grad_norm)
+
+
+def test_bf16_o1_step_checks_with_the_fused_kernel_at_inv_scale_one(counter_factory):
+    """O1's gradients are separate tensors: one multi-tensor check (inv_scale 1: the values stay bit for bit)
+    instead of a norm per tensor; the norm is left to a stats read."""
+    model = _block()
+    trainer = _trainer(model, precision="bf16", master_weights=False)
+    for step in range(2):
+        _backward(trainer, model, step)
+        grads = [p.grad.clone() for p in model.parameters()]
+        counter = counter_factory(trainer.optimizer)
+        with counter:
+            assert trainer.step()
+    assert counter.ops[_UNSCALE] == 1 and len(counter.unscale_lists[0]) == len(grads), counter.ops
+    assert not [op for op in counter.ops if any(n in op for n in _NORM_OPS)], counter.ops
+    assert counter.host_reads == 1, counter.ops
+    for before, param in zip(grads, model.parameters()):
+        assert torch.equal(before, param.grad)
+    expected = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))).item()
+    assert trainer.stats.grad_norm == expected, (trainer.stats.grad_norm, expected)
 
 
 def test_gradscaler_reads_the_host_once_too(counter_factory):
@@ -261,6 +281,34 @@ def test_clean_steps_grow_the_scale_after_the_growth_interval():
         scales.append(trainer.stats.scale)
     assert scales == [64.0, 64.0, 128.0, 128.0, 128.0, 256.0, 256.0], scales
     assert trainer.stats.overflows == 0 and trainer.stats.skipped == 0
+
+
+@pytest.mark.parametrize("init_scale, poison, expected", [
+    (2.0**24, False, 2.0**24),  # at the cap, the interval's growth would pass it: clamped back
+    (1.0, True, 1.0),  # at the floor, the backoff would go below it: clamped back
+    (2.0**23, False, 2.0**24),  # growth lands on the cap: nothing to clamp
+])
+def test_the_bounds_clamp_runs_exactly_when_the_update_can_cross_a_bound(counter_factory, init_scale, poison, expected):
+    model = _block()
+    trainer = _trainer(model, loss_scale=LossScaler(init_scale=init_scale, growth_interval=1, min_scale=1.0))
+    _backward(trainer, model, 0)
+    trainer._arena.flats[0].fill_(0.5)  # finite at any of these scales (the fp16 backward may overflow at 2**24)
+    if poison:
+        trainer.master_params[0].grad.view(-1)[0] = INF
+    counter = counter_factory(trainer.optimizer)
+    with counter:
+        trainer.step()
+    assert trainer.stats.scale == expected == trainer.scaler.get_scale(), trainer.stats
+    assert counter.ops["aten.clamp_.default"] == (init_scale != 2.0**23), counter.ops
+    assert trainer.stats.overflows == 0, trainer.stats  # at the floor a backoff leaves the scale where it was
+
+
+def test_may_leave_bounds_compares_the_double_products_exactly():
+    scaler = LossScaler(init_scale=4.0, min_scale=1.0, max_scale=2.0**24, growth_factor=2.0, backoff_factor=0.5)
+    assert not scaler._may_leave_bounds((False, 2.0**23)) and scaler._may_leave_bounds((False, 2.0**23 + 1))
+    assert not scaler._may_leave_bounds((True, 2.0)) and scaler._may_leave_bounds((True, 1.5))
+    assert scaler._may_leave_bounds(None)
+    assert not LossScaler(max_scale=None)._may_leave_bounds(None)  # no bounds, nothing to clamp
 
 
 def test_overflow_count_and_scale_stay_exact_when_the_stats_are_read_only_at_the_end():
@@ -440,3 +488,16 @@ def test_optimizer_fused_switches_only_default_groups_of_sgd_adam_adamw(counter_
     assert trainer.fused_groups == 0 and adam.param_groups[0]["foreach"] is True
     with pytest.raises(TypeError, match="optimizer_fused must be a bool"):
         MixedPrecisionTrainer(_block(), torch.optim.SGD(_block().parameters(), lr=0.1), optimizer_fused=1)
+
+
+# ---------------------------------------------------------------- the benchmark that times it
+def test_trainer_step_benchmark_runs_and_reports_both_opt_baselines(tmp_path, one_thread):
+    """benchmarks/trainer_step.py end to end on one variant (no timing assertion: it only has to run)."""
+    from benchmarks import trainer_step
+
+    out = tmp_path / "trainer_step.json"
+    result = trainer_step.main(["--rounds", "1", "--inner", "1", "--only", "O2_fp16", "--json", str(out)])
+    assert set(result["variants"]) == {"autocast", "amp16", "amp16_fe", "O2_fp16"}, result["variants"].keys()
+    entry = result["variants"]["O2_fp16"]
+    assert entry["opt_base"] == {"same": "amp16_fe", "user": "amp16"} and entry["skipped"] == 0, entry
+    assert entry["opt_vs_same"] > 0 and entry["opt_vs_user"] > 0 and out.exists()

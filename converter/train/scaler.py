@@ -516,6 +516,11 @@ class LossScaler:
         Call once per iteration, after ``step()`` for every optimizer. ``new_scale`` sets the
         scale directly instead (a float, or a 1-element float tensor without grad).
         """
+        self._update(new_scale)
+
+    def _update(self, new_scale: float | torch.Tensor | None = None, *, known: tuple[bool, float] | None = None) -> None:
+        """``update``; ``known``: (whether any recorded flag is set, the scale now) as the caller read them from the
+        device, so that the bounds' clamp runs only when this update can cross a bound (see ``_may_leave_bounds``)."""
         if not self._enabled:
             return
         self._changes += 1
@@ -530,7 +535,7 @@ class LossScaler:
             for flag in flags[1:]:
                 found_inf = found_inf + flag.to(scale.device)
             if self._dynamic:
-                self._update_dynamic(found_inf)
+                self._update_dynamic(found_inf, known)
         self._records = defaultdict(_OptimizerRecord)
 
     def _set_scale(self, new_scale: float | torch.Tensor) -> None:
@@ -547,13 +552,29 @@ class LossScaler:
         else:
             self._scale.fill_(value)
 
-    def _update_dynamic(self, found_inf: torch.Tensor) -> None:
+    def _may_leave_bounds(self, known: tuple[bool, float] | None) -> bool:
+        """Whether ``_amp_update_scale_`` can take the scale outside [min_scale, max_scale] (True when unknown).
+
+        The kernel either keeps the scale, multiplies it by the growth factor (no inf found) or by the
+        backoff factor (inf found), each product formed in double and rounded to fp32. Rounding to the
+        nearest fp32 is monotone and the bounds are fp32 values, so comparing the double products with
+        the bounds decides it exactly: ``scale * growth <= max_scale`` means the grown scale is too.
+        """
+        if known is None:
+            return self._min_scale is not None or self._max_scale is not None
+        found, scale = known
+        high = scale if found else scale * self._growth_factor
+        low = scale * self._backoff_factor if found else scale
+        return (self._max_scale is not None and high > self._max_scale) or (
+            self._min_scale is not None and low < self._min_scale)
+
+    def _update_dynamic(self, found_inf: torch.Tensor, known: tuple[bool, float] | None = None) -> None:
         scale, tracker, left = self._scale, self._growth_tracker, self._hysteresis_left
         if self._hysteresis == 1 and _has_kernel(_UPDATE_OP, scale.device):
             torch._amp_update_scale_(
                 scale, tracker, found_inf, self._growth_factor, self._backoff_factor, self._growth_interval
             )
-            if self._min_scale is not None or self._max_scale is not None:
+            if self._may_leave_bounds(known):
                 scale.clamp_(min=self._min_scale, max=self._max_scale)
             return
         _update_with_tensor_ops(
