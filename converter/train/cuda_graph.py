@@ -71,7 +71,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from converter.ir.errors import MpconvertError
+from converter.ir.errors import EXIT_INTERNAL, MpconvertError
 
 __all__ = ["CudaGraphModule", "CudaGraphWarning", "GraphStats", "cuda_graph", "DEFAULT_MAX_GRAPHS",
            "DEFAULT_WARMUP_ITERS"]
@@ -487,8 +487,11 @@ class CudaGraphModule(nn.Module):
         return entry
 
 
-class _NotGraphable(Exception):
-    """The call has nothing for a training graph to do (it runs eagerly, without a warning)."""
+class _NotGraphable(MpconvertError):
+    """The call has nothing for a training graph to do (it runs eagerly, without a warning). Caught inside
+    this module; never reaches a user (exit code 3 if it ever did: our bug)."""
+
+    exit_code = EXIT_INTERNAL
 
 
 def _restore(buffers: list[torch.Tensor], saved: list[torch.Tensor]) -> None:
