@@ -619,15 +619,16 @@ def audit(
     device: Optional[str] = None,
     dynamic: bool = True,
     dynamic_shapes: Any = None,
+    opt_level: str = "O1",
 ) -> Report:
     """The report of what :func:`convert` would do; the model is untouched.
 
     Runs capture, decide, lower, place and rewrite on the traced copy (the rewrite is what puts
     the casts the report counts on the graph), but no calibration and no code generation, and
-    returns only the report.
+    returns only the report. ``opt_level`` as in :func:`convert` (O2: weight casts are free in placement).
     """
-    settings = PlaceSettings(target=normalize_precision(precision), strategy=placement)
+    settings = PlaceSettings(target=normalize_precision(precision), strategy=placement, opt_level=opt_level)
     captured, rule_set, target, timings = _pipeline(model, example_inputs, settings=settings, rules=rules, tracer=tracer,
                                                     device=device, codegen=False, dynamic=dynamic,
                                                     dynamic_shapes=dynamic_shapes)
-    return _report(captured, rule_set, target, timings, opt_level="O1", device=device)
+    return _report(captured, rule_set, target, timings, opt_level=opt_level, device=device)

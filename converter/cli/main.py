@@ -345,6 +345,16 @@ def _precision(value: str) -> str:
         raise UsageError(str(exc)) from None
 
 
+def _precision_name(value: str) -> str:
+    """:func:`_precision` without importing torch (``explain`` decides with it whether a saved report fits)."""
+    from converter.ir.precision_names import PrecisionError, half_name
+
+    try:
+        return half_name(value)
+    except PrecisionError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def _load_rules(files: Optional[Sequence[str]]):
     from converter.rules.loader import load_rules
 
@@ -718,7 +728,8 @@ def _cmd_audit(ns, ui: _UI) -> int:
     with ui.status(f"Auditing {mf.name} ({precision})…"):
         try:
             report = audit(mf.model, mf.example_inputs, precision=precision, rules=rules, tracer=ns.tracer,
-                           device=ns.device, dynamic=not getattr(ns, "static", False), dynamic_shapes=_dynamic_shapes(mf))
+                           device=ns.device, dynamic=not getattr(ns, "static", False), dynamic_shapes=_dynamic_shapes(mf),
+                           opt_level=ns.opt_level)
         except CaptureError as exc:
             raise _capture_error(exc, mf, ns.tracer) from exc
     if getattr(mf, "source", None):
@@ -768,13 +779,17 @@ def _cmd_explain(ns, ui: _UI) -> int:
     if directory is None and target.is_dir() and not (target / "config.json").is_file():
         raise UsageError(f"{target} has no report.json; pass an output directory of mpconvert or mpconvert audit, "
                          "a model file, or a save_pretrained folder")
-    path = directory / "report.json" if directory is not None else fresh_report(ns, cwd=Path.cwd())
+    if directory is None:  # normalised once, without torch: a report stores `bf16` for `--precision bfloat16`
+        precision = _precision_name(ns.precision)
+        path = fresh_report(ns, cwd=Path.cwd(), precision=precision)
+    else:
+        path = directory / "report.json"
     try:
         report = read_report(path) if path is not None else None
     except ReportNotUsable as exc:
         raise UsageError(str(exc)) from None
     if report is None:
-        report = _audit_for_explain(ns, ui)
+        report = _audit_for_explain(ns, ui, precision)
         source = "a fresh audit (no saved report fits; `mpconvert audit` saves one for instant answers)"
     else:
         source = str(path)
@@ -813,18 +828,18 @@ def _where_names(target: str) -> str:
     return f"`mpconvert audit {target}` lists the node names (report.md)"
 
 
-def _audit_for_explain(ns, ui: _UI) -> dict:
-    """Audit the model in memory (nothing written) and return the report's dict."""
+def _audit_for_explain(ns, ui: _UI, precision: str) -> dict:
+    """Audit the model in memory (nothing written) and return the report's dict; ``precision`` is canonical."""
     from converter.api import audit
     from converter.passes.capture import CaptureError
 
-    precision = _precision(ns.precision)
     rules = _load_rules(ns.rules)
     mf = _load_model(ns, ui)
     with ui.status(f"Auditing {mf.name} ({precision})…"):
         try:
             report = audit(mf.model, mf.example_inputs, precision=precision, rules=rules, tracer=ns.tracer,
-                           device=ns.device, dynamic=not ns.static, dynamic_shapes=_dynamic_shapes(mf))
+                           device=ns.device, dynamic=not ns.static, dynamic_shapes=_dynamic_shapes(mf),
+                           opt_level=ns.opt_level)
         except CaptureError as exc:
             raise _capture_error(exc, mf, ns.tracer) from exc
     return {"nodes": report.nodes, "casts": report.casts}
