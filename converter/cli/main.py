@@ -641,8 +641,8 @@ def _write_conversion(ns, ui: _UI, conv, out: Path, check_device: str) -> int:
             emit(conv, out, force=ns.force, model_file=_model_file_for_emit(ns), device=check_device, extra=export_into, messages=notes,
                  **({} if shard is None else {"max_shard_size": shard}))
     for note in notes:
-        # passed checks are results, not warnings (they are in --json's "checks")
-        if note.startswith(("model.py reproduces", "model.py runs on", "the weight files")):
+        # passed checks are results, not warnings (they are in --json's "checks"); emit tags each note
+        if note.kind == "check":
             if check_device != "cpu" and not (ui.quiet or ui.json):
                 ui.err(f"mpconvert: {note}")
             continue

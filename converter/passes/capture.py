@@ -105,7 +105,7 @@ from torch.overrides import TorchFunctionMode
 
 from converter.ir.errors import MpconvertError
 from converter.ir.graphmodule import new_graph_module
-from converter.ir.meta import META_CHECKPOINT, META_INFO, META_SOURCE, META_VALUE, NodeInfo, TensorSpec
+from converter.ir.meta import META_CHECKPOINT, META_INFO, META_SOURCE, META_VALUE, ModesNote, NodeInfo, TensorSpec
 from converter.ir.ops import CAST_OPS, NORM_OPS, canonical_op, explicit_dtype, is_inplace
 from converter.ir.state import preserved_state
 from converter.passes.autograd_fns import OpaqueFunctions, restore_function_calls
@@ -168,8 +168,8 @@ class Captured:
     narrowed_dims: dict = field(default_factory=dict)
     #: input name -> {dim: {"min", "max", "why"}} for dynamic dims served only within a range
     dynamic_ranges: dict = field(default_factory=dict)
-    #: whether train()/eval() work on the captured graph, and why not if they do not
-    modes: str = ""
+    #: whether train()/eval() work on the captured graph, and why not if they do not (None: not captured yet)
+    modes: Optional[ModesNote] = None
     #: the graph of the model in eval mode, when it branches on self.training (``gm`` is then the train graph)
     eval_gm: Optional[torch.fx.GraphModule] = None
     #: why the graph returns no key/value cache (a Hugging Face model captured with use_cache=False), or ""
@@ -774,9 +774,10 @@ def _capture_one(name: str, model: torch.nn.Module, args: tuple, kwargs: dict, s
     if why:
         gm, _ = _trace_in_mode(trace, name, model, args, kwargs, shapes)
         mode = "train" if model.training else "eval"
-        return gm, None, f"frozen in {mode} mode: {why}; train()/eval() on the converted module change nothing"
+        return gm, None, ModesNote(f"frozen_{mode}",  # type: ignore[arg-type]
+                                   f"frozen in {mode} mode: {why}; train()/eval() on the converted module change nothing")
     gm, eval_gm, note = _split_modes(trace, name, model, gm, changed, args, kwargs, shapes)
-    return gm, eval_gm, note + skipped
+    return gm, eval_gm, note.extended(skipped)
 
 
 def _trace_in_mode(trace, name: str, model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Shapes, *,
@@ -906,11 +907,13 @@ def _split_modes(trace, name: str, model: torch.nn.Module, gm: torch.fx.GraphMod
     if eval_gm is None:
         if any(t.is_meta for t in model.parameters()):
             kept += "; eval mode was run but not compared by value (the model has no weights)"
-        return gm, None, f"follows train()/eval(): traced in train mode, {len(changed)} mode-dependent ops read self.training{kept}"
+        return gm, None, ModesNote("follows", f"follows train()/eval(): traced in train mode, {len(changed)} "
+                                              f"mode-dependent ops read self.training{kept}")
     _set_modes(eval_gm, model)
-    return gm, eval_gm, (f"follows train()/eval() with two graphs: the model branches on self.training ({differs}), so "
-                         "it was traced in each mode and the converted module runs the train graph in train mode and "
-                         "the eval graph in eval mode (the report describes the train graph)")
+    return gm, eval_gm, ModesNote("two_graphs", f"follows train()/eval() with two graphs: the model branches on self.training "
+                                                f"({differs}), so it was traced in each mode and the converted module runs "
+                                                "the train graph in train mode and the eval graph in eval mode (the report "
+                                                "describes the train graph)")
 
 
 def _set_modes(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
