@@ -269,6 +269,9 @@ class NodeInfo:
     fixed_dtype: Optional[torch.dtype] = None  # for kind == "fixed"
     inplace: bool = False
     why: str = ""  # why the kind was chosen when it is not "compute"
+    #: a module FX kept as a leaf (it cannot trace into it) holding floating parameters it cannot convert;
+    #: capture reads this flag (never ``why``) to try torch.export instead
+    opaque_leaf: bool = False
 
     @property
     def out_numel(self) -> int:
