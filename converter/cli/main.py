@@ -573,10 +573,10 @@ def _calibration_batches(ns, ui: _UI, mf) -> tuple[list, str]:
     file's ``calibration_inputs()``. A checkpoint folder has no calibration_inputs(): without
     ``--calibration-data`` it is bad input naming the option (random batches are not calibration)."""
     if ns.calibration_data is not None:
-        from converter.cli.calibdata import load_calibration_data
+        from converter.cli.calibdata import SYNTHETIC, load_calibration_data
 
         batches, described = load_calibration_data(ns.calibration_data, mf)
-        if described.startswith("synthetic"):
+        if ns.calibration_data == SYNTHETIC:  # the flag, not the description, says the batches are random
             ui.warn(f"{mf.name}: calibrating on {described}: the overflow decisions follow random inputs, not your data; "
                     "pass --calibration-data FILE with real batches for decisions you can trust")
         return batches, described

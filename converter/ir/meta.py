@@ -146,7 +146,8 @@ CONTRACT: tuple[MetaKey, ...] = (
     MetaKey(META_INFO, "node", "NodeInfo", ("capture", "lower", "rewrite"),
             ("ir", "decide", "place", "calibrate", "search", "measure", "fp32_math", "report", "export", "train", "api",
              "verify", "simplify", "checkpoint", "intent"),
-            "what capture learned: op, module, kind, outputs (lower and rewrite describe the nodes they make)"),
+            "what capture learned: op, module, kind, outputs, opaque_leaf (a module FX could not trace into, "
+            "read by capture instead of the wording of why); lower and rewrite describe the nodes they make"),
     MetaKey(META_DECISION, "node", "Decision", ("decide", "lower", "place", "calibrate"),
             ("rewrite", "fp32_math", "search", "measure", "report", "export", "api", "verify"),
             "the node's precision and its provenance; later stages amend it with Decision.noted"),
