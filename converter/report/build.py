@@ -39,7 +39,6 @@ import torch
 import torch.fx
 
 from converter.ir.meta import (
-    ModesNote,
     GM_CALIBRATION,
     GM_GRAPH,
     GM_PARAM_DTYPES,
@@ -51,6 +50,7 @@ from converter.ir.meta import (
     META_MATH,
     CastRecord,
     Decision,
+    ModesNote,
     NodeInfo,
     itemsize,
     name_of,
