@@ -403,7 +403,7 @@ def _pipeline(model, example_inputs, *, settings: PlaceSettings, rules, tracer, 
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     captured: Captured = capture(model, example_inputs, tracer=tracer, dynamic=dynamic, dynamic_shapes=dynamic_shapes)
-    if strict_modes and captured.modes.startswith("frozen"):
+    if strict_modes and captured.modes is not None and captured.modes.frozen:
         raise FrozenModeError(f"the converted module would be {captured.modes}; make the model's train mode traceable "
                               "(see the cause), or convert without strict_modes (CLI: without --strict-modes) to accept it")
     done.append("capture")
@@ -500,13 +500,13 @@ def _checkpoint_extra(gm: torch.fx.GraphModule) -> dict:
 
 def _report(captured: Captured, rule_set: Rules, target: str, timings: dict, *, opt_level: str, device) -> Report:
     gm = captured.gm
-    return build_report(gm, precision=target, tracer=captured.tracer, rules=rule_set.to_dict(),
+    return build_report(gm, precision=target, tracer=captured.tracer, rules=rule_set.to_dict(), modes=captured.modes,
                         extra={"capture_errors": captured.errors, "timings": timings, "opt_level": opt_level,
                                "device": device, "lowered": list(gm.meta[GM_GRAPH].extra.get("lowered", ())),
                                "lowering": list(gm.meta[GM_GRAPH].extra.get("lowering", ())),
                                "dynamic_dims": captured.dynamic_dims, "shapes": captured.shapes_note,
                                "narrowed_dims": captured.narrowed_dims, "dynamic_ranges": captured.dynamic_ranges,
-                               "modes": captured.modes, "cache": captured.cache, "library_ops": _library_ops(gm),
+                               "modes": str(captured.modes or ""), "cache": captured.cache, "library_ops": _library_ops(gm),
                                "checkpoint": _checkpoint_extra(gm),
                                "simplified": fold_counts(gm.meta[GM_GRAPH].extra.get("simplified", ()))})
 
@@ -619,15 +619,16 @@ def audit(
     device: Optional[str] = None,
     dynamic: bool = True,
     dynamic_shapes: Any = None,
+    opt_level: str = "O1",
 ) -> Report:
     """The report of what :func:`convert` would do; the model is untouched.
 
     Runs capture, decide, lower, place and rewrite on the traced copy (the rewrite is what puts
     the casts the report counts on the graph), but no calibration and no code generation, and
-    returns only the report.
+    returns only the report. ``opt_level`` as in :func:`convert` (O2: weight casts are free in placement).
     """
-    settings = PlaceSettings(target=normalize_precision(precision), strategy=placement)
+    settings = PlaceSettings(target=normalize_precision(precision), strategy=placement, opt_level=opt_level)
     captured, rule_set, target, timings = _pipeline(model, example_inputs, settings=settings, rules=rules, tracer=tracer,
                                                     device=device, codegen=False, dynamic=dynamic,
                                                     dynamic_shapes=dynamic_shapes)
-    return _report(captured, rule_set, target, timings, opt_level="O1", device=device)
+    return _report(captured, rule_set, target, timings, opt_level=opt_level, device=device)

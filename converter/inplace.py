@@ -221,8 +221,8 @@ class ConvertedForward:
         self._ranges = {name: {int(d): (r["min"], r["max"]) for d, r in dims.items()}
                         for name, dims in (conversion.report.extra.get("dynamic_ranges") or {}).items()}
         self._all_dynamic = conversion.tracer == "fx"  # symbolic_trace records no sizes
-        modes = str(conversion.report.extra.get("modes") or "")
-        self._frozen = "train" if modes.startswith("frozen in train") else "eval" if modes.startswith("frozen in eval") else None
+        modes = conversion.report.modes
+        self._frozen = modes.frozen if modes is not None else None
         self._warned: set[str] = set()
         #: how many calls ran a converted graph, how many the original forward, how many graphs were converted again
         self.calls = {"converted": 0, "fallback": 0, "recaptured": 0}

@@ -193,3 +193,44 @@ def test_folder_errors_are_one_line(work, capfd):
     capfd.readouterr()  # save_pretrained's progress bar
     assert_bad_input(*run(capfd, "bert", "--seq-len", "64", "--out", "o"), "--seq-len 64 exceeds the model's 32 positions")
     assert not (work / "o").exists()
+
+
+def test_explain_reuses_a_fresh_report_for_any_spelling_of_its_precision(work, capfd):
+    """Issue 33: `--precision bfloat16` is the report's `bf16`; the raw spelling never matched, so the
+    saved report was never reused and the model was audited afresh (importing torch)."""
+    shutil.copy(MLP, work / "mlp.py")
+    code, out, err = run(capfd, "audit", "mlp.py", "-q")
+    assert code == 0, err
+    for spelling in ("bfloat16", "BF16", "bf16-mixed"):
+        code, out, err, torch_imported, _ = _explain_in_subprocess(work, "explain", "mlp.py", "head", "--precision", spelling)
+        assert code == 0 and "explained from" in err and "mlp_audit" in err, (spelling, err)
+        assert not torch_imported, spelling
+    # another precision: the saved bf16 report does not fit
+    code, out, err, torch_imported, _ = _explain_in_subprocess(work, "explain", "mlp.py", "head", "--precision", "half")
+    assert code == 0 and "fresh audit" in err and torch_imported, err
+    # an unknown name is the shared one-line message, also on this path
+    code, out, err, _, _ = _explain_in_subprocess(work, "explain", "mlp.py", "head", "--precision", "bf8")
+    assert code == 2 and "unknown precision 'bf8'" in err and "Traceback" not in err, err
+
+
+def test_audit_honours_opt_level(work, capfd):
+    """Issue 33: `audit --opt-level O2` wrote an O1 report; it computes as convert(opt_level="O2") does."""
+    import converter
+    from tests.helpers import load_sample
+
+    code, out, err = run(capfd, "audit", MLP, "--opt-level", "O2", "--out", "o2", "-q")
+    assert code == 0, err
+    report = json.loads((work / "o2" / "report.json").read_text())
+    assert report["opt_level"] == "O2" and report["summary"]["opt_level"] == "O2", (report["opt_level"], report["summary"]["opt_level"])
+    sample = load_sample("mlp")
+    converted = converter.convert(sample.build_model(), sample.example_inputs(), opt_level="O2").report.summary
+    keys = ("opt_level", "casts", "cast_bytes", "weight_casts_dropped_in_o2", "by_precision")
+    assert {k: report["summary"][k] for k in keys} == {k: converted[k] for k in keys}
+    assert converted["weight_casts_dropped_in_o2"] == 6, converted["weight_casts_dropped_in_o2"]
+    # explain audits with the same opt level, so an O2 report is reused for --opt-level O2 only
+    code, out, err = run(capfd, "audit", MLP, "--opt-level", "O2", "-q")
+    assert code == 0, err
+    code, out, err, torch_imported, _ = _explain_in_subprocess(work, "explain", MLP, "head", "--opt-level", "O2")
+    assert code == 0 and "explained from" in err and not torch_imported, err
+    api = converter.audit(sample.build_model(), sample.example_inputs(), opt_level="O2")
+    assert api.summary["opt_level"] == "O2" and api.extra["opt_level"] == "O2"

@@ -145,13 +145,15 @@ def _graphs():
 
 
 def test_literal_vocabularies_hold_every_value_the_stages_write():
-    kinds, precisions, requested, stages, tables = set(), set(), set(), set(), set()
+    kinds, precisions, requested, stages, tables, modes, opaque = set(), set(), set(), set(), set(), set(), 0
     for conv in _graphs():
+        modes.add(conv.report.modes.kind)
         for node in conv.module.graph.nodes:
             info = node.meta.get(ir_meta.META_INFO)
             decision = node.meta.get(ir_meta.META_DECISION)
             if info is not None:
                 kinds.add(info.kind)
+                opaque += info.opaque_leaf
             if decision is not None:
                 precisions.add(decision.precision)
                 requested.add(decision.requested)
@@ -165,6 +167,8 @@ def test_literal_vocabularies_hold_every_value_the_stages_write():
     assert requested <= set(get_args(ir_meta.RequestedPrecision)), requested
     assert stages <= set(get_args(ir_meta.NoteStage)) and {"lower", "place"} <= stages, stages
     assert tables <= set(get_args(ir_meta.RuleTable)), tables
+    assert modes <= set(ir_meta.MODES_KINDS) and "follows" in modes, modes
+    assert opaque == 0, opaque  # no FX leaf the samples keep opaque (tests/test_typed_fields.py makes one)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -622,11 +622,12 @@ def test_rule_scope_is_validated_and_defaults_to_self_for_norms() -> None:
 
     rules = Rules.from_dict({"module_type": {"*LayerNorm": "fp32", "Block": "fp32", "*RMSNorm": {"precision": "fp32", "scope": "subtree"}},
                              "module": {"*.norm1": "fp32", "*.attn": {"precision": "fp32", "ops": {"linear": "half"}},
-                                        "ln_f": {"precision": "fp32", "reason": "final normalisation"}}})
+                                        "ln_f": {"precision": "fp32", "reason": "final normalisation"},
+                                        "ln_g": {"precision": "fp32", "reason": "norm", "scope": "self"}}})
     scopes = {(r.pattern, r.op): r.scope for r in rules.rules}
     assert scopes == {("*LayerNorm", ""): "self", ("Block", ""): "subtree", ("*RMSNorm", ""): "subtree",
                       ("*.norm1", ""): "self", ("*.attn", "linear"): "subtree", ("*.attn", ""): "subtree",
-                      ("ln_f", ""): "self"}
+                      ("ln_f", ""): "subtree", ("ln_g", ""): "self"}  # a reason is prose: it never sets the scope
     stack = (("", "Model"), ("block", "Block"), ("block.ln", "LayerNorm"))
     assert [m.scope for m in rules.matches_for(node="n", op="layer_norm", module_stack=stack)] == ["block.ln", "block"]
     child = rules.matches_for(node="n", op="linear", module_stack=(("", "Model"), ("x", "FooLayerNorm"), ("x.fc", "Linear")))

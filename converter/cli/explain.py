@@ -108,14 +108,15 @@ def _newest_input(model: Path, rules: list[str]) -> float:
     return max((p.stat().st_mtime for p in paths if p.exists()), default=0.0)
 
 
-def _matches_options(data: dict, ns) -> bool:
-    """Was the report made with the options of this command line? (Conservative: any doubt is no.)"""
+def _matches_options(data: dict, ns, precision: str) -> bool:
+    """Was the report made with the options of this command line? (Conservative: any doubt is no.)
+    ``precision`` is the canonical name of ``--precision`` (a report stores ``bf16``, never ``bfloat16``)."""
     rules = list(ns.rules or ())
     files = (data.get("rules") or {}).get("files") or []
     if [Path(str(f)).stem for f in files] != ["default"] + [Path(r).stem for r in rules]:
         return False
     return (
-        data.get("precision") == ns.precision
+        data.get("precision") == precision
         and data.get("device") == ns.device
         and data.get("opt_level", "O1") == ns.opt_level
         and ns.tracer in ("auto", data.get("tracer"))
@@ -123,8 +124,9 @@ def _matches_options(data: dict, ns) -> bool:
     )
 
 
-def fresh_report(ns, *, cwd: Path) -> Optional[Path]:
-    """The newest fresh report.json among the model's default output directories, if any."""
+def fresh_report(ns, *, cwd: Path, precision: str) -> Optional[Path]:
+    """The newest fresh report.json among the model's default output directories, if any; ``precision``
+    is ``--precision`` normalised (:func:`converter.ir.precision_names.half_name`)."""
     model = Path(ns.model)
     stem = model.resolve().name if model.is_dir() else model.stem
     newest_input = _newest_input(model, list(ns.rules or ()))
@@ -140,6 +142,6 @@ def fresh_report(ns, *, cwd: Path) -> Optional[Path]:
             data = read_report(path)
         except ReportNotUsable:
             continue
-        if _matches_options(data, ns):
+        if _matches_options(data, ns, precision):
             found.append((mtime, path))
     return max(found)[1] if found else None

@@ -345,6 +345,16 @@ def _precision(value: str) -> str:
         raise UsageError(str(exc)) from None
 
 
+def _precision_name(value: str) -> str:
+    """:func:`_precision` without importing torch (``explain`` decides with it whether a saved report fits)."""
+    from converter.ir.precision_names import PrecisionError, half_name
+
+    try:
+        return half_name(value)
+    except PrecisionError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def _load_rules(files: Optional[Sequence[str]]):
     from converter.rules.loader import load_rules
 
@@ -563,10 +573,10 @@ def _calibration_batches(ns, ui: _UI, mf) -> tuple[list, str]:
     file's ``calibration_inputs()``. A checkpoint folder has no calibration_inputs(): without
     ``--calibration-data`` it is bad input naming the option (random batches are not calibration)."""
     if ns.calibration_data is not None:
-        from converter.cli.calibdata import load_calibration_data
+        from converter.cli.calibdata import SYNTHETIC, load_calibration_data
 
         batches, described = load_calibration_data(ns.calibration_data, mf)
-        if described.startswith("synthetic"):
+        if ns.calibration_data == SYNTHETIC:  # the flag, not the description, says the batches are random
             ui.warn(f"{mf.name}: calibrating on {described}: the overflow decisions follow random inputs, not your data; "
                     "pass --calibration-data FILE with real batches for decisions you can trust")
         return batches, described
@@ -631,8 +641,8 @@ def _write_conversion(ns, ui: _UI, conv, out: Path, check_device: str) -> int:
             emit(conv, out, force=ns.force, model_file=_model_file_for_emit(ns), device=check_device, extra=export_into, messages=notes,
                  **({} if shard is None else {"max_shard_size": shard}))
     for note in notes:
-        # passed checks are results, not warnings (they are in --json's "checks")
-        if note.startswith(("model.py reproduces", "model.py runs on", "the weight files")):
+        # passed checks are results, not warnings (they are in --json's "checks"); emit tags each note
+        if note.kind == "check":
             if check_device != "cpu" and not (ui.quiet or ui.json):
                 ui.err(f"mpconvert: {note}")
             continue
@@ -718,7 +728,8 @@ def _cmd_audit(ns, ui: _UI) -> int:
     with ui.status(f"Auditing {mf.name} ({precision})…"):
         try:
             report = audit(mf.model, mf.example_inputs, precision=precision, rules=rules, tracer=ns.tracer,
-                           device=ns.device, dynamic=not getattr(ns, "static", False), dynamic_shapes=_dynamic_shapes(mf))
+                           device=ns.device, dynamic=not getattr(ns, "static", False), dynamic_shapes=_dynamic_shapes(mf),
+                           opt_level=ns.opt_level)
         except CaptureError as exc:
             raise _capture_error(exc, mf, ns.tracer) from exc
     if getattr(mf, "source", None):
@@ -768,13 +779,17 @@ def _cmd_explain(ns, ui: _UI) -> int:
     if directory is None and target.is_dir() and not (target / "config.json").is_file():
         raise UsageError(f"{target} has no report.json; pass an output directory of mpconvert or mpconvert audit, "
                          "a model file, or a save_pretrained folder")
-    path = directory / "report.json" if directory is not None else fresh_report(ns, cwd=Path.cwd())
+    if directory is None:  # normalised once, without torch: a report stores `bf16` for `--precision bfloat16`
+        precision = _precision_name(ns.precision)
+        path = fresh_report(ns, cwd=Path.cwd(), precision=precision)
+    else:
+        path = directory / "report.json"
     try:
         report = read_report(path) if path is not None else None
     except ReportNotUsable as exc:
         raise UsageError(str(exc)) from None
     if report is None:
-        report = _audit_for_explain(ns, ui)
+        report = _audit_for_explain(ns, ui, precision)
         source = "a fresh audit (no saved report fits; `mpconvert audit` saves one for instant answers)"
     else:
         source = str(path)
@@ -813,18 +828,18 @@ def _where_names(target: str) -> str:
     return f"`mpconvert audit {target}` lists the node names (report.md)"
 
 
-def _audit_for_explain(ns, ui: _UI) -> dict:
-    """Audit the model in memory (nothing written) and return the report's dict."""
+def _audit_for_explain(ns, ui: _UI, precision: str) -> dict:
+    """Audit the model in memory (nothing written) and return the report's dict; ``precision`` is canonical."""
     from converter.api import audit
     from converter.passes.capture import CaptureError
 
-    precision = _precision(ns.precision)
     rules = _load_rules(ns.rules)
     mf = _load_model(ns, ui)
     with ui.status(f"Auditing {mf.name} ({precision})…"):
         try:
             report = audit(mf.model, mf.example_inputs, precision=precision, rules=rules, tracer=ns.tracer,
-                           device=ns.device, dynamic=not ns.static, dynamic_shapes=_dynamic_shapes(mf))
+                           device=ns.device, dynamic=not ns.static, dynamic_shapes=_dynamic_shapes(mf),
+                           opt_level=ns.opt_level)
         except CaptureError as exc:
             raise _capture_error(exc, mf, ns.tracer) from exc
     return {"nodes": report.nodes, "casts": report.casts}

@@ -61,6 +61,7 @@ import torch
 
 from converter.export.errors import EmitError, OutputExistsError
 from converter.export.model_py import generate_model_source
+from converter.export.notes import warning
 from converter.export.train_py import (
     USER_MODEL_FILE,
     model_file_to_copy,
@@ -362,7 +363,8 @@ def emit(
     ``device``: where the emitted model is checked (``cuda`` needs CUDA). ``verify``: check that
     model.py reproduces ``conv.module`` before publishing. ``extra``: called with the temporary
     directory before it is published (the CLI exports ONNX there), so its files are part of the
-    atomic output. ``messages``: a list that receives warnings and check results.
+    atomic output. ``messages``: a list that receives warnings and check results, each an
+    :class:`~converter.export.notes.EmitNote` (a ``str`` whose ``kind`` says which).
     ``max_shard_size``: bytes (or ``"500MB"``, ``"2GiB"``) above which the weights are split into
     several safetensors files with an index. Returns the output directory.
     """
@@ -375,15 +377,15 @@ def emit(
     notes = messages if messages is not None else []
     shard_size = parse_size(max_shard_size)
     source = generate_model_source(conv, model_file=model_file)
-    notes.extend(source.warnings)
+    notes.extend(warning(text) for text in source.warnings)
     train_py = render_train_py(conv, model_file=model_file)
     user_model = model_file_to_copy(model_file)
 
     own = source.own
     if source.external:  # converted on the meta device: the weights come from the user's checkpoint
-        notes.append(f"model.py takes {len(source.external)} tensors from a checkpoint of yours: "
-                     "model.load(weights='FOLDER_OR_FILE.safetensors') (the model was converted without its weights, "
-                     "on the meta device, so model.py was not run here)")
+        notes.append(warning(f"model.py takes {len(source.external)} tensors from a checkpoint of yours: "
+                             "model.load(weights='FOLDER_OR_FILE.safetensors') (the model was converted without its "
+                             "weights, on the meta device, so model.py was not run here)"))
 
     def fill(tmp: Path) -> None:
         _write_text(tmp / "model.py", source.code)

@@ -721,7 +721,7 @@ def generate_model_source(conv, *, model_file: Optional[str] = None) -> ModelSou
     library, packages = _library_imports(graphs, warnings)
     imports = library + imports
     external = sorted(name for name, t in found.values.items() if t.is_meta)
-    modes_note = (report.extra.get("modes") or "") if report is not None else ""
+    modes_note = getattr(report, "modes", None)  # capture's ModesNote; None: no report, or one without it
     source_note = ((report.extra.get("source") or {}).get("note") or "") if report is not None else ""  # a checkpoint folder
     code = render_template(
         "model.py.tmpl",
@@ -730,9 +730,9 @@ def generate_model_source(conv, *, model_file: Optional[str] = None) -> ModelSou
         tracer=doc_text(conv.tracer),
         depends=doc_text(f"on torch and {', '.join(packages)} (custom ops)" if packages else "only on torch"),
         io_note=doc_text(io_note),
-        modes_note=doc_text(f"WARNING: this model is {modes_note}: a model whose train mode could not be traced "
+        modes_note=doc_text(f"WARNING: this model is {modes_note.text}: a model whose train mode could not be traced "
                             "(the report says why); training it runs the other mode's ops (e.g. no dropout).\n"
-                            if modes_note.startswith("frozen") else "") + (f"{doc_text(source_note)}\n" if source_note else ""),
+                            if modes_note is not None and modes_note.frozen else "") + (f"{doc_text(source_note)}\n" if source_note else ""),
         imports="".join(line + "\n" for line in imports),
         precision=repr(str(conv.precision)),
         source=repr(Path(model_file).name if model_file else root_name),

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from converter.export.errors import VerificationError
+from converter.export.notes import EmitNote, check
 from converter.numerics.common import output_tensors, preserved_state, sqnr_db
 
 __all__ = ["verify_emitted", "import_file"]
@@ -56,7 +57,7 @@ def _emitted_model(emitted: Any, tensors: Optional[Mapping[str, torch.Tensor]]) 
     return emitted._build(dict(tensors), stored=False)
 
 
-def _verify_cpu(ref: list[torch.Tensor], model: nn.Module, args: tuple, kwargs: dict) -> str:
+def _verify_cpu(ref: list[torch.Tensor], model: nn.Module, args: tuple, kwargs: dict) -> EmitNote:
     got = output_tensors(_run_restoring(model, args, kwargs, seed=0))
     if len(got) != len(ref):
         raise VerificationError(f"emitted model.py returns {len(got)} tensors, the converted model {len(ref)}; please report this bug")
@@ -64,10 +65,10 @@ def _verify_cpu(ref: list[torch.Tensor], model: nn.Module, args: tuple, kwargs: 
         if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
             diff = (a.double() - b.double()).abs().max().item() if a.shape == b.shape else float("nan")
             raise VerificationError(f"emitted model.py differs from the converted model on output {i} (max |diff| {diff:g}); please report this bug")
-    return f"model.py reproduces the converted model bit-exactly on CPU ({len(ref)} output tensors)"
+    return check(f"model.py reproduces the converted model bit-exactly on CPU ({len(ref)} output tensors)")
 
 
-def verify_emitted(conv, out_dir: Path, *, device: str = "cpu", tensors: Optional[Mapping[str, torch.Tensor]] = None) -> str:
+def verify_emitted(conv, out_dir: Path, *, device: str = "cpu", tensors: Optional[Mapping[str, torch.Tensor]] = None) -> EmitNote:
     """Load ``out_dir/model.py`` in-process and compare it with ``conv.module`` on the example inputs.
 
     ``tensors``: name -> ``conv.module``'s own tensor (``ModelSource.tensors``), attached to the
@@ -99,4 +100,4 @@ def verify_emitted(conv, out_dir: Path, *, device: str = "cpu", tensors: Optiona
             worst = min(worst, sqnr_db(a, b))
     if worst < 30.0:
         raise VerificationError(f"on {device}, outputs differ from the CPU result: SQNR {worst:.1f} dB < 30 dB")
-    return f"model.py runs on {device}; outputs match the CPU result (SQNR {worst:.1f} dB)"
+    return check(f"model.py runs on {device}; outputs match the CPU result (SQNR {worst:.1f} dB)")

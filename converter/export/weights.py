@@ -27,6 +27,7 @@ from typing import Mapping, Optional, Union
 import torch
 
 from converter.export.errors import EmitError, VerificationError
+from converter.export.notes import check
 
 __all__ = [
     "WEIGHTS_FILE",
@@ -257,4 +258,4 @@ def check_weights(tensors: Mapping[str, torch.Tensor], directory: Path, *,
                     )
                 total += raw.numel()
                 del want, raw, got, buffer
-    return f"the weight files ({len(files)}, {total / 2**20:.1f} MiB) hold every tensor bit-exactly"
+    return check(f"the weight files ({len(files)}, {total / 2**20:.1f} MiB) hold every tensor bit-exactly")

@@ -63,6 +63,9 @@ __all__ = [
     "DTYPE_NAMES",
     "HALF_NAMES",
     "NodeInfo",
+    "ModesKind",
+    "MODES_KINDS",
+    "ModesNote",
     "TensorSpec",
     "RuleRef",
     "Match",
@@ -143,7 +146,8 @@ CONTRACT: tuple[MetaKey, ...] = (
     MetaKey(META_INFO, "node", "NodeInfo", ("capture", "lower", "rewrite"),
             ("ir", "decide", "place", "calibrate", "search", "measure", "fp32_math", "report", "export", "train", "api",
              "verify", "simplify", "checkpoint", "intent"),
-            "what capture learned: op, module, kind, outputs (lower and rewrite describe the nodes they make)"),
+            "what capture learned: op, module, kind, outputs, opaque_leaf (a module FX could not trace into, "
+            "read by capture instead of the wording of why); lower and rewrite describe the nodes they make"),
     MetaKey(META_DECISION, "node", "Decision", ("decide", "lower", "place", "calibrate"),
             ("rewrite", "fp32_math", "search", "measure", "report", "export", "api", "verify"),
             "the node's precision and its provenance; later stages amend it with Decision.noted"),
@@ -266,6 +270,9 @@ class NodeInfo:
     fixed_dtype: Optional[torch.dtype] = None  # for kind == "fixed"
     inplace: bool = False
     why: str = ""  # why the kind was chosen when it is not "compute"
+    #: a module FX kept as a leaf (it cannot trace into it) holding floating parameters it cannot convert;
+    #: capture reads this flag (never ``why``) to try torch.export instead
+    opaque_leaf: bool = False
 
     @property
     def out_numel(self) -> int:
@@ -274,6 +281,41 @@ class NodeInfo:
     @property
     def out_bytes(self) -> int:
         return sum(t.nbytes for t in self.outputs)
+
+
+#: how the converted module treats train()/eval(): one mode-aware graph, a train and an eval graph, or one
+#: graph frozen in the model's own mode (train()/eval() then change nothing)
+ModesKind = Literal["follows", "two_graphs", "frozen_train", "frozen_eval"]
+MODES_KINDS: tuple[str, ...] = get_args(ModesKind)
+
+
+@dataclass(frozen=True)
+class ModesNote:
+    """What capture did with the model's train/eval modes (``Captured.modes``, ``Report.modes``).
+
+    ``kind`` is what code reads (strict_modes, the report's header warning, model.py's docstring, the
+    in-place wrapper); ``text`` is the prose for people, ``report.extra["modes"]`` and report.json. Code
+    never parses ``text``: a reworded note changes no behaviour.
+    """
+
+    kind: ModesKind
+    text: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in MODES_KINDS:
+            raise ValueError(f"ModesNote kind {self.kind!r} is not one of {MODES_KINDS}")
+
+    def __str__(self) -> str:
+        return self.text
+
+    @property
+    def frozen(self) -> Optional[Literal["train", "eval"]]:
+        """The one mode the converted module is frozen in, or None when train()/eval() work."""
+        return "train" if self.kind == "frozen_train" else "eval" if self.kind == "frozen_eval" else None
+
+    def extended(self, more: str) -> "ModesNote":
+        """The same kind with ``more`` appended to the prose (e.g. why LayerDrop is off)."""
+        return ModesNote(self.kind, self.text + more)
 
 
 @dataclass(frozen=True)

@@ -105,7 +105,7 @@ from torch.overrides import TorchFunctionMode
 
 from converter.ir.errors import MpconvertError
 from converter.ir.graphmodule import new_graph_module
-from converter.ir.meta import META_CHECKPOINT, META_INFO, META_SOURCE, META_VALUE, NodeInfo, TensorSpec
+from converter.ir.meta import META_CHECKPOINT, META_INFO, META_SOURCE, META_VALUE, ModesNote, NodeInfo, TensorSpec
 from converter.ir.ops import CAST_OPS, NORM_OPS, canonical_op, explicit_dtype, is_inplace
 from converter.ir.state import preserved_state
 from converter.passes.autograd_fns import OpaqueFunctions, restore_function_calls
@@ -168,8 +168,8 @@ class Captured:
     narrowed_dims: dict = field(default_factory=dict)
     #: input name -> {dim: {"min", "max", "why"}} for dynamic dims served only within a range
     dynamic_ranges: dict = field(default_factory=dict)
-    #: whether train()/eval() work on the captured graph, and why not if they do not
-    modes: str = ""
+    #: whether train()/eval() work on the captured graph, and why not if they do not (None: not captured yet)
+    modes: Optional[ModesNote] = None
     #: the graph of the model in eval mode, when it branches on self.training (``gm`` is then the train graph)
     eval_gm: Optional[torch.fx.GraphModule] = None
     #: why the graph returns no key/value cache (a Hugging Face model captured with use_cache=False), or ""
@@ -774,9 +774,10 @@ def _capture_one(name: str, model: torch.nn.Module, args: tuple, kwargs: dict, s
     if why:
         gm, _ = _trace_in_mode(trace, name, model, args, kwargs, shapes)
         mode = "train" if model.training else "eval"
-        return gm, None, f"frozen in {mode} mode: {why}; train()/eval() on the converted module change nothing"
+        return gm, None, ModesNote(f"frozen_{mode}",  # type: ignore[arg-type]
+                                   f"frozen in {mode} mode: {why}; train()/eval() on the converted module change nothing")
     gm, eval_gm, note = _split_modes(trace, name, model, gm, changed, args, kwargs, shapes)
-    return gm, eval_gm, note + skipped
+    return gm, eval_gm, note.extended(skipped)
 
 
 def _trace_in_mode(trace, name: str, model: torch.nn.Module, args: tuple, kwargs: dict, shapes: _Shapes, *,
@@ -906,11 +907,13 @@ def _split_modes(trace, name: str, model: torch.nn.Module, gm: torch.fx.GraphMod
     if eval_gm is None:
         if any(t.is_meta for t in model.parameters()):
             kept += "; eval mode was run but not compared by value (the model has no weights)"
-        return gm, None, f"follows train()/eval(): traced in train mode, {len(changed)} mode-dependent ops read self.training{kept}"
+        return gm, None, ModesNote("follows", f"follows train()/eval(): traced in train mode, {len(changed)} "
+                                              f"mode-dependent ops read self.training{kept}")
     _set_modes(eval_gm, model)
-    return gm, eval_gm, (f"follows train()/eval() with two graphs: the model branches on self.training ({differs}), so "
-                         "it was traced in each mode and the converted module runs the train graph in train mode and "
-                         "the eval graph in eval mode (the report describes the train graph)")
+    return gm, eval_gm, ModesNote("two_graphs", f"follows train()/eval() with two graphs: the model branches on self.training "
+                                                f"({differs}), so it was traced in each mode and the converted module runs "
+                                                "the train graph in train mode and the eval graph in eval mode (the report "
+                                                "describes the train graph)")
 
 
 def _set_modes(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
@@ -1035,7 +1038,7 @@ def _opaque_leaves(gm: torch.fx.GraphModule) -> list[str]:
     return [
         node.meta[META_INFO].module_type
         for node in gm.graph.nodes
-        if node.op == "call_module" and node.meta.get(META_INFO) is not None and "opaque leaf module" in node.meta[META_INFO].why
+        if node.op == "call_module" and node.meta.get(META_INFO) is not None and node.meta[META_INFO].opaque_leaf
     ]
 
 
@@ -1130,7 +1133,7 @@ def _annotate_nodes(gm: torch.fx.GraphModule, root_type: str) -> None:
             node.meta[META_INFO] = NodeInfo(op=node.op, module=module, module_type=module_type, module_stack=stack, outputs=outputs)
             continue
         op = canonical_op(node, gm)
-        kind, fixed, why = _classify(gm, node, op, outputs)
+        kind, fixed, why, opaque_leaf = _classify(gm, node, op, outputs)
         node.meta[META_INFO] = NodeInfo(
             op=op,
             module=module,
@@ -1142,36 +1145,39 @@ def _annotate_nodes(gm: torch.fx.GraphModule, root_type: str) -> None:
             fixed_dtype=fixed,
             inplace=is_inplace(node, op),
             why=why,
+            opaque_leaf=opaque_leaf,
         )
 
 
-def _classify(gm, node, op, outputs) -> tuple[str, Optional[torch.dtype], str]:
+def _classify(gm, node, op, outputs) -> tuple[str, Optional[torch.dtype], str, bool]:
+    """(kind, fixed dtype, why, opaque_leaf) of one node; ``opaque_leaf``: a module FX kept as a leaf whose
+    floating parameters it cannot convert (NodeInfo.opaque_leaf; capture then tries torch.export)."""
     float_out = [s for s in outputs if s.dtype.is_floating_point]
     in_nodes = input_nodes(node)
     float_in = [s for n in in_nodes for s in _float_specs(n)]
     if any(s.dtype == torch.float64 for s in float_out + float_in):
-        return "passive", None, "fp64 tensors are never converted"
+        return "passive", None, "fp64 tensors are never converted", False
     if float_in and any(s.dtype.is_complex for n in [node, *in_nodes] for s in _flat_specs(n.meta.get(META_VALUE))):
         # rfft(x), view_as_complex(w), spectrum * gain: complex tensors are never converted (there is no
         # bf16 complex dtype, and the FFTs refuse half on CPU), so the real operands keep the fp32 model's dtype
         dtype = functools.reduce(torch.promote_types, [s.dtype for s in float_in])
-        return "fixed", dtype, f"complex op: its real inputs stay {dtype} (complex tensors are never converted to half)"
+        return "fixed", dtype, f"complex op: its real inputs stay {dtype} (complex tensors are never converted to half)", False
     if not float_out:
-        return "passive", None, "produces no floating-point tensor"
+        return "passive", None, "produces no floating-point tensor", False
     if is_inplace(node, op):
-        return "alias", None, "in-place op: runs in the dtype of the tensor it mutates"
+        return "alias", None, "in-place op: runs in the dtype of the tensor it mutates", False
     if op == "getitem" and in_nodes and isinstance(in_nodes[0].meta.get(META_VALUE), tuple):
-        return "alias", None, "element of a tuple output: has its producer's precision"
+        return "alias", None, "element of a tuple output: has its producer's precision", False
     fixed = explicit_dtype(node, op)
     if fixed is not None:
         observed = float_out[0].dtype
         if isinstance(fixed, torch.fx.Node):
-            return "fixed", observed, f"cast to a dtype computed at run time (observed {observed}); kept as observed"
+            return "fixed", observed, f"cast to a dtype computed at run time (observed {observed}); kept as observed", False
         kind_why = "explicit cast in the model code" if op in CAST_OPS else f"the op's own dtype argument fixes its output to {fixed}"
-        return "fixed", fixed, kind_why
+        return "fixed", fixed, kind_why, False
     parametrization = node.op == "call_module" and isinstance(gm.get_submodule(node.target), ParametrizationList)
     if not float_in and not parametrization:  # a parametrized weight (weight_norm...) is computed from no input
-        return "fixed", float_out[0].dtype, "no floating-point input: its dtype is set by its own arguments"
+        return "fixed", float_out[0].dtype, "no floating-point input: its dtype is set by its own arguments", False
     if node.op == "call_module" and op not in NORM_OPS:
         sub = gm.get_submodule(node.target)
         if any(p.is_floating_point() for p in sub.parameters(recurse=True)):
@@ -1179,5 +1185,6 @@ def _classify(gm, node, op, outputs) -> tuple[str, Optional[torch.dtype], str]:
                 "fixed",
                 float_out[0].dtype,
                 f"opaque leaf module {type(sub).__name__} with fp32 parameters; capture with tracer='export' to convert inside it",
+                True,
             )
-    return "compute", None, ""
+    return "compute", None, "", False

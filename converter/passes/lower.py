@@ -414,7 +414,7 @@ def _annotate(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], like: NodeIn
         node.meta[META_VALUE] = _spec_of(value)
         outputs = tuple(_flat_specs(node.meta[META_VALUE]))
         op = canonical_op(node, gm)
-        kind, fixed, kind_why = _classify(gm, node, op, outputs)
+        kind, fixed, kind_why, _ = _classify(gm, node, op, outputs)
         node.meta[META_INFO] = NodeInfo(op=op, module=like.module, module_type=like.module_type,
                                         module_stack=like.module_stack, source=like.source, kind=kind,
                                         outputs=outputs, fixed_dtype=fixed, why=kind_why)

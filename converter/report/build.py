@@ -50,6 +50,7 @@ from converter.ir.meta import (
     META_MATH,
     CastRecord,
     Decision,
+    ModesNote,
     NodeInfo,
     itemsize,
     name_of,
@@ -92,6 +93,8 @@ class Report:
     measured_casts: dict = field(default_factory=dict)
     calibration: dict = field(default_factory=dict)
     fp32_math: dict = field(default_factory=dict)
+    #: capture's train/eval note, typed (code reads ``modes.kind``; report.json has its text as ``modes``)
+    modes: Optional[ModesNote] = None
 
     def to_dict(self) -> dict:
         out = {
@@ -424,8 +427,10 @@ def _module_rule_warnings(nodes: list[dict], total_flops: int) -> list[dict]:
     return out
 
 
-def build_report(gm: torch.fx.GraphModule, *, precision: str, tracer: str, rules: Optional[dict] = None, extra: Optional[dict] = None) -> Report:
-    """Read ``node.meta`` of the converted (or only decided) graph into a :class:`Report`."""
+def build_report(gm: torch.fx.GraphModule, *, precision: str, tracer: str, rules: Optional[dict] = None, extra: Optional[dict] = None,
+                 modes: Optional[ModesNote] = None) -> Report:
+    """Read ``node.meta`` of the converted (or only decided) graph into a :class:`Report`; ``modes`` is
+    capture's typed train/eval note (its text is ``extra["modes"]``)."""
     nodes: list[dict] = []
     casts: list[dict] = []
     stacks: list[tuple[dict, tuple]] = []
@@ -492,4 +497,5 @@ def build_report(gm: torch.fx.GraphModule, *, precision: str, tracer: str, rules
         memory=_memory(gm, casts),
         calibration=dict(gm.meta.get(GM_CALIBRATION) or {}),
         fp32_math=fp32_math,
+        modes=modes,
     )

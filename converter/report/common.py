@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
-from converter.ir.meta import HALF_NAMES, note_text
+from converter.ir.meta import HALF_NAMES, ModesNote, note_text
 from converter.numerics.common import from_json_float
 
 __all__ = [
@@ -45,6 +45,7 @@ class ReportView(Protocol):
     numerics: dict
     calibration: dict
     fp32_math: dict
+    modes: Optional[ModesNote]
 
     @property
     def line(self) -> str: ...
@@ -143,8 +144,8 @@ def tuned_for(report: ReportView, escape: Callable[[str], str]) -> str:
 def frozen_mode(report: ReportView) -> Optional[str]:
     """The capture's modes note when the converted module is frozen in one mode (train()/eval() change
     nothing: training runs without dropout, or evaluation with it); None when it follows the mode."""
-    modes = report.extra.get("modes") or ""
-    return modes if modes.startswith("frozen") else None
+    modes = report.modes
+    return modes.text if modes is not None and modes.frozen else None
 
 
 def weight_cast_label(summary: dict) -> str:

@@ -42,9 +42,11 @@ A module rule applies to every op inside that module's scope; when several modul
 stack match at the same level, the innermost module wins. **Scope**: ``scope = "subtree"`` (the
 default) reaches the ops of the module and of all its child modules; ``scope = "self"`` only the
 ops the module runs itself, not those of its children. A rule whose pattern names a norm
-(``norm`` anywhere in it, any case: ``*LayerNorm``, ``*RMSNorm``, ``*.norm1``) or whose reason
-says "norm"/"normalisation" defaults to ``"self"``, so a norm rule never pins the linears of a block that contains it, nor of a block
-whose class name merely ends in ``LayerNorm`` (HF's ``...EncoderLayerStableLayerNorm``)::
+(``norm`` anywhere in it, any case: ``*LayerNorm``, ``*RMSNorm``, ``*.norm1``) defaults to ``"self"``,
+so a norm rule never pins the linears of a block that contains it, nor of a block whose class name
+merely ends in ``LayerNorm`` (HF's ``...EncoderLayerStableLayerNorm``). The scope is data: the
+``scope`` key, else the pattern; a rule's ``reason`` is prose and never changes what it does (a
+norm rule named by its instance, ``ln_f``, says ``scope = "self"``)::
 
     [module_type]
     "*LayerNorm" = { precision = "fp32", scope = "self" } Between two rules of the same level and
@@ -95,7 +97,6 @@ _RULE_KEYS = ("precision", "reason", "message")
 _MODULE_RULE_KEYS = _RULE_KEYS + ("ops", "scope")
 SCOPES = ("self", "subtree")
 _NORM = re.compile("norm", re.IGNORECASE)
-_NORM_WORD = re.compile(r"\bnorm(s|ali[sz]ation)?\b", re.IGNORECASE)  # "norm", "normalisation" in a reason
 _SETTINGS = {
     "overflow_fallback": ("bf16", "fp32"),
     "overflow_margin": None,  # a finite number in (0, _MAX_MARGIN]
@@ -263,8 +264,7 @@ class Rules:
                     raise RulesError(f"{file}: [{top}] has an empty pattern")
                 _check_pattern(pattern, where(top, pattern))
                 ops = None
-                why = value.get("reason", "") if isinstance(value, Mapping) else ""
-                scope = default_scope(pattern, why if isinstance(why, str) else "")
+                scope = default_scope(pattern)
                 if top in ("module", "module_type") and isinstance(value, Mapping) and "ops" in value:
                     value = dict(value)
                     ops = value.pop("ops")
@@ -374,9 +374,10 @@ class Rules:
         return {"files": list(self.files), "settings": dict(self.settings), "rules": [r.to_dict() for r in self.rules]}
 
 
-def default_scope(pattern: str, reason: str = "") -> str:
-    """``"self"`` for a rule whose pattern or reason names a norm, else ``"subtree"`` (module doc)."""
-    return "self" if _NORM.search(pattern) or _NORM_WORD.search(reason) else "subtree"
+def default_scope(pattern: str) -> str:
+    """``"self"`` for a rule whose pattern names a norm, else ``"subtree"`` (module doc). The rule's
+    reason is not an argument: rewording it must not change what the rule reaches."""
+    return "self" if _NORM.search(pattern) else "subtree"
 
 
 def _check_number(value: object, where: str) -> None:
