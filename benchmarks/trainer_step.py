@@ -207,8 +207,8 @@ def time_steps(steps: dict, args: argparse.Namespace, *, nodes: dict | None = No
 
     ``opt_base``: name -> the variants whose ``opt`` phases are that variant's baselines, (same kernels,
     the user's default loop): printed as ``opt/same`` and ``opt/user``.
-    Skipped optimizer steps (a trainer's, or a GradScaler's overflow) are counted and reported: a skipped
-    step does no optimizer work and would flatter its variant.
+    Skipped optimizer steps are reported (a trainer's count; a GradScaler's final scale, which backs off on
+    every skip): a skipped step does no optimizer work and would flatter its variant.
     """
     device = getattr(args, "device", "cpu")
     samples = interleaved(steps, rounds=args.rounds, warmup=5, inner=args.inner,
@@ -222,8 +222,12 @@ def time_steps(steps: dict, args: argparse.Namespace, *, nodes: dict | None = No
     for name, entry in result["variants"].items():
         entry["vs_autocast"] = entry["total_ms"] / base
         trainer = getattr(steps[name], "trainer", None)
+        scaler = getattr(steps[name], "scaler", None)
         if trainer is not None:
             entry["skipped"] = trainer.stats.skipped + trainer.stats.spike_skips
+            entry["final_scale"] = trainer.stats.scale
+        elif scaler is not None:  # GradScaler keeps no skip count: a scale still at its start means none
+            entry["final_scale"] = scaler.get_scale()
         ratio = ""
         if opt_base and name in opt_base:
             same, user = opt_base[name]

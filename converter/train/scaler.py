@@ -519,8 +519,8 @@ class LossScaler:
         self._update(new_scale)
 
     def _update(self, new_scale: float | torch.Tensor | None = None, *, known: tuple[bool, float] | None = None) -> None:
-        """``update``; ``known``: (whether any recorded flag is set, the scale now) as the caller read them from the
-        device, so that the bounds' clamp runs only when this update can cross a bound (see ``_may_leave_bounds``)."""
+        """``update``; ``known``: (whether the one recorded flag is set, the scale now) as the caller read them from
+        the device, so that the bounds' clamp runs only when this update can cross a bound (``_may_leave_bounds``)."""
         if not self._enabled:
             return
         self._changes += 1
@@ -534,8 +534,8 @@ class LossScaler:
             found_inf = flags[0] if len(flags) == 1 and flags[0].device == scale.device else flags[0].to(scale.device)
             for flag in flags[1:]:
                 found_inf = found_inf + flag.to(scale.device)
-            if self._dynamic:
-                self._update_dynamic(found_inf, known)
+            if self._dynamic:  # ``known`` describes one optimizer's flag: with several, the clamp decides itself
+                self._update_dynamic(found_inf, known if len(flags) == 1 else None)
         self._records = defaultdict(_OptimizerRecord)
 
     def _set_scale(self, new_scale: float | torch.Tensor) -> None:
