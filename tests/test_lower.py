@@ -468,7 +468,7 @@ def _choices(conv) -> list[dict]:
     return [c for c in conv.report.to_dict()["lowering"] if c["lowering"] == "recompute_attention"]
 
 
-def test_cost_model_keeps_small_probabilities_under_o2_and_recomputes_under_o1():
+def test_cost_model_keeps_small_probabilities_under_o2_and_recomputes_under_o1(monkeypatch):
     """The benchmark's small encoder (d128 h4, B2×T16): under O2 each layer's probability matrix (4 KiB)
     fits the budget (half of the 768 KiB of weight copies autocast saves and O2 does not), so no
     checkpoint region is made (the recompute cost 1.10× vs 0.87× autocast's step here); under O1
@@ -498,11 +498,8 @@ def test_cost_model_keeps_small_probabilities_under_o2_and_recomputes_under_o1()
 
     from converter.passes import lower as lower_mod
 
-    lower_mod.RECOMPUTE_ATTENTION = True
-    try:
-        forced = converter.convert(copy.deepcopy(model), (x,), opt_level="O2", device="cpu")
-    finally:
-        lower_mod.RECOMPUTE_ATTENTION = None
+    monkeypatch.setattr(lower_mod, "RECOMPUTE_ATTENTION", True)
+    forced = converter.convert(copy.deepcopy(model), (x,), opt_level="O2", device="cpu")
     assert forced.report.extra["checkpoint"]["count"] == 2
     assert [c["why"] for c in _choices(forced)] == ["recomputed: forced by converter.passes.lower.RECOMPUTE_ATTENTION"] * 2
     MixedPrecisionTrainer(forced.module, torch.optim.SGD(forced.module.parameters(), lr=1e-3), precision="bf16",

@@ -129,19 +129,23 @@ def _numel(spec: TensorSpec) -> int:
     return math.prod(int(d) for d in spec.shape)
 
 
+def _score_numel(call: dict[str, Any]) -> int:
+    """Elements of one (…, L, S) score (or probability) matrix of the call: batch and heads broadcast."""
+    q, k = call["query"].meta[META_VALUE], call["key"].meta[META_VALUE]
+    lead = torch.broadcast_shapes(tuple(q.shape[:-2]), tuple(k.shape[:-2]))
+    return math.prod(int(d) for d in lead) * int(q.shape[-2]) * int(k.shape[-2])
+
+
 def _kept_bytes(call: dict[str, Any]) -> int:
     """What keeping a lowered attention's autograd state costs beyond the fused kernel's: the (…, L, S)
     probabilities (the softmax output, which P·V also saves) and the boolean mask masked_fill saves;
     q·scale replaces the fused kernel's saved output, of the same size."""
-    q, k = call["query"].meta[META_VALUE], call["key"].meta[META_VALUE]
-    lead = torch.broadcast_shapes(tuple(q.shape[:-2]), tuple(k.shape[:-2]))
-    length, source = int(q.shape[-2]), int(k.shape[-2])
-    extra = math.prod(int(d) for d in lead) * length * source * _HALF_BYTES
+    extra = _score_numel(call) * _HALF_BYTES
     mask = call["attn_mask"]
     if mask is not None and mask.meta[META_VALUE].dtype == torch.bool:
         extra += _numel(mask.meta[META_VALUE])
-    if call["is_causal"]:
-        extra += length * source
+    if call["is_causal"]:  # the (L, S) triangle
+        extra += int(call["query"].meta[META_VALUE].shape[-2]) * int(call["key"].meta[META_VALUE].shape[-2])
     return extra
 
 
@@ -271,9 +275,7 @@ def _too_large_to_unfuse(node: torch.fx.Node, call: dict[str, Any]) -> Optional[
     The lowered forward holds one call's (…, L, S) scores and probabilities at once (recomputed or
     not), where the fused kernel streams them in blocks: at B8 H8 and 4k tokens that is 2 GiB per call.
     Above :data:`MAX_UNFUSED_SCORES_BYTES` the call keeps the fused kernel (slower here, bounded memory)."""
-    q, k = call["query"].meta[META_VALUE], call["key"].meta[META_VALUE]
-    lead = torch.broadcast_shapes(tuple(q.shape[:-2]), tuple(k.shape[:-2]))
-    scores = math.prod(int(d) for d in lead) * int(q.shape[-2]) * int(k.shape[-2]) * 2 * _HALF_BYTES
+    scores = _score_numel(call) * 2 * _HALF_BYTES  # scores and probabilities
     if scores <= MAX_UNFUSED_SCORES_BYTES:
         return None
     why = (f"kept fused: lowered, it would hold {_mib(scores)} of scores and probabilities at once, over the "
