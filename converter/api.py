@@ -27,7 +27,7 @@ import torch.fx
 
 from converter.ir.errors import EXIT_CHECK_FAILED, EXIT_INTERNAL, MpconvertError
 from converter.ir.graphmodule import TwoModeGraphModule, materialize, with_eval_graph
-from converter.ir.meta import GM_GRAPH, GM_PARAM_DTYPES, HALF_NAMES, META_CAST, META_DECISION, META_INFO, Decision, GraphMeta
+from converter.ir.meta import GM_GRAPH, GM_PARAM_DTYPES, HALF_NAMES, META_CAST, META_DECISION, META_INFO, Decision, GraphMeta, set_graph_facts
 from converter.ir.ops import library_op
 from converter.ir.precision import ALIASES, half_precision
 from converter.ir.state import preserved_state
@@ -444,7 +444,7 @@ def _convert_graph(gm: torch.fx.GraphModule, done: list[str], rule_set: Rules, *
     """decide → lower → place → (calibrate) → rewrite → simplify → fp32_math on one captured graph."""
     _run_stage("decide", done, decide, gm, rule_set, precision=settings.target)
     lowered = _run_stage("lower", done, lower, gm, device=device, opt_level=settings.opt_level)
-    gm.meta[GM_GRAPH].extra.update(device=device, lowered=tuple(lowered))
+    set_graph_facts(gm, device=device, lowered=tuple(lowered))
     _run_stage("place", done, settings.run, gm)
     if calibration is not None:
         from converter.numerics.calibrate import calibrate_and_redecide
@@ -453,12 +453,12 @@ def _convert_graph(gm: torch.fx.GraphModule, done: list[str], rule_set: Rules, *
                    options=calibration_options or CalibrationOptions())
     _run_stage("rewrite", done, rewrite, gm, keep_io_types=settings.keep_io_types)
     if simplify_graph:
-        gm.meta[GM_GRAPH].extra.update(simplified=_run_stage("simplify", done, simplify, gm))
+        set_graph_facts(gm, simplified=_run_stage("simplify", done, simplify, gm))
     math_setting = rule_set.setting("fp32_math", DEFAULT_FP32_MATH)
     regions = _run_stage("fp32_math", done, fp32_math, gm, setting=math_setting)
-    gm.meta[GM_GRAPH].extra.update(fp32_math=math_setting, fp32_math_regions=regions)
+    set_graph_facts(gm, fp32_math=math_setting, fp32_math_regions=regions)
     # torch.utils.checkpoint regions run under checkpoint in the generated code (conv.module, model.py)
-    gm.meta[GM_GRAPH].extra.update(checkpoint=_run_stage("checkpoint", done, checkpoint_regions, gm))
+    set_graph_facts(gm, checkpoint=_run_stage("checkpoint", done, checkpoint_regions, gm))
 
 
 def _two_modes(model: torch.nn.Module, train_gm: torch.fx.GraphModule, eval_gm: torch.fx.GraphModule) -> TwoModeGraphModule:
@@ -492,7 +492,7 @@ def _library_ops(gm: torch.fx.GraphModule) -> list[dict]:
 
 def _checkpoint_extra(gm: torch.fx.GraphModule) -> dict:
     """report.extra["checkpoint"]: the torch.utils.checkpoint regions kept (train graph; the eval graph's too)."""
-    found = dict(gm.meta[GM_GRAPH].extra.get("checkpoint") or {"regions": [], "count": 0, "notes": []})
+    found = dict(gm.meta[GM_GRAPH].checkpoint or {"regions": [], "count": 0, "notes": []})
     if isinstance(gm, TwoModeGraphModule):
         found["eval_count"] = sum(1 for _ in regions_in(gm.eval_graph))
     return found
@@ -502,13 +502,13 @@ def _report(captured: Captured, rule_set: Rules, target: str, timings: dict, *, 
     gm = captured.gm
     return build_report(gm, precision=target, tracer=captured.tracer, rules=rule_set.to_dict(), modes=captured.modes,
                         extra={"capture_errors": captured.errors, "timings": timings, "opt_level": opt_level,
-                               "device": device, "lowered": list(gm.meta[GM_GRAPH].extra.get("lowered", ())),
-                               "lowering": list(gm.meta[GM_GRAPH].extra.get("lowering", ())),
+                               "device": device, "lowered": list(gm.meta[GM_GRAPH].lowered),
+                               "lowering": list(gm.meta[GM_GRAPH].lowering),
                                "dynamic_dims": captured.dynamic_dims, "shapes": captured.shapes_note,
                                "narrowed_dims": captured.narrowed_dims, "dynamic_ranges": captured.dynamic_ranges,
                                "modes": str(captured.modes or ""), "cache": captured.cache, "library_ops": _library_ops(gm),
                                "checkpoint": _checkpoint_extra(gm),
-                               "simplified": fold_counts(gm.meta[GM_GRAPH].extra.get("simplified", ()))})
+                               "simplified": fold_counts(gm.meta[GM_GRAPH].simplified)})
 
 
 def convert(

@@ -50,6 +50,8 @@ def _meta_keys(tree: ast.AST):
         elif (isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], (ast.In, ast.NotIn))
               and _is_meta(node.comparators[0])):
             yield node.left
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "set_graph_facts":
+            yield ast.copy_location(ast.Name("GM_GRAPH"), node)  # the one writer of the frozen GraphMeta's fields (converter.ir.meta)
 
 
 def _scan() -> tuple[dict[str, set[str]], list[str]]:

@@ -37,7 +37,7 @@ def _step(module, args):
 
 
 def _folds(conv) -> tuple[Fold, ...]:
-    return conv.module.meta[GM_GRAPH].extra["simplified"]
+    return conv.module.meta[GM_GRAPH].simplified
 
 
 def _dropouts(gm) -> int:

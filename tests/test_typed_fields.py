@@ -168,3 +168,26 @@ def test_opaque_leaf_is_a_flag():
     flagged = [i for i in infos if i is not None and i.opaque_leaf]
     assert [i.module_type for i in flagged] == ["MultiheadAttention"], flagged
     assert NodeInfo(op="linear").opaque_leaf is False
+
+
+def test_graph_meta_is_declared_fields_set_by_each_stage():
+    """Graph-level results are declared, frozen fields (no untyped ``extra`` dict); each stage's are set."""
+    import dataclasses
+
+    import converter
+    from converter.ir.meta import GM_GRAPH, GraphMeta
+    from tests.helpers import load_sample
+
+    names = [f.name for f in dataclasses.fields(GraphMeta)]
+    assert "extra" not in names and {"device", "lowered", "lowering", "simplified", "fp32_math",
+                                     "fp32_math_regions", "checkpoint"} <= set(names), names
+    sample = load_sample("tiny_transformer")
+    conv = converter.convert(sample.build_model(), sample.example_inputs(), device="cpu")
+    graph_meta = conv.module.meta[GM_GRAPH]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        graph_meta.device = None  # type: ignore[misc]
+    assert graph_meta.device == "cpu" and graph_meta.lowered and len(graph_meta.lowering) == len(graph_meta.lowered)
+    assert graph_meta.fp32_math is not None and graph_meta.checkpoint is not None
+    assert conv.report.extra["lowering"] == list(graph_meta.lowering)
+    assert conv.report.fp32_math["setting"] == graph_meta.fp32_math
+    assert isinstance(graph_meta.simplified, tuple)

@@ -19,8 +19,8 @@ The report, the emitted artifacts and the ONNX check read these records and noth
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Literal, Optional, get_args
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, Mapping, Optional, get_args
 
 import torch
 
@@ -74,6 +74,7 @@ __all__ = [
     "MathRecord",
     "CheckpointTag",
     "GraphMeta",
+    "set_graph_facts",
     "BUILTIN",
     "dtype_of",
     "name_of",
@@ -180,9 +181,10 @@ CONTRACT: tuple[MetaKey, ...] = (
             "the user's precision intent over the node (its innermost autocast region, _keep_in_fp32_modules), "
             "first applicable wins; capture and regions tag through converter.passes.intent, decide reads through "
             "its applicable_intent; outranks every rule file"),
-    MetaKey(GM_GRAPH, "graph", "GraphMeta", ("api", "lower"), ("report",),
-            "graph-level facts: tracer, precision, capture errors, rule files; in extra: lower's list and its "
-            "cost model's choices (lower writes extra['lowering']), the fp32_math setting and region count"),
+    MetaKey(GM_GRAPH, "graph", "GraphMeta", ("api", "lower", "ir"), ("report",),
+            "graph-level facts, declared fields of a frozen record: tracer, precision, capture errors, rule files; "
+            "lower's list and its cost model's choices (lower sets lowering), simplify's folds, the fp32_math "
+            "setting and region count, the checkpoint summary (set_graph_facts replaces them)"),
     MetaKey(GM_PARAM_DTYPES, "graph", "dict[str, torch.dtype]", ("rewrite", "api"), ("report", "export", "train", "api", "lightning"),
             "fqn -> the dtype each parameter may be stored in (O2); the emitted model.py sets it too"),
     MetaKey(GM_PARAM_STORAGE, "graph", "dict[str, str]", ("rewrite",), ("report",),
@@ -420,10 +422,32 @@ class MathRecord:
 
 @dataclass(frozen=True)
 class GraphMeta:
-    """Graph-level facts written by capture and rewrite (``gm.meta["mp_graph"]``)."""
+    """Graph-level facts (``gm.meta["mp_graph"]``): the pipeline (converter.api) writes the first four
+    when the graph is captured, and each later stage sets its own field through :func:`set_graph_facts`.
+
+    ``device``: the device the graph was lowered for (None: portable); ``lowered``: the nodes lower
+    rewrote; ``lowering``: its cost model's choices (``LoweringChoice.to_dict()``, one per attention
+    call); ``simplified``: simplify's folds (``converter.passes.simplify.Fold``); ``fp32_math``: the
+    rule files' fp32_math setting and ``fp32_math_regions`` how many bracketed regions enforce it;
+    ``checkpoint``: what the checkpoint stage kept (``checkpoint_regions``' summary), None before it ran.
+    """
 
     tracer: str
     precision: HalfPrecision
     capture_errors: tuple[str, ...] = ()
     rule_files: tuple[str, ...] = ()
-    extra: dict = field(default_factory=dict)
+    device: Optional[str] = None
+    lowered: tuple[str, ...] = ()
+    lowering: tuple[Mapping[str, Any], ...] = ()
+    simplified: tuple[Any, ...] = ()
+    fp32_math: Optional[str] = None
+    fp32_math_regions: int = 0
+    checkpoint: Optional[Mapping[str, Any]] = None
+
+
+def set_graph_facts(gm: torch.fx.GraphModule, **facts: Any) -> None:
+    """Replace fields of ``gm``'s :class:`GraphMeta` (frozen: a stage's facts are set, never edited in
+    place); a graph without one (a stage run on its own, as the tests do) is left as it is."""
+    graph_meta = gm.meta.get(GM_GRAPH)
+    if graph_meta is not None:
+        gm.meta[GM_GRAPH] = replace(graph_meta, **facts)

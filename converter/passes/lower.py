@@ -70,7 +70,6 @@ import torch.fx
 
 from converter.ir.graphmodule import pauses_gc
 from converter.ir.meta import (
-    GM_GRAPH,
     META_CHECKPOINT,
     META_DECISION,
     META_INFO,
@@ -81,6 +80,7 @@ from converter.ir.meta import (
     Decision,
     NodeInfo,
     TensorSpec,
+    set_graph_facts,
 )
 from converter.ir.ops import canonical_op
 from converter.passes.capture import _classify, _flat_specs, _spec_of
@@ -225,7 +225,7 @@ def recompute_plan(gm: torch.fx.GraphModule, calls: list[tuple[torch.fx.Node, di
 def lower(gm: torch.fx.GraphModule, *, device: Optional[str], opt_level: str = "O1") -> list[str]:
     """Apply the lowerings for ``device`` (None: none); returns the names of the nodes replaced.
 
-    The cost model's choices (:class:`LoweringChoice`) go to ``gm.meta[GM_GRAPH].extra["lowering"]``."""
+    The cost model's choices (:class:`LoweringChoice`) go to the graph meta's ``lowering`` field."""
     if device is None:
         return []
     if device not in DEVICES:
@@ -263,9 +263,7 @@ def lower(gm: torch.fx.GraphModule, *, device: Optional[str], opt_level: str = "
         name = node.name
         _lower_attention(gm, node, node.meta[META_INFO], node.meta[META_DECISION], call, regions, plan[node])
         lowered.append(name)
-    graph_meta = gm.meta.get(GM_GRAPH)
-    if graph_meta is not None:
-        graph_meta.extra["lowering"] = tuple(choice.to_dict() for choice in choices)
+    set_graph_facts(gm, lowering=tuple(choice.to_dict() for choice in choices))
     return lowered
 
 

@@ -28,7 +28,7 @@ through their torch bindings (``torch.transpose(x, 1, 0)``, not ``torch.ops.aten
 0)``, which adds a Python frame per call); the graph itself is not changed.
 
 Provenance: :func:`simplify` returns one :class:`Fold` per erased node (what it was, why it was
-the identity); ``convert`` keeps them in the graph meta's ``extra["simplified"]`` and the report's
+the identity); ``convert`` keeps them in the graph meta's ``simplified`` field and the report's
 ``extra`` counts them by kind. Folded nodes are not compute nodes a rule decided on
 (dropout/view/... are precision-neutral), so no decision is lost.
 """

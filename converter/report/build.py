@@ -367,7 +367,6 @@ def _dtype(name: str) -> torch.dtype:
 def _fp32_math(gm: torch.fx.GraphModule, nodes: list[dict]) -> dict:
     """The fp32 math section: setting, global flags now, per-math counts, and the silent-reduction warning."""
     graph_meta = gm.meta.get(GM_GRAPH)
-    extra = graph_meta.extra if graph_meta is not None else {}
     counts = {"ieee": 0, "tf32": 0, "inherit": 0}
     inherit = {False: [], True: []}  # conv? -> node names running with the global math
     for row in nodes:
@@ -392,8 +391,8 @@ def _fp32_math(gm: torch.fx.GraphModule, nodes: list[dict]) -> dict:
         notes.append(f"the global fp32 math is reduced ({', '.join(flags)}): the {counts['ieee']} IEEE-enforced node(s) run "
                      "their forward in IEEE fp32, but their backward matmuls run under the global flags at backward time")
     return {
-        "setting": extra.get("fp32_math", DEFAULT_FP32_MATH),
-        "regions": extra.get("fp32_math_regions", 0),
+        "setting": (graph_meta.fp32_math if graph_meta is not None else None) or DEFAULT_FP32_MATH,
+        "regions": graph_meta.fp32_math_regions if graph_meta is not None else 0,
         "global": global_math_settings(),
         "nodes": counts,
         "warnings": warnings,
