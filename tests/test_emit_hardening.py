@@ -165,11 +165,11 @@ def test_cli_with_a_malicious_file_name_runs_nothing(tmp_path):
 @pytest.mark.parametrize("name", ['y"""; import os', "class", "self", "a b", "x\ny"])
 def test_unsafe_forward_argument_names_are_refused(name):
     """torch.export itself refuses most of these; model.py's signature refuses them all the same."""
-    from converter.export.model_py import _check_argument_names
+    from converter.export.model_signature import check_argument_names
 
-    _check_argument_names(["input_ids", "attention_mask"])
+    check_argument_names(["input_ids", "attention_mask"])
     with pytest.raises(EmitError, match="not a valid Python parameter name"):
-        _check_argument_names(["x", name])
+        check_argument_names(["x", name])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -572,11 +572,11 @@ def test_forward_defaults_are_literals(tmp_path):
 
 def test_forward_default_with_a_code_repr_is_refused():
     """torch.fx refuses such defaults itself today; model.py refuses anything but plain values anyway."""
-    from converter.export.model_py import _check_defaults
+    from converter.export.model_forward import check_defaults
 
-    _check_defaults("def forward(self, x, scale = 1.5, dtype = torch.float32, ks = (1, -2), m = {'a': None}):\n    pass")
+    check_defaults("def forward(self, x, scale = 1.5, dtype = torch.float32, ks = (1, -2), m = {'a': None}):\n    pass")
     with pytest.raises(EmitError, match="not a plain literal"):
-        _check_defaults("def forward(self, x, cfg = __import__('os').system('touch PWNED')):\n    pass")
+        check_defaults("def forward(self, x, cfg = __import__('os').system('touch PWNED')):\n    pass")
 
 
 _WITHOUT_MPCONVERT = """

@@ -27,10 +27,10 @@ from converter.export.onnx import (
     BF16_CPU_REASON,
     DEFAULT_OPSET,
     TOLERANCE_ULPS,
-    _fold_initializer_casts,
     cast_pairs,
     tolerance_for,
 )
+from converter.export.onnx_graph import fold_initializer_casts
 from converter.numerics.common import output_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -358,7 +358,7 @@ def test_cast_of_an_initializer_is_folded_into_a_half_initializer():
         helper.make_node("MatMul", ["xh", "wh"], ["yh"], name="mm"),
         helper.make_node("Cast", ["yh"], ["y"], to=TensorProto.FLOAT, name="cy"),
     ], [w])
-    assert _fold_initializer_casts(model) == 1
+    assert fold_initializer_casts(model) == 1
     onnx.checker.check_model(model, full_check=True)
     assert [n.name for n in model.graph.node if n.op_type == "Cast"] == ["cx", "cy"]
     (init,) = model.graph.initializer
@@ -437,15 +437,15 @@ def test_cast_count_difference_is_information_with_its_cause(constant_branch, tm
 
 
 def test_planted_numeric_mismatch_fails(exported, tmp_path, monkeypatch):
-    from converter.export import onnx as onnx_mod
+    from converter.export import onnx_verify as onnx_mod
 
     conv, _ = exported["mlp"]
-    real = onnx_mod._run_ort
+    real = onnx_mod.run_ort
 
     def off_by_a_little(*args, **kwargs):
         return [o + np.float32(0.05) * np.abs(o).max() for o in real(*args, **kwargs)]
 
-    monkeypatch.setattr(onnx_mod, "_run_ort", off_by_a_little)
+    monkeypatch.setattr(onnx_mod, "run_ort", off_by_a_little)
     result = conv.export_onnx(tmp_path / "bad.onnx", compare_size=False)
     print(result.summary)
     assert not result.ok and not result.verified and result.checks["ort_match"] is False
@@ -472,11 +472,11 @@ def test_cli_onnx_exits_0_when_only_the_cast_count_differs(constant_branch, tmp_
 
 
 def test_cli_onnx_exits_1_on_a_numeric_mismatch(constant_branch, tmp_path, capfd, monkeypatch):
-    from converter.export import onnx as onnx_mod
+    from converter.export import onnx_verify as onnx_mod
 
     path, _ = constant_branch
-    real = onnx_mod._run_ort
-    monkeypatch.setattr(onnx_mod, "_run_ort", lambda *a, **k: [o * np.float32(1.1) for o in real(*a, **k)])
+    real = onnx_mod.run_ort
+    monkeypatch.setattr(onnx_mod, "run_ort", lambda *a, **k: [o * np.float32(1.1) for o in real(*a, **k)])
     code, out, err = _cli(capfd, path, "--tracer", "export", "--onnx", "--no-measure", "--out", tmp_path / "cb")
     assert code == 1, (out, err)
     lines = err.strip().splitlines()

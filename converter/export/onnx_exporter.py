@@ -1,0 +1,141 @@
+"""The ONNX export call: ``torch.onnx.export`` with the dynamo exporter, falling back to TorchScript.
+
+:func:`export_copy` makes the module to export (a copy in eval mode with O2's half parameters),
+:func:`export_model` exports it to an in-memory ``ModelProto`` (the fallback leaves a notice and a
+``UserWarning``; both failing is an :class:`OnnxExportError`), :func:`save_model` writes it
+(external data past the 2 GiB protobuf limit) and :func:`fp32_export` exports the fp32 original for
+the size comparison.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.fx
+
+from converter.export.onnx_graph import onnx_casts, strip_debug_metadata
+from converter.ir.errors import EXIT_CHECK_FAILED, MpconvertError
+from converter.ir.graphmodule import TwoModeGraphModule
+
+__all__ = ["OnnxExportError", "quiet_deepcopy", "export_copy", "set_eval", "export_model", "save_model", "fp32_export"]
+
+
+class OnnxExportError(MpconvertError, RuntimeError):
+    """Neither exporter could export the model; the message gives both reasons."""
+
+    exit_code = EXIT_CHECK_FAILED  # the requested --onnx check could not be done
+
+
+def quiet_deepcopy(module: torch.nn.Module) -> torch.nn.Module:
+    """``copy.deepcopy(module)`` without torch.export's deprecation warnings."""
+    with warnings.catch_warnings():  # torch.export's pytree specs warn on deepcopy (LeafSpec deprecation)
+        warnings.simplefilter("ignore", FutureWarning)
+        return copy.deepcopy(module)
+
+
+def export_copy(conv_module: torch.fx.GraphModule, param_dtypes: dict) -> torch.nn.Module:
+    """A copy of the converted module in eval mode with parameters stored per ``mp_param_dtypes``."""
+    gm = quiet_deepcopy(conv_module)
+    if isinstance(gm, TwoModeGraphModule):  # torch.export interprets `graph`, the train graph: give it eval's
+        gm = gm.for_mode(False)
+    with torch.no_grad():
+        for name, param in gm.named_parameters():
+            dtype = param_dtypes.get(name)
+            if dtype is not None and param.dtype != dtype:
+                param.data = param.data.to(dtype)
+    set_eval(gm)
+    return gm
+
+
+def set_eval(module: torch.nn.Module) -> None:
+    """Put ``module`` in eval mode where it allows it."""
+    try:
+        module.eval()
+    except Exception:  # exported GraphModules of some torch versions refuse eval(); they were captured in eval
+        pass
+
+
+def _input_names(module: torch.nn.Module, args: tuple, kwargs: dict) -> list[str]:
+    names = []
+    if isinstance(module, torch.fx.GraphModule):
+        names = [n.target for n in module.graph.nodes if n.op == "placeholder"]
+    names = [str(n) for n in names[: len(args)]] if names else [f"input_{i}" for i in range(len(args))]
+    return names + [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+
+
+def export_model(module: torch.nn.Module, args: tuple, kwargs: dict, *, opset: int, exporter: str, notes: list[str]):
+    """Export to an in-memory ModelProto; returns (model, exporter used)."""
+    import onnx
+
+    errors: dict[str, str] = {}
+    order = {"auto": ("dynamo", "torchscript"), "dynamo": ("dynamo",), "torchscript": ("torchscript",)}[exporter]
+    for which in order:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                if which == "dynamo":
+                    program = torch.onnx.export(module, args, kwargs=kwargs or None, dynamo=True, opset_version=opset,
+                                                verbose=False, optimize=True)
+                    model = program.model_proto
+                else:
+                    with tempfile.TemporaryDirectory() as tmp:
+                        f = os.path.join(tmp, "ts.onnx")
+                        torch.onnx.export(module, args, f, kwargs=kwargs or None, dynamo=False, opset_version=opset,
+                                          input_names=_input_names(module, args, kwargs), do_constant_folding=True)
+                        model = onnx.load(f)
+            if errors:
+                msg = f"the dynamo exporter failed ({errors['dynamo']}); fell back to the TorchScript exporter"
+                notes.append(msg)
+                warnings.warn(msg, UserWarning, stacklevel=3)
+            return model, which
+        except Exception as exc:  # the reason is kept and reported; the next exporter is tried
+            errors[which] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
+    raise OnnxExportError("ONNX export failed: " + "; ".join(f"{k}: {v}" for k, v in errors.items()))
+
+
+def save_model(model, path: Path) -> int:
+    """Write ``model``; weights go to an external ``.data`` file past the 2 GiB protobuf limit."""
+    import onnx
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    big = model.ByteSize() > 1_800_000_000 if _byte_size_ok(model) else True
+    if big:
+        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=path.name + ".data")
+    else:
+        onnx.save_model(model, str(path))
+    size = path.stat().st_size
+    data = path.with_name(path.name + ".data")
+    if big and data.exists():
+        size += data.stat().st_size
+    return size
+
+
+def _byte_size_ok(model) -> bool:
+    try:
+        model.ByteSize()
+        return True
+    except Exception:
+        return False
+
+
+def fp32_export(conv, args, kwargs, *, opset: int, exporter: str, notes: list[str],
+               keep_debug_metadata: bool) -> tuple[Optional[int], Optional[int]]:
+    """Size in bytes (and Cast count) of the export of the fp32 original."""
+    original = quiet_deepcopy(conv.original)
+    set_eval(original)
+    try:
+        model, _ = export_model(original, args, kwargs, opset=opset, exporter=exporter, notes=[])
+    except OnnxExportError as exc:
+        notes.append(f"the fp32 original could not be exported for the size comparison: {exc}")
+        return None, None
+    if not keep_debug_metadata:
+        strip_debug_metadata(model)
+    with tempfile.TemporaryDirectory() as tmp:
+        size = save_model(model, Path(tmp) / "fp32.onnx")
+    return size, len(onnx_casts(model))
