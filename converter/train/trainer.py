@@ -59,8 +59,9 @@ from torch import nn
 from converter.ir.errors import EXIT_CHECK_FAILED, MpconvertError
 from converter.ir.meta import GM_PARAM_DTYPES, META_CAST, META_INFO, META_TRAINER
 from converter.ir.precision import half_dtype
+from converter.train.amp_kernels import unscale_grads, unscale_groups
 from converter.train.cuda_graph import CudaGraphModule
-from converter.train.scaler import LossScaler, _unscale_grads, _unscale_groups
+from converter.train.scaler import LossScaler
 
 __all__ = ["MixedPrecisionTrainer", "SpikeGuard", "TrainStats", "TrainingStalledError"]
 
@@ -1016,7 +1017,7 @@ class MixedPrecisionTrainer:
             found = self._scaler._unscale(self._optimizer, buffers, found_inf=slot[_FOUND])
         elif not by_norm:
             found = slot[_FOUND].zero_()
-            _unscale_grads(params, inv_scale=slot[_ONE], found_inf=found, allow_fp16=True)
+            unscale_grads(params, inv_scale=slot[_ONE], found_inf=found, allow_fp16=True)
         if by_norm:
             if self._fsdp is not None:  # DTensor shards: the norm is reduced across ranks (a collective)
                 norm_t = torch.nn.utils.get_total_norm(grads, foreach=True)
@@ -1092,9 +1093,9 @@ class MixedPrecisionTrainer:
             groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
             for buffer in buffers:
                 groups.setdefault((buffer.device, buffer.dtype), []).append(buffer)
-            _unscale_groups(groups.items(), inv_scale=one, found_inf=flag)
+            unscale_groups(groups.items(), inv_scale=one, found_inf=flag)
         else:
-            _unscale_grads(params, inv_scale=one, found_inf=flag, allow_fp16=True)
+            unscale_grads(params, inv_scale=one, found_inf=flag, allow_fp16=True)
         return bool(flag.item())
 
     def _clip(self, params: list[torch.Tensor], buffers: list[torch.Tensor] | None, norm: torch.Tensor) -> None:
