@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from converter.train.scaler import LossScaler, _unscale_grads, _update_with_tensor_ops
+from converter.train.amp_kernels import unscale_grads, update_with_tensor_ops
+from converter.train.scaler import LossScaler
 
 INF, NAN = float("inf"), float("nan")
 
@@ -42,7 +43,7 @@ def test_item1_tensor_path_matches_kernel_sequence():
     left = torch.ones((), dtype=torch.int32)
     seen = []
     for found in (0.0, 0.0, 1.0):
-        _update_with_tensor_ops(
+        update_with_tensor_ops(
             scale=scale, growth_tracker=tracker, hysteresis_left=left, found_inf=torch.tensor(found),
             growth_factor=2.0, backoff_factor=0.25, growth_interval=2, hysteresis=1, min_scale=None, max_scale=None,
         )
@@ -333,7 +334,7 @@ def test_fp16_sparse_grad_is_coalesced_before_the_check():
     )
     assert not param.grad.is_coalesced() and torch.isfinite(param.grad._values()).all()
     found_inf = torch.zeros(())
-    _unscale_grads([param], inv_scale=torch.ones(()), found_inf=found_inf, allow_fp16=True)
+    unscale_grads([param], inv_scale=torch.ones(()), found_inf=found_inf, allow_fp16=True)
     assert param.grad.is_coalesced()
     assert found_inf.item() == 1.0, found_inf
 
@@ -411,7 +412,7 @@ def test_tensor_path_matches_fused_kernel_on_random_sequences():
         for step in range(400):
             found = torch.tensor(float(rng.random() < 0.2))
             torch._amp_update_scale_(k_scale, k_tracker, found, growth, backoff, interval)
-            _update_with_tensor_ops(
+            update_with_tensor_ops(
                 scale=t_scale, growth_tracker=t_tracker, hysteresis_left=left, found_inf=found,
                 growth_factor=growth, backoff_factor=backoff, growth_interval=interval, hysteresis=1,
                 min_scale=None, max_scale=None,

@@ -642,7 +642,7 @@ def test_o2_grad_norm_is_one_reduction_over_the_arena_and_exact():
     expected = _reference_norm(model, x)
     trainer.zero_grad()
     trainer.backward(model(x).float().pow(2).mean())
-    arena = trainer._arena.flats[0]
+    arena = trainer._masters.arena.flats[0]
     for param in [model.norm.weight, model.norm.bias, *trainer.master_params]:
         assert param.grad.untyped_storage().data_ptr() == arena.untyped_storage().data_ptr()
     with _OpCounter() as counter:
@@ -681,7 +681,7 @@ def test_o2_arena_accumulates_fp32_param_grads_in_place():
         trainer.backward(model(x).float().pow(2).mean())
         (ref(x).float().pow(2).mean() / 2).backward()
         trainer.step()
-    slot = trainer._arena.slot_of[id(model.norm.weight)]
+    slot = trainer._masters.arena.slot_of[id(model.norm.weight)]
     assert model.norm.weight.grad is slot
     torch.testing.assert_close(model.norm.weight.grad, ref.norm.weight.grad, rtol=1e-6, atol=1e-7)
     assert trainer.stats.steps == 1
@@ -697,7 +697,7 @@ def test_o2_arena_leaves_a_repointed_fp32_param_its_own_gradient():
     before = model.norm.weight.detach().clone()
     trainer.zero_grad()
     trainer.backward(model(x).float().pow(2).mean())
-    assert model.norm.weight.grad is not trainer._arena.slot_of[id(model.norm.weight)]
+    assert model.norm.weight.grad is not trainer._masters.arena.slot_of[id(model.norm.weight)]
     assert trainer.step()
     assert trainer.stats.grad_norm == pytest.approx(expected, rel=1e-5), (trainer.stats.grad_norm, expected)
     assert not torch.equal(model.norm.weight, before)

@@ -362,3 +362,62 @@ def test_scaler_load_of_a_valid_dict_still_applies_everything():
     scaler, other = _trained_scaler(), LossScaler(init_scale=8.0, max_scale=None)
     other.load_state_dict(scaler.state_dict())
     assert other.state_dict() == scaler.state_dict()
+
+
+# ---------------------------------------------------------------- arguments checked before anything changes
+def _model_and_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    return {
+        "params": [(name, p, p.data_ptr(), p.dtype, p.detach().clone()) for name, p in module.named_parameters()],
+        "groups": [{k: (list(v) if k == "params" else v) for k, v in g.items()} for g in optimizer.param_groups],
+        "state": dict(optimizer.state),
+        "code": module.code if isinstance(module, torch.fx.GraphModule) else None,
+    }
+
+
+def _assert_unchanged(before: dict, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    after = dict(module.named_parameters())
+    assert [name for name, *_ in before["params"]] == list(after)
+    for name, param, ptr, dtype, value in before["params"]:
+        assert after[name] is param, f"{name} was replaced"
+        assert param.data_ptr() == ptr, f"{name} was given new storage"
+        assert param.dtype == dtype, f"{name} changed dtype to {param.dtype}"
+        assert torch.equal(param.detach(), value), f"{name} changed value"
+    assert len(optimizer.param_groups) == len(before["groups"])
+    for group, saved in zip(optimizer.param_groups, before["groups"]):
+        assert set(group) == set(saved), "the optimizer's param group options changed"
+        assert all(a is b for a, b in zip(group["params"], saved["params"], strict=True)), \
+            "the optimizer's param groups were re-pointed"
+        assert all(group[k] == saved[k] for k in saved if k != "params"), "the optimizer's options changed"
+    assert dict(optimizer.state) == before["state"]
+    if before["code"] is not None:
+        assert module.code == before["code"], "the module's graph was rewritten"
+    assert not module._forward_hooks and all(not m._forward_hooks for m in module.modules()), "a hook was left"
+
+
+_LATE_CHECKED = [  # arguments whose check once came after O2 re-laid the parameters out and re-pointed the optimizer
+    pytest.param({"embedding_grad_shrink": 2.0}, ValueError, "embedding_grad_shrink must be a float in", id="shrink>1"),
+    pytest.param({"embedding_grad_shrink": 0.5}, ValueError, "nothing to shrink", id="shrink-no-embedding"),
+    pytest.param({"optimizer_fused": "yes"}, TypeError, "optimizer_fused must be a bool", id="fused-str"),
+    pytest.param({"optimizer_foreach": 1}, TypeError, "optimizer_foreach must be a bool", id="foreach-int"),
+]
+
+
+@pytest.mark.parametrize("converted", [False, True], ids=["plain", "converted"])
+@pytest.mark.parametrize(("kwargs", "error", "match"), _LATE_CHECKED)
+def test_a_rejected_argument_leaves_the_model_and_optimizer_untouched(converted, kwargs, error, match):
+    module = _tiny()
+    if converted:
+        module = converter.convert(module, (_batch(0)[0],), precision="fp16", opt_level="O2").module
+    momentum = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    _mse(module, *_batch(0)).backward()
+    momentum.step()  # optimizer state exists: O2 would move it onto the masters
+    momentum.zero_grad(set_to_none=True)
+    before = _model_and_optimizer(module, momentum)
+    with pytest.raises(error, match=match):
+        MixedPrecisionTrainer(module, momentum, precision="fp16", master_weights=True, **kwargs)
+    _assert_unchanged(before, module, momentum)
+    # and the untouched pair still builds a working trainer
+    trainer = MixedPrecisionTrainer(module, momentum, precision="fp16", master_weights=True)
+    trainer.zero_grad()
+    trainer.backward(_mse(module, *_batch(1, next(module.parameters()).dtype)))
+    assert trainer.step()

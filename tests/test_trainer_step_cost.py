@@ -144,7 +144,7 @@ def test_o2_fp16_step_is_one_fused_unscale_over_the_arena_one_flat_copy_and_one_
     _backward(trainer, model, 0)
     trainer.step()  # the first step allocates the trainer's readout buffer
     _backward(trainer, model, 1)
-    arena = trainer._arena.flats
+    arena = trainer._masters.arena.flats
     scaled = arena[0].clone()
     counter = counter_factory(trainer.optimizer)
     with counter:
@@ -292,7 +292,7 @@ def test_the_bounds_clamp_runs_exactly_when_the_update_can_cross_a_bound(counter
     model = _block()
     trainer = _trainer(model, loss_scale=LossScaler(init_scale=init_scale, growth_interval=1, min_scale=1.0))
     _backward(trainer, model, 0)
-    trainer._arena.flats[0].fill_(0.5)  # finite at any of these scales (the fp16 backward may overflow at 2**24)
+    trainer._masters.arena.flats[0].fill_(0.5)  # finite at any of these scales (the fp16 backward may overflow at 2**24)
     if poison:
         trainer.master_params[0].grad.view(-1)[0] = INF
     counter = counter_factory(trainer.optimizer)
@@ -423,7 +423,7 @@ def test_lazy_grad_norm_is_exact_when_read_and_none_once_the_gradients_changed()
     assert trainer.stats.grad_norm > 0  # read right after the step: computed from the gradients it left
     # under O2 the gradients live in the arena: still there after zero_grad(), gone after the next harvest
     _backward(trainer, model, 1)
-    scaled = trainer._arena.flats[0].clone()
+    scaled = trainer._masters.arena.flats[0].clone()
     assert trainer.step()
     trainer.zero_grad()
     assert trainer.stats.grad_norm == torch.linalg.vector_norm(scaled * inv).item()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from converter.train.scaler import _unscale_grads
+from converter.train.amp_kernels import unscale_grads
 
 
 def test_complex_grads_are_unscaled_through_their_real_view():
@@ -13,7 +13,7 @@ def test_complex_grads_are_unscaled_through_their_real_view():
     want = torch.randn(3, 4, dtype=torch.cfloat)
     param.grad = want * 1024
     found_inf = torch.zeros(())
-    _unscale_grads([param], inv_scale=torch.full((), 1 / 1024), found_inf=found_inf, allow_fp16=True)
+    unscale_grads([param], inv_scale=torch.full((), 1 / 1024), found_inf=found_inf, allow_fp16=True)
     assert param.grad.dtype == torch.cfloat and torch.equal(param.grad, want), (param.grad - want).abs().max()
     assert found_inf.item() == 0.0
 
@@ -22,5 +22,5 @@ def test_a_non_finite_complex_grad_is_found():
     param = torch.nn.Parameter(torch.randn(2, dtype=torch.cfloat))
     param.grad = torch.tensor([1 + 1j, complex(float("inf"), 0)], dtype=torch.cfloat)
     found_inf = torch.zeros(())
-    _unscale_grads([param], inv_scale=torch.ones(()), found_inf=found_inf, allow_fp16=True)
+    unscale_grads([param], inv_scale=torch.ones(()), found_inf=found_inf, allow_fp16=True)
     assert found_inf.item() == 1.0

@@ -64,6 +64,7 @@ import dataclasses
 import warnings
 import weakref
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -427,22 +428,8 @@ class CudaGraphModule(nn.Module):
         # put back, so that a capture leaves the module as the one eager call it stands for
         saved = [b.detach().clone() for b in buffers]
         try:
-            rng = torch.cuda.get_rng_state(device)
-            torch.cuda.synchronize(device)
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            sync_mode = torch.cuda.get_sync_debug_mode()
-            torch.cuda.set_sync_debug_mode("error")  # a host sync cannot be captured: find it here, with a message
-            try:
-                with torch.cuda.stream(side):
-                    for _ in range(self.warmup_iters):
-                        differentiate(run(), None)
-            finally:
-                torch.cuda.set_sync_debug_mode(sync_mode)
-            torch.cuda.current_stream(device).wait_stream(side)
-            torch.cuda.synchronize(device)
+            self._warm_up(lambda: differentiate(run(), None), device)
             _restore(buffers, saved)
-            torch.cuda.set_rng_state(rng, device)
             torch.cuda.empty_cache()  # torch.cuda.graph empties it too: measure the captures' memory from here
             reserved = torch.cuda.memory_reserved(device)
             pool = torch.cuda.graph_pool_handle()
@@ -463,15 +450,7 @@ class CudaGraphModule(nn.Module):
             return str(exc)
         except Exception as exc:  # noqa: BLE001 - any failure means: run eagerly, and say why once
             _restore(buffers, saved)
-            self.stats.failed_captures += 1
-            text = str(exc).strip()
-            why = text.splitlines()[0] if text else type(exc).__name__
-            hint = (" (the forward or backward synchronises with the host, e.g. .item(), nonzero or a CPU->GPU copy, "
-                    "which a CUDA graph cannot hold)" if "synchroniz" in why else "")
-            self._capture_error = f"{type(exc).__name__}: {why}"
-            self._warn("capture", f"cuda_graph: capturing {type(module).__name__} failed{hint}: {self._capture_error}; "
-                       "its calls run eagerly")
-            return "capture failed"
+            return self._capture_failed(exc)
         grad_iter = iter(grads)
         input_grads = [next(grad_iter) if t.requires_grad else None for t in static_inputs]
         param_grads = [next(grad_iter) for _ in grad_params]
@@ -485,6 +464,37 @@ class CudaGraphModule(nn.Module):
         self.stats.captures += 1
         self.stats.graph_bytes += entry.nbytes
         return entry
+
+    def _warm_up(self, iteration: Callable[[], Any], device: torch.device) -> None:
+        """Run ``iteration`` (a forward and its backward) ``warmup_iters`` times on a side stream, with host syncs
+        made errors (a host sync cannot be captured: found here, with a message); the RNG state is put back."""
+        rng = torch.cuda.get_rng_state(device)
+        torch.cuda.synchronize(device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        sync_mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.cuda.stream(side):
+                for _ in range(self.warmup_iters):
+                    iteration()
+        finally:
+            torch.cuda.set_sync_debug_mode(sync_mode)
+        torch.cuda.current_stream(device).wait_stream(side)
+        torch.cuda.synchronize(device)
+        torch.cuda.set_rng_state(rng, device)
+
+    def _capture_failed(self, exc: Exception) -> str:
+        """Count and warn about (once) a failed capture; the reason the call runs eagerly."""
+        self.stats.failed_captures += 1
+        text = str(exc).strip()
+        why = text.splitlines()[0] if text else type(exc).__name__
+        hint = (" (the forward or backward synchronises with the host, e.g. .item(), nonzero or a CPU->GPU copy, "
+                "which a CUDA graph cannot hold)" if "synchroniz" in why else "")
+        self._capture_error = f"{type(exc).__name__}: {why}"
+        self._warn("capture", f"cuda_graph: capturing {type(self.module).__name__} failed{hint}: {self._capture_error}; "
+                   "its calls run eagerly")
+        return "capture failed"
 
 
 class _NotGraphable(MpconvertError):
