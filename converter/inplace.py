@@ -51,7 +51,7 @@ import torch.utils._pytree as pytree
 from converter.api import Conversion, convert
 from converter.ir.errors import MpconvertError
 from converter.ir.graphmodule import EVAL_PREFIX, TwoModeGraphModule
-from converter.passes.capture import CACHE_ARGUMENTS
+from converter.passes.capture.cache import CACHE_ARGUMENTS
 
 __all__ = ["apply", "conversion_of", "converted_forward", "restore", "ConvertedForward", "FallbackWarning",
            "InPlaceError", "RecaptureWarning", "DEFAULT_MAX_RECAPTURES"]

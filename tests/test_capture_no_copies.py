@@ -152,8 +152,8 @@ def test_buffers_written_by_a_raising_trace_are_restored(monkeypatch):
             shelled(*args, **kwargs)  # a train-mode forward: bn running stats and counter change
         raise RuntimeError("tracer failed after running the model")
 
-    monkeypatch.setattr(capture_mod, "_trace_fx", runs_then_raises)
-    monkeypatch.setattr(capture_mod, "_trace_export", runs_then_raises)
+    monkeypatch.setattr(capture_mod, "trace_fx", runs_then_raises)
+    monkeypatch.setattr(capture_mod, "trace_export", runs_then_raises)
     with pytest.raises(CaptureError):
         converter.convert(model, (torch.randn(4, 8),))
     _assert_unchanged(model, before)
@@ -218,13 +218,13 @@ def test_hf_model_goes_straight_to_export_shares_weights_and_is_unchanged(monkey
     model = _tiny_llama().train()
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
     tried = []
-    real_fx = capture_mod._trace_fx
+    real_fx = capture_mod.trace_fx
 
     def recording_fx(*args, **kwargs):
         tried.append("fx")
         return real_fx(*args, **kwargs)
 
-    monkeypatch.setattr(capture_mod, "_trace_fx", recording_fx)
+    monkeypatch.setattr(capture_mod, "trace_fx", recording_fx)
     before = _snapshot(model)
     conv = converter.convert(model, ((), {"input_ids": ids}))
     assert conv.tracer == "export" and tried == [], tried

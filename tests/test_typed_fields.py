@@ -23,9 +23,9 @@ PROSE = re.compile(r"(^|_)(message|messages|msg|note|notes|reason|reasons|why|de
 #: (file relative to converter/, the prose name, the literal tested): parses text that is not ours
 ALLOWED = {
     # errors[tracer] is _short(exc) of torch's own exception: "Cache ... in output" is torch's wording
-    ("passes/capture.py", "why", "Cache"), ("passes/capture.py", "why", "in output"),
+    ("passes/capture/advice.py", "why", "Cache"), ("passes/capture/advice.py", "why", "in output"),
     # `"export" not in reasons`: a key of the tracer -> reason dict, not a test on the wording
-    ("passes/capture.py", "reasons", "export"),
+    ("passes/capture/advice.py", "reasons", "export"),
     # the first line of a CUDA graph capture's exception (torch's wording)
     ("train/cuda_graph.py", "why", "synchroniz"),
 }

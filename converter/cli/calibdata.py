@@ -71,7 +71,7 @@ def load_calibration_data(value: str, mf: ModelFile) -> tuple[list, str]:
 
 
 def _normalize(value: Any, path: Path, label: str) -> tuple[tuple, dict]:
-    from converter.passes.capture import normalize_inputs
+    from converter.passes.capture.values import normalize_inputs
 
     try:
         return normalize_inputs(value)

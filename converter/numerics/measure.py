@@ -324,7 +324,7 @@ def _round(value: Optional[float], digits: int = 2) -> Optional[float]:
 
 def _flat_inputs(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> list:
     """The values of ``gm``'s placeholders for a call ``gm(*args, **kwargs)``."""
-    from converter.passes.capture import placeholder_values
+    from converter.passes.capture.values import placeholder_values
 
     return placeholder_values(gm, args, kwargs)
 

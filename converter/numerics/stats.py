@@ -32,7 +32,7 @@ from torch.utils import _pytree as pytree
 from converter.ir.graphmodule import resolve_attr
 from converter.ir.meta import META_INFO, META_STATS, META_VALUE, TensorSpec
 from converter.numerics.common import copy_graph, floating_outputs, json_float, preserved_state, progress_bar
-from converter.passes.capture import normalize_inputs
+from converter.passes.capture.values import normalize_inputs
 
 __all__ = [
     "FP16_MAX",

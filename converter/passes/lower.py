@@ -83,7 +83,9 @@ from converter.ir.meta import (
     set_graph_facts,
 )
 from converter.ir.ops import canonical_op
-from converter.passes.capture import _classify, _flat_specs, _spec_of
+from converter.passes.capture.annotation import classify as _classify
+from converter.passes.capture.values import flat_specs as _flat_specs
+from converter.passes.capture.values import spec_of as _spec_of
 
 __all__ = ["lower", "DEVICES", "RECOMPUTE_ATTENTION", "MAX_UNFUSED_SCORES_BYTES", "LoweringChoice", "recompute_plan"]
 

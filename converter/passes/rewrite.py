@@ -91,39 +91,47 @@ def _casts_inputs(node: torch.fx.Node) -> bool:
     return False
 
 
-@pauses_gc
-def rewrite(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, check: Optional[bool] = None) -> None:
-    """Insert the casts. ``check`` runs ``Graph.lint`` afterwards (default: when the environment
-    sets ``MPCONVERT_CHECK=1``, as the test suite does; it costs ~15 % of the pass on large graphs).
-    FX code generation is requested with ``gm.recompile()``; on the lazy GraphModules that capture
-    builds it happens once, later (see :mod:`converter.graphmodule`)."""
-    graph = gm.graph
-    cache: dict = {}
-    casts: dict[tuple[torch.fx.Node, torch.dtype, tuple], torch.fx.Node] = {}
-    per_read = gm.meta.get(GM_READ_CASTS) or {}  # parameters cast once per read (calibration)
+class _Casts:
+    """The casts one rewrite inserts: one per (producer, dtype, region, checkpoint), shared by its consumers
+    (one per consumer too for a parameter cast once per read), and each producer's dtype after the rewrite."""
 
-    def get_cast(src: torch.fx.Node, dtype: torch.dtype, consumer: torch.fx.Node, rule: RuleRef, reason: str) -> torch.fx.Node:
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        self.graph = gm.graph
+        #: producer -> its dtype after the rewrite (see :func:`runtime_dtype`)
+        self.cache: dict = {}
+        self.casts: dict[tuple, torch.fx.Node] = {}
+        self.per_read = gm.meta.get(GM_READ_CASTS) or {}  # parameters cast once per read (calibration)
+
+    def get(self, src: torch.fx.Node, dtype: torch.dtype, consumer: torch.fx.Node, rule: RuleRef, reason: str) -> torch.fx.Node:
+        """The cast of ``src`` to ``dtype`` for ``consumer``: an existing one it may share, or a new one."""
         region = consumer.meta.get(META_REGION, ())
         checkpoint = consumer.meta.get(META_CHECKPOINT)
         # never share a cast across a no_grad region's edge (see passes.regions) nor a checkpoint's:
         # a cast for a checkpointed consumer runs inside the region (passes.checkpoint)
         key = (src, dtype, region, checkpoint)
-        if src.op == "get_attr" and str(src.target) in per_read:
+        if src.op == "get_attr" and str(src.target) in self.per_read:
             key += (consumer,)  # the reads' gradients then add in fp32, in the parameter
-        if key in casts:
-            cast = casts[key]
+        if key in self.casts:
+            cast = self.casts[key]
             rec: CastRecord = cast.meta[META_CAST]
             cast.meta[META_CAST] = dataclasses.replace(rec, consumers=rec.consumers + (consumer.name,))
             return cast
-        src_dtype = runtime_dtype(src, cache)
+        cast = self._insert(src, dtype, consumer, rule, reason, region, checkpoint)
+        self.casts[key] = cast
+        return cast
+
+    def _insert(self, src: torch.fx.Node, dtype: torch.dtype, consumer: torch.fx.Node, rule: RuleRef, reason: str,
+                region: tuple, checkpoint: object) -> torch.fx.Node:
+        """A new cast node of ``src`` to ``dtype`` just before ``consumer``, with its metadata and CastRecord."""
+        src_dtype = runtime_dtype(src, self.cache)
         spec: TensorSpec = src.meta[META_VALUE]
         if src_dtype == torch.bfloat16 and dtype == torch.float16:  # two half dtypes meet: say so
             reason = f"{reason} (a bf16 value meets an fp16 consumer: magnitudes above 65504 become inf)"
-        with graph.inserting_before(consumer):
+        with self.graph.inserting_before(consumer):
             # created without args, which are then assigned: torch 2.13's create_node scans args with
             # pytree for raw SymInts (a warning we cannot trigger: the args are a Node and a dtype),
             # and that scan alone was ~40 % of the rewrite on a 9k-node graph
-            cast = graph.create_node("call_method", "to", name=f"{src.name}_to_{name_of(dtype)}")
+            cast = self.graph.create_node("call_method", "to", name=f"{src.name}_to_{name_of(dtype)}")
         cast.args = (src, dtype)
         if region:
             cast.meta[META_REGION] = region
@@ -142,71 +150,89 @@ def rewrite(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, check: Opti
             reason=reason,
             on_weight=src.op == "get_attr",
         )
-        cache[cast] = dtype
-        casts[key] = cast
+        self.cache[cast] = dtype
         return cast
 
+
+@pauses_gc
+def rewrite(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, check: Optional[bool] = None) -> None:
+    """Insert the casts. ``check`` runs ``Graph.lint`` afterwards (default: when the environment
+    sets ``MPCONVERT_CHECK=1``, as the test suite does; it costs ~15 % of the pass on large graphs).
+    FX code generation is requested with ``gm.recompile()``; on the lazy GraphModules that capture
+    builds it happens once, later (see :mod:`converter.graphmodule`)."""
+    casts = _Casts(gm)
     native: list[tuple[torch.fx.Node, torch.dtype]] = []  # promote nodes left to promote natively
-    for node in list(graph.nodes):
+    for node in list(gm.graph.nodes):
         info: Optional[NodeInfo] = node.meta.get(META_INFO)
         if info is None or info.kind == "cast":
             continue
         if node.target is _ASSERT_METADATA:
-            _retarget_metadata_assert(node, cache)
-            continue
-        if node.op == "output":
+            _retarget_metadata_assert(node, casts.cache)
+        elif node.op == "output":
             if keep_io_types:
-                def back(arg, output=node):
-                    if not isinstance(arg, torch.fx.Node):
-                        return arg
-                    value = arg.meta.get(META_VALUE)
-                    if not (isinstance(value, TensorSpec) and value.is_convertible):
-                        return arg
-                    now = runtime_dtype(arg, cache)
-                    if now is None or now == value.dtype:
-                        return arg
-                    return get_cast(arg, value.dtype, output, RuleRef(BUILTIN, "builtin", "keep_io_types"),
-                                    f"graph output {arg.name!r} keeps its original {name_of(value.dtype)} (keep_io_types)")
-                node.args = map_arg(node.args, back)
-            continue
-        decision = node.meta.get(META_DECISION)
-        if decision is None or node.op in ("placeholder", "get_attr"):
-            continue
-        if info.kind == "fixed" and info.op in CAST_OPS:
-            _fold_dynamic_dtype(node, info)
-        accumulates = info.kind == "alias" and info.inplace and info.op in ACCUMULATE_OPS and isinstance(node.args[0], torch.fx.Node)
-        if accumulates:  # the operands take the dtype of the tensor it mutates
-            want = runtime_dtype(node.args[0], cache)
-            if want is None or not want.is_floating_point:
-                continue
-            reason = f"{node.name} ({info.op}_) accumulates in place in {name_of(want)}: {decision.full_reason}"
-        elif not _casts_inputs(node) or decision.precision not in DTYPES:
-            _record_user_cast(node, info, cache)
-            continue
+                _keep_output_dtypes(node, casts)
         else:
-            want = DTYPES[decision.precision]
-            if decision.requested == "promote" and _promotes_natively(node, info, want, cache):
-                native.append((node, want))
-                continue
-            reason = f"{node.name} ({info.op}) runs in {decision.precision}: {decision.full_reason}"
-
-        def convert(arg, _want=want, _node=node, _reason=reason, _rule=decision.rule, _self=node.args[0] if accumulates else None):
-            if not isinstance(arg, torch.fx.Node) or arg is _self:
-                return arg
-            value = arg.meta.get(META_VALUE)
-            if not (isinstance(value, TensorSpec) and value.is_convertible):
-                return arg
-            have = runtime_dtype(arg, cache)
-            if have is None or have == _want or not have.is_floating_point or have == torch.float64:
-                return arg
-            return get_cast(arg, _want, _node, _rule, _reason)
-
-        map_castable_args(node, info.op, convert)
-    _share_casts_with_promotes(native, casts, cache)
+            _cast_inputs(node, info, casts, native)
+    _share_casts_with_promotes(native, casts.casts, casts.cache)
     _record_param_dtypes(gm)
     if check if check is not None else os.environ.get("MPCONVERT_CHECK") == "1":
-        graph.lint()
+        gm.graph.lint()
     gm.recompile()
+
+
+def _keep_output_dtypes(output: torch.fx.Node, casts: _Casts) -> None:
+    """``keep_io_types``: each graph output gets its original dtype back."""
+    def back(arg):
+        if not isinstance(arg, torch.fx.Node):
+            return arg
+        value = arg.meta.get(META_VALUE)
+        if not (isinstance(value, TensorSpec) and value.is_convertible):
+            return arg
+        now = runtime_dtype(arg, casts.cache)
+        if now is None or now == value.dtype:
+            return arg
+        return casts.get(arg, value.dtype, output, RuleRef(BUILTIN, "builtin", "keep_io_types"),
+                         f"graph output {arg.name!r} keeps its original {name_of(value.dtype)} (keep_io_types)")
+    output.args = map_arg(output.args, back)
+
+
+def _cast_inputs(node: torch.fx.Node, info: NodeInfo, casts: _Casts, native: list) -> None:
+    """Cast ``node``'s floating inputs to the dtype its decision asks for (or the one it accumulates in);
+    a promote node whose own type promotion already gives it goes to ``native`` instead."""
+    decision = node.meta.get(META_DECISION)
+    if decision is None or node.op in ("placeholder", "get_attr"):
+        return
+    if info.kind == "fixed" and info.op in CAST_OPS:
+        _fold_dynamic_dtype(node, info)
+    accumulates = info.kind == "alias" and info.inplace and info.op in ACCUMULATE_OPS and isinstance(node.args[0], torch.fx.Node)
+    if accumulates:  # the operands take the dtype of the tensor it mutates
+        want = runtime_dtype(node.args[0], casts.cache)
+        if want is None or not want.is_floating_point:
+            return
+        reason = f"{node.name} ({info.op}_) accumulates in place in {name_of(want)}: {decision.full_reason}"
+    elif not _casts_inputs(node) or decision.precision not in DTYPES:
+        _record_user_cast(node, info, casts.cache)
+        return
+    else:
+        want = DTYPES[decision.precision]
+        if decision.requested == "promote" and _promotes_natively(node, info, want, casts.cache):
+            native.append((node, want))
+            return
+        reason = f"{node.name} ({info.op}) runs in {decision.precision}: {decision.full_reason}"
+    mutated = node.args[0] if accumulates else None
+
+    def convert(arg):
+        if not isinstance(arg, torch.fx.Node) or arg is mutated:
+            return arg
+        value = arg.meta.get(META_VALUE)
+        if not (isinstance(value, TensorSpec) and value.is_convertible):
+            return arg
+        have = runtime_dtype(arg, casts.cache)
+        if have is None or have == want or not have.is_floating_point or have == torch.float64:
+            return arg
+        return casts.get(arg, want, node, decision.rule, reason)
+
+    map_castable_args(node, info.op, convert)
 
 
 _ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default

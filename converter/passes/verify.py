@@ -17,7 +17,7 @@ import torch.fx
 from converter.ir.errors import EXIT_CHECK_FAILED, MpconvertError
 from converter.ir.meta import META_DECISION, META_INFO
 from converter.ir.state import preserved_state
-from converter.passes.capture import placeholder_values
+from converter.passes.capture.values import placeholder_values
 
 __all__ = ["check_forward", "ForwardCheckError"]
 

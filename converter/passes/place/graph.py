@@ -6,7 +6,7 @@ import torch.fx
 
 from converter.ir.meta import META_INFO, META_VALUE, TensorSpec
 from converter.ir.ops import castable_arg_positions
-from converter.passes.capture import input_nodes
+from converter.passes.capture.values import input_nodes
 
 __all__ = ["cast_cost", "alias_root", "castable_inputs"]
 

@@ -1,0 +1,104 @@
+"""Capture's errors and the plain advice it gives: :class:`CaptureError`, what to do about a branch on
+tensor values (:func:`control_flow_advice`) or a returned key/value cache (:func:`cache_advice`), and
+where in the user's code a node or a failure comes from (:func:`user_location`, :func:`user_frame`).
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from converter.ir.errors import MpconvertError
+
+__all__ = ["CaptureError", "short_reason", "SKIP_FRAMES", "user_location", "control_flow_advice", "user_frame",
+           "cache_advice"]
+
+
+class CaptureError(MpconvertError, RuntimeError):
+    """Neither tracer could capture the model; ``reasons`` maps tracer name to a one-line reason."""
+
+    def __init__(self, reasons: dict[str, str], *, advice: Optional[str] = None):
+        self.reasons = dict(reasons)
+        #: plain words on what to change in the model (data-dependent control flow), or None
+        self.advice = advice
+        if advice is not None:
+            super().__init__(f"could not capture the model (tracer {' and '.join(reasons)}): {advice}")
+            return
+        detail = "; ".join(f"{name}: {why}" for name, why in reasons.items())
+        hint = "try --tracer export" if "export" not in reasons else "make the model traceable by torch.export (see its error)"
+        super().__init__(f"could not capture the model ({detail}); {hint}")
+
+
+def short_reason(exc: BaseException) -> str:
+    """The first line of ``exc`` with its type, at most 200 characters: a tracer's one-line failure."""
+    text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
+    return text[:200]
+
+
+#: where frames of torch and of this package live: a user's location is the first frame outside them
+SKIP_FRAMES = (f"{torch.__path__[0]}", str(Path(__file__).resolve().parents[2]))
+
+
+def user_location(frame) -> str:
+    """``file:line`` of the first frame from ``frame`` outwards outside torch and this package ("" if none)."""
+    while frame is not None and frame.f_code.co_filename.startswith(SKIP_FRAMES):
+        frame = frame.f_back
+    return f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}" if frame is not None else ""
+
+
+_USER_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n(?: {3,}(\S[^\n]*))?')
+_BRANCH = re.compile(r"^\s*(if|elif|while|assert)\b|\bif\b.*\belse\b")
+
+
+def control_flow_advice(exc: BaseException) -> Optional[str]:
+    """Plain advice for Python code that needs a tensor's value (None for any other failure)."""
+    text = str(exc)
+    data_dependent = (
+        "GuardOnDataDependent" in type(exc).__name__
+        or "data-dependent" in text
+        or "data dependent" in text
+        or "cannot be used as inputs to control flow" in text
+    )
+    if not data_dependent:
+        return None
+    where, code = "", ""
+    found = _USER_FRAME.findall(text)
+    if found:
+        path, line, _, code = found[-1]
+        where = f" at {path.rsplit('/', 1)[-1]}:{line}"
+    else:
+        frame = user_frame(exc.__traceback__)
+        if frame is not None:
+            where, code = f" at {frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}", frame.line or ""
+    shown = f" (`{code.strip()}`)" if code.strip() else ""
+    if not code.strip() or _BRANCH.search(code):
+        return (
+            f"data-dependent control flow{where}{shown}: forward branches on the values inside a tensor, which a "
+            "captured graph cannot record. Write the branch with torch.cond(pred, true_fn, false_fn, operands), move "
+            "it out of forward (decide before calling the model), or split the model at that point and convert each part"
+        )
+    return (
+        f"forward reads a tensor's value in Python{where}{shown} (float(), int(), .item(), .tolist()), which a "
+        "captured graph cannot record. Keep it a tensor operation, move it out of forward (compute it before or "
+        "after calling the model), or split the model at that point and convert each part; a branch on it needs torch.cond"
+    )
+
+
+def user_frame(tb) -> Optional[Any]:
+    """The innermost traceback frame outside torch, transformers and this package."""
+    import traceback
+
+    skip = SKIP_FRAMES + ("<",)
+    frames = [f for f in traceback.extract_tb(tb) if not f.filename.startswith(skip) and "/transformers/" not in f.filename]
+    return frames[-1] if frames else None
+
+
+def cache_advice(errors: dict) -> Optional[str]:
+    """Plain advice when a tracer failed because forward returned a cache object."""
+    if not any("Cache" in why and "in output" in why for why in errors.values()):
+        return None
+    return ("forward returns a key/value cache object (the example passes use_cache=True or a cache), which a graph "
+            "cannot return: leave use_cache and the cache out of the example (training does not use them; "
+            "mpconvert then captures with use_cache=False)")
