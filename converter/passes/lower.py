@@ -83,9 +83,8 @@ from converter.ir.meta import (
     set_graph_facts,
 )
 from converter.ir.ops import canonical_op
-from converter.passes.capture.annotation import classify as _classify
-from converter.passes.capture.values import flat_specs as _flat_specs
-from converter.passes.capture.values import spec_of as _spec_of
+from converter.passes.capture.annotation import classify
+from converter.passes.capture.values import flat_specs, spec_of
 
 __all__ = ["lower", "DEVICES", "RECOMPUTE_ATTENTION", "MAX_UNFUSED_SCORES_BYTES", "LoweringChoice", "recompute_plan"]
 
@@ -413,10 +412,10 @@ def _annotate(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], like: NodeIn
         else:
             value = node.target(*args, **kwargs)
         computed[node] = value
-        node.meta[META_VALUE] = _spec_of(value)
-        outputs = tuple(_flat_specs(node.meta[META_VALUE]))
+        node.meta[META_VALUE] = spec_of(value)
+        outputs = tuple(flat_specs(node.meta[META_VALUE]))
         op = canonical_op(node, gm)
-        kind, fixed, kind_why, _ = _classify(gm, node, op, outputs)
+        kind, fixed, kind_why, _ = classify(gm, node, op, outputs)
         node.meta[META_INFO] = NodeInfo(op=op, module=like.module, module_type=like.module_type,
                                         module_stack=like.module_stack, source=like.source, kind=kind,
                                         outputs=outputs, fixed_dtype=fixed, why=kind_why)
