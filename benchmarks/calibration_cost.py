@@ -39,7 +39,8 @@ if str(ROOT) not in sys.path:
 from converter.numerics.calibrate import calibrate_and_redecide  # noqa: E402
 from converter.numerics.options import CalibrationOptions  # noqa: E402
 from converter.numerics.redecide import PlaceSettings  # noqa: E402
-from converter.numerics.search import HalfEmulator, bisect_graph_order, rank_sensitivity, search_ranked  # noqa: E402
+from converter.numerics.search import HalfEmulator, bisect_graph_order, search_ranked  # noqa: E402
+from converter.numerics.sensitivity import rank_sensitivity  # noqa: E402
 from converter.numerics.stats import collect_statistics  # noqa: E402
 from converter.passes.capture import capture  # noqa: E402
 from converter.passes.decide import decide  # noqa: E402

@@ -31,13 +31,13 @@ import time
 
 import networkx as nx
 
+from converter.passes.place.baselines import solve_greedy_tf
 from converter.passes.place.solver import (
     FP32,
     HALF,
     PlacementProblem,
     Tensor,
     _compile,  # diagnostics only: region sizes
-    solve_greedy_tf,
     solve_mincut,
 )
 

@@ -90,8 +90,9 @@ def _stage(rel: str) -> str:
     parts = Path(rel).with_suffix("").parts[1:]
     if parts[0] in ("passes", "numerics"):
         # the calibrate stage is split over numerics/calibrate.py, stats.py (the statistics pass)
-        # and redecide.py (re-deciding and re-placing)
-        return {"stats": "calibrate", "redecide": "calibrate"}.get(parts[1], parts[1])
+        # and redecide.py (re-deciding and re-placing); the search stage over search.py and
+        # sensitivity.py (its ranking)
+        return {"stats": "calibrate", "redecide": "calibrate", "sensitivity": "search"}.get(parts[1], parts[1])
     return parts[0]
 
 

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from networkx.algorithms.flow import edmonds_karp, preflow_push
 
+from converter.passes.place.baselines import solve_greedy_tf
 from converter.passes.place.solver import (
     FP32,
     HALF,
@@ -19,11 +20,10 @@ from converter.passes.place.solver import (
     is_feasible,
     reference_labels,
     satisfies_invariant,
-    solve_exhaustive,
-    solve_greedy_tf,
     solve_mincut,
     total_cost,
 )
+from tests.placement_oracles import solve_exhaustive
 
 COSTS = (0, 1, 1, 2, 3, 4, 4, 8, 16)
 

@@ -16,9 +16,9 @@ from converter.numerics.search import (
     Tolerance,
     ToleranceNotMet,
     bisect_graph_order,
-    rank_sensitivity,
     search_ranked,
 )
+from converter.numerics.sensitivity import rank_sensitivity
 from converter.passes.capture import capture
 from converter.passes.decide import decide
 from converter.passes.place.stage import place

@@ -12,14 +12,11 @@ Used by the calibrate stage when ``tolerance`` is given (``CalibrationOptions(to
    about 200× slower than bf16 on this CPU. One evaluation is one forward pass over the
    validation batches; the counter counts every pass that runs (a configuration evaluated before is
    looked up, not counted).
-2. **Ranking** (:func:`rank_sensitivity`). One instrumented pass computes, for every half node
-   ``i``, the local error of running it alone in half, ``δᵢ = half(fᵢ(half(inputs))) − fᵢ(inputs)``
-   (exact, nonlinear: catastrophic cancellation inside the node is seen), and a backward pass gives
-   ``gᵢ = Jᵢᵀv`` for a random output direction ``v``. ``(gᵢ·δᵢ)²`` is an unbiased estimate of
-   ``‖Jᵢδᵢ‖²``, the first-order output error energy that node ``i`` alone adds (E[(vᵀe)²] = ‖e‖²
-   for v ~ N(0, I)), averaged over the batches and ``projections`` directions. A node whose
-   rounding overflows (inf) ranks first. This pass is charged as 2 + 2·projections evaluations
-   (a forward that runs the half nodes twice, and backward passes at twice a forward).
+2. **Ranking** (:func:`converter.numerics.sensitivity.rank_sensitivity`, its own module). One
+   instrumented forward pass gives every half node's local error of running alone in half, and
+   backward passes along random output directions estimate the output error energy each adds.
+   A node whose rounding overflows (inf) ranks first. This pass is charged as 2 + 2·projections
+   evaluations (a forward that runs the half nodes twice, and backward passes at twice a forward).
 3. **Search** (:func:`search_ranked`) over the ranked list: keep the top-k in fp32 with k = 1, 2,
    4, ... until the tolerance is met, bisect k between the last failing and the first passing
    prefix, then prune: drop each kept node, least sensitive first, when the rest still passes.
@@ -44,13 +41,13 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 import torch.fx
-from torch.utils import _pytree as pytree
 
 from converter.ir.errors import EXIT_CHECK_FAILED, EXIT_INTERNAL, MpconvertError
 from converter.ir.meta import DTYPES, HALF_NAMES, META_DECISION, META_INFO, Decision, Match, RuleRef
-from converter.ir.ops import castable_arg_positions, map_castable_args
+from converter.ir.ops import map_castable_args
 from converter.numerics.common import copy_graph, floating_outputs, json_float, preserved_state, progress_bar, sqnr_db
 from converter.numerics.redecide import PlaceSettings, fresh_decisions, replace_decisions
+from converter.numerics.sensitivity import Sensitivity, emulated_nodes, rank_sensitivity, round_through
 from converter.passes.place.stage import castable_inputs
 from converter.rules.precedence import OVERRIDE_LEVEL, rank
 
@@ -60,7 +57,6 @@ __all__ = [
     "SearchOptions",
     "Outcome",
     "HalfEmulator",
-    "rank_sensitivity",
     "search_ranked",
     "bisect_graph_order",
     "accuracy_search",
@@ -68,8 +64,6 @@ __all__ = [
 ]
 
 SEARCH_REF = RuleRef(file="<accuracy-search>", table="calibration", pattern="tolerance")
-#: ops whose output is random: their half error is the output rounding only (no second run)
-_RANDOM_OPS = re.compile(r"dropout|rrelu|bernoulli|rand|multinomial|normal")
 
 
 class ToleranceNotMet(MpconvertError, ValueError):
@@ -226,17 +220,6 @@ def _judge(tol: Tolerance, refs: Sequence[torch.Tensor], outs: Sequence[torch.Te
 # emulation
 
 
-def _round(value: Any, dtype: torch.dtype) -> Any:
-    """``value`` rounded through ``dtype`` (floating tensors only; structure kept)."""
-    if isinstance(value, torch.Tensor):
-        if value.is_floating_point() and value.dtype != torch.float64 and value.dtype != dtype:
-            return value.to(dtype).to(value.dtype)
-        return value
-    if isinstance(value, (tuple, list)):
-        return type(value)(_round(v, dtype) for v in value)
-    return value
-
-
 def _half_nodes(gm: torch.fx.GraphModule) -> dict[str, str]:
     """Node name -> precision for every compute node that currently runs in half."""
     out = {}
@@ -245,17 +228,6 @@ def _half_nodes(gm: torch.fx.GraphModule) -> dict[str, str]:
         decision = node.meta.get(META_DECISION)
         if info is not None and decision is not None and info.kind == "compute" and decision.precision in HALF_NAMES:
             out[node.name] = decision.precision
-    return out
-
-
-def _emulated_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
-    """The nodes whose precision an assignment may set: compute nodes with floating outputs."""
-    out = []
-    for node in gm.graph.nodes:
-        info = node.meta.get(META_INFO)
-        if info is None or info.kind != "compute" or node.op not in ("call_function", "call_method", "call_module"):
-            continue
-        out.append(node)
     return out
 
 
@@ -278,7 +250,7 @@ class HalfEmulator:
         self.runs = 0
         self.memo: dict = {}
         graph, mapping = copy_graph(gm)
-        nodes = _emulated_nodes(gm)
+        nodes = emulated_nodes(gm)
         self.index = {n.name: i for i, n in enumerate(nodes)}
         self.order = [n.name for n in nodes]
         state: list = [None] * len(nodes)
@@ -286,11 +258,11 @@ class HalfEmulator:
 
         def _mp_qin(i, x):
             d = state[i]
-            return x if d is None else _round(x, d)
+            return x if d is None else round_through(x, d)
 
         def _mp_qout(i, y):
             d = state[i]
-            return y if d is None else _round(y, d)
+            return y if d is None else round_through(y, d)
 
         # 1) every input a node would cast goes through its own rounding (raw producers here) ...
         for i, old in enumerate(nodes):
@@ -360,124 +332,6 @@ class HalfEmulator:
     def evaluate_keep(self, keep: Iterable[str], *, memo: bool = True) -> Outcome:
         """``base`` with the nodes in ``keep`` moved to fp32."""
         return self.evaluate(self._keep_assignment(keep), memo=memo)
-
-
-# ---------------------------------------------------------------------------------------------
-# ranking
-
-
-@dataclass(frozen=True)
-class Sensitivity:
-    """One node's estimated output error energy when it alone runs in half."""
-
-    name: str
-    score: float  # sum over batches of E[(g·δ)²] ≈ ‖J δ‖²
-    est_sqnr_db: float  # 10·log10(‖ref‖² / score): the SQNR if only this node were half
-
-    def to_dict(self) -> dict:
-        return {"name": self.name, "score": json_float(self.score), "est_sqnr_db": json_float(self.est_sqnr_db)}
-
-
-def _call(node_op: str, target: Any, root: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
-    if node_op == "call_function":
-        return target(*args, **kwargs)
-    if node_op == "call_method":
-        return getattr(args[0], target)(*args[1:], **kwargs)
-    sub = root.get_submodule(target)
-    return sub(*args, **kwargs)
-
-
-def rank_sensitivity(gm: torch.fx.GraphModule, batches: Sequence[tuple[tuple, dict]], *, base: Mapping[str, str],
-                     projections: int = 1, seed: int = 0) -> list[Sensitivity]:
-    """Rank the half nodes of ``base`` by the output error each adds alone (see the module docstring)."""
-    if projections < 1:
-        raise ValueError(f"projections must be >= 1, got {projections}")
-    graph, mapping = copy_graph(gm)
-    nodes = [n for n in _emulated_nodes(gm) if n.name in base]
-    slots: list = [None] * len(nodes)
-
-    def make_probe(i: int, old: torch.fx.Node) -> Callable:
-        dtype = DTYPES[base[old.name]]
-        info = old.meta[META_INFO]
-        positions = castable_arg_positions(info.op, len(old.args))
-        random_op = bool(_RANDOM_OPS.search(info.op))
-        op, target = old.op, old.target
-
-        def _mp_sense(y, *args, **kwargs):
-            with torch.no_grad():
-                if random_op:
-                    z = _round(y, dtype)
-                else:
-                    def rnd(a):
-                        return _round(a.detach(), dtype) if isinstance(a, torch.Tensor) else a
-
-                    def det(a):
-                        return a.detach() if isinstance(a, torch.Tensor) else a
-
-                    if positions is None:
-                        r_args = tuple(pytree.tree_map(rnd, a) for a in args)
-                        r_kwargs = {k: pytree.tree_map(rnd, v) for k, v in kwargs.items()}
-                    else:
-                        r_args = tuple(pytree.tree_map(rnd if p in positions else det, a) for p, a in enumerate(args))
-                        r_kwargs = {k: pytree.tree_map(det, v) for k, v in kwargs.items()}
-                    z = _round(_call(op, target, gm, r_args, r_kwargs), dtype)
-                ys, zs = floating_outputs(y), floating_outputs(z)
-                deltas = [zz.float() - yy.detach().float() for yy, zz in zip(ys, zs)]
-            slots[i] = (ys, deltas)
-            return None
-
-        return _mp_sense
-
-    for i, old in enumerate(nodes):
-        new = mapping[old]
-        with graph.inserting_after(new):
-            graph.call_function(make_probe(i, old), (new,) + tuple(new.args), dict(new.kwargs))
-    module = torch.fx.GraphModule(gm, graph, class_name="SensitivityProbe")
-    scores = [0.0] * len(nodes)
-    overflow = [False] * len(nodes)
-    ref_energy = 0.0
-    gen = torch.Generator().manual_seed(seed)
-    with preserved_state(gm):
-        for b, (args, kwargs) in enumerate(batches):
-            for i in range(len(slots)):
-                slots[i] = None
-            torch.manual_seed(seed + b)
-            with torch.enable_grad():
-                out = module(*args, **kwargs)
-                outs = [t for t in floating_outputs(out) if t.requires_grad]
-                ref_energy += sum(float(t.detach().double().pow(2).sum()) for t in floating_outputs(out))
-                wrt, owner = [], []
-                for i, slot in enumerate(slots):
-                    if slot is None:
-                        continue
-                    ys, deltas = slot
-                    for y, d in zip(ys, deltas):
-                        if not bool(torch.isfinite(d).all()):
-                            overflow[i] = True
-                        if y.requires_grad:
-                            wrt.append(y)
-                            owner.append((i, d))
-                if not outs or not wrt:
-                    continue
-                for k in range(projections):
-                    vs = [torch.randn(t.shape, generator=gen, dtype=t.dtype) for t in outs]
-                    dot = sum((t * v).sum() for t, v in zip(outs, vs))
-                    grads = torch.autograd.grad(dot, wrt, allow_unused=True, retain_graph=k + 1 < projections)
-                    per_node: dict[int, float] = {}
-                    for g, (i, d) in zip(grads, owner):
-                        if g is None:
-                            continue
-                        per_node[i] = per_node.get(i, 0.0) + float((g.double() * d.double()).nan_to_num(0.0, 0.0, 0.0).sum())
-                    for i, value in per_node.items():
-                        scores[i] += value * value / projections
-    result = []
-    for i, node in enumerate(nodes):
-        score = math.inf if overflow[i] else scores[i]
-        est = -math.inf if score == math.inf else (math.inf if score == 0 else 10 * math.log10(max(ref_energy, 1e-300) / score))
-        result.append(Sensitivity(node.name, score, est))
-    order = {n.name: i for i, n in enumerate(nodes)}
-    result.sort(key=lambda s: (-s.score, order[s.name]))
-    return result
 
 
 # ---------------------------------------------------------------------------------------------

@@ -37,22 +37,8 @@ independent, so per-region lexicographic optima add up to the global one.
   but they need one augmenting path per fp32 node, and made long regions an
   order of magnitude slower.)
 
-Min-cut encoding (source side ``s`` = half, sink side ``t`` = fp32)
-------------------------------------------------------------------
-* fixed half nodes *are* ``s``, fixed fp32 nodes *are* ``t``;
-* a tensor with producer ``p`` and distinct consumers ``J`` costs
-  ``c*[x_p=H and some x_j=F] + c*[x_p=F and some x_j=H]`` (at most one term is
-  non-zero, so the sum is exact).  The first term is one auxiliary node ``a``
-  with ``a->j`` infinite for every ``j`` (so ``a`` is on the fp32 side as soon
-  as a consumer is) and ``p->a`` of capacity ``c``; the second is ``b`` with
-  ``j->b`` infinite and ``b->p`` of capacity ``c``.  Exact shortcuts: a term
-  over a single free consumer is the edge ``p->j`` (resp. ``j->p``); a fixed
-  fp32 consumer turns the first term into ``p->t`` (a fixed half one turns the
-  second into ``s->p``); a fixed producer only has the term towards the other
-  label;
-* a promote node ``q`` fed by ``p`` gets ``q->p`` infinite (cut when ``p`` is
-  fp32 and ``q`` half);
-* "infinite" is an exact finite integer: the sum of all finite capacities + 1.
+Min-cut regions are solved on a flow network whose minimum cuts are exactly the
+labellings' costs (the encoding is in :mod:`converter.passes.place.cut`).
 
 The no-extra-rounding invariant (``invariant=True``, the default)
 -----------------------------------------------------------------
@@ -69,7 +55,8 @@ one, never an extra rounding); moving a down-cast earlier past a follow node
 whose reference label is ``fp32`` rounds that node's output, and is allowed only
 when the rounded value reaches fixed half nodes alone.
 
-Semantics (:func:`satisfies_invariant`, used by :func:`solve_exhaustive`): a
+Semantics (:func:`~converter.passes.place.problem.satisfies_invariant`, which the tests'
+exhaustive oracle applies to every labelling): a
 free/promote node is *extra-rounded* when it is half while its reference label
 is fp32, or when one of its free/promote producers is extra-rounded (rounding
 propagates through follow/promote nodes, whatever their label, and stops at
@@ -124,245 +111,61 @@ each flip may scan at most ``alternative_budget`` residual edges: a flip whose
 effect spreads through the region (e.g. one that would flip a whole residual
 stream) then gets no entry rather than costing quadratic time.
 
-Validation (``ValueError``)
----------------------------
-Labels other than ``"half"``/``"fp32"``; a node listed twice (within or across
-``fixed``/``free``/``promote``); a tensor whose producer or a consumer is not a
-declared node (every consumer must be declared: model graph outputs as fixed
-sink nodes and leave "don't care" consumers out); a cost that is not a
-non-negative integer (``bool`` is refused).  A consumer equal to the producer
-is ignored, and duplicated consumers count once.
+Modules
+-------
+This module compiles a problem into regions and solves them (:func:`solve_mincut`,
+:func:`enumerate_region`).  The problem's types, their validation and the evaluation of a
+labelling are in :mod:`converter.passes.place.problem` (re-exported here), the flow network of
+a min-cut region in :mod:`converter.passes.place.cut`, and the greedy TF-style baseline that the
+tests and benchmarks compare against in :mod:`converter.passes.place.baselines`.  The brute-force
+oracle is a test helper (``tests/placement_oracles.py``).
 """
 
 from __future__ import annotations
 
 import itertools
-import math
-import operator
-from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import NamedTuple
 
-import networkx as nx
 from networkx.algorithms.flow import preflow_push
 
+from converter.passes.place.cut import solve_region_by_cut
+from converter.passes.place.problem import (
+    FP32,
+    HALF,
+    PRODUCER_FP32,
+    PRODUCER_HALF,
+    PlacementProblem,
+    PlacementResult,
+    Tensor,
+    Term,
+    is_feasible,
+    reference_labels,
+    satisfies_invariant,
+    total_cost,
+)
+
 __all__ = [
+    # the problem's types and evaluation (defined in converter.passes.place.problem)
     "HALF",
     "FP32",
     "Tensor",
     "PlacementProblem",
     "PlacementResult",
-    "solve_mincut",
-    "solve_exhaustive",
-    "solve_greedy_tf",
     "total_cost",
     "is_feasible",
     "reference_labels",
     "satisfies_invariant",
+    # the solver
+    "solve_mincut",
+    "enumerate_region",
 ]
 
-HALF = "half"
-FP32 = "fp32"
-_LABELS = (HALF, FP32)
-
-# Producer markers in compiled terms (free producers are local indices >= 0).
-_PROD_HALF = -1
-_PROD_FP32 = -2
 # Alternatives are always exact in min-cut regions up to this many nodes; larger
 # regions give each flip ``alternative_budget`` residual-edge scans.
 _EXACT_ALTERNATIVES_UP_TO = 64
-
-
-# --------------------------------------------------------------------------- #
-# Public data
-# --------------------------------------------------------------------------- #
-@dataclass(frozen=True)
-class Tensor:
-    """One output of ``producer``; a cast of it moves ``cost`` bytes."""
-
-    producer: str
-    cost: int
-    consumers: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if isinstance(self.cost, bool):
-            raise ValueError(f"tensor of {self.producer!r}: cost must be an int, got bool")
-        try:
-            cost = operator.index(self.cost)
-        except TypeError:
-            raise ValueError(
-                f"tensor of {self.producer!r}: cost must be an int, got {type(self.cost).__name__}"
-            ) from None
-        if cost < 0:
-            raise ValueError(f"tensor of {self.producer!r}: cost must be >= 0, got {cost}")
-        object.__setattr__(self, "cost", cost)
-        if isinstance(self.consumers, str):
-            raise ValueError(
-                f"tensor of {self.producer!r}: consumers must be a sequence of node names, "
-                f"not the string {self.consumers!r}"
-            )
-        object.__setattr__(self, "consumers", tuple(self.consumers))
-
-
-@dataclass(frozen=True)
-class PlacementProblem:
-    """Nodes, their constraints and the tensors between them (see module doc)."""
-
-    fixed: Mapping[str, str]
-    free: Sequence[str]
-    promote: Sequence[str] = ()
-    tensors: Sequence[Tensor] = ()
-
-    def __post_init__(self) -> None:
-        fixed = dict(self.fixed)
-        free = tuple(self.free)
-        promote = tuple(self.promote)
-        tensors = tuple(self.tensors)
-        for node, label in fixed.items():
-            if label not in _LABELS:
-                raise ValueError(
-                    f"fixed node {node!r}: unknown label {label!r} (expected 'half' or 'fp32')"
-                )
-        seen = set(fixed)
-        for kind, nodes in (("free", free), ("promote", promote)):
-            for node in nodes:
-                if node in seen:
-                    raise ValueError(f"{kind} node {node!r} is declared more than once")
-                seen.add(node)
-        for tensor in tensors:
-            if not isinstance(tensor, Tensor):
-                raise ValueError(f"tensors must be Tensor instances, got {type(tensor).__name__}")
-            if tensor.producer not in seen:
-                raise ValueError(f"tensor producer {tensor.producer!r} is not a declared node")
-            for consumer in tensor.consumers:
-                if consumer not in seen:
-                    raise ValueError(
-                        f"tensor of {tensor.producer!r}: consumer {consumer!r} is not a declared "
-                        "node (declare graph outputs as fixed sink nodes; omit don't-care "
-                        "consumers)"
-                    )
-        object.__setattr__(self, "fixed", MappingProxyType(fixed))
-        object.__setattr__(self, "free", free)
-        object.__setattr__(self, "promote", promote)
-        object.__setattr__(self, "tensors", tensors)
-
-
-@dataclass(frozen=True)
-class PlacementResult:
-    """Labels for every free/promote node, and what they cost.
-
-    ``alternative_cost[n]``: optimal cost with ``n`` flipped, minus ``cost``
-    (absent when the flip is infeasible, over the alternative budget, or
-    alternatives were not requested).  ``regions``: number of independent
-    regions solved (isolated nodes count as one each; promote nodes forced to
-    fp32 are labelled without a region).  ``pinned``: the nodes that the
-    no-extra-rounding invariant alone keeps fp32 (labelled without a region).
-    """
-
-    labels: Mapping[str, str]
-    cost: int
-    alternative_cost: Mapping[str, int] = field(default_factory=dict)
-    regions: int = 0
-    pinned: frozenset[str] = frozenset()
-
-
-# --------------------------------------------------------------------------- #
-# Evaluation
-# --------------------------------------------------------------------------- #
-def _full_labels(problem: PlacementProblem, labels: Mapping[str, str]) -> dict[str, str]:
-    full = dict(problem.fixed)
-    choosable = set(problem.free) | set(problem.promote)
-    for node, label in labels.items():
-        if label not in _LABELS:
-            raise ValueError(f"node {node!r}: unknown label {label!r}")
-        if node in full:
-            if full[node] != label:
-                raise ValueError(f"fixed node {node!r} is {full[node]!r}, labelling says {label!r}")
-        elif node not in choosable:
-            raise ValueError(f"labelling names unknown node {node!r}")
-    missing = [n for n in itertools.chain(problem.free, problem.promote) if n not in labels]
-    if missing:
-        raise ValueError(f"labelling misses free/promote nodes: {missing[:5]}")
-    full.update(labels)
-    return full
-
-
-def total_cost(problem: PlacementProblem, labels: Mapping[str, str]) -> int:
-    """Cast cost of a full labelling (``labels`` covers every free/promote node;
-    it may repeat fixed nodes with their fixed label).  Ignores promote
-    constraints: see :func:`is_feasible`."""
-    full = _full_labels(problem, labels)
-    cost = 0
-    for tensor in problem.tensors:
-        src = full[tensor.producer]
-        if any(full[c] != src for c in tensor.consumers if c != tensor.producer):
-            cost += tensor.cost
-    return cost
-
-
-def is_feasible(problem: PlacementProblem, labels: Mapping[str, str]) -> bool:
-    """True when no promote node is half while one of its producers is fp32."""
-    full = _full_labels(problem, labels)
-    promote = set(problem.promote)
-    for tensor in problem.tensors:
-        if full[tensor.producer] != FP32:
-            continue
-        for c in tensor.consumers:
-            if c in promote and c != tensor.producer and full[c] == HALF:
-                return False
-    return True
-
-
-def _producers(problem: PlacementProblem) -> dict[str, set[str]]:
-    """Consumer -> the producers of the tensors it reads (self-reads ignored)."""
-    out: dict[str, set[str]] = {}
-    for tensor in problem.tensors:
-        for c in tensor.consumers:
-            if c != tensor.producer:
-                out.setdefault(c, set()).add(tensor.producer)
-    return out
-
-
-def reference_labels(problem: PlacementProblem) -> dict[str, str]:
-    """Labels under per-consumer casting (autocast): fixed nodes keep theirs, a
-    free/promote node is fp32 when one of its producers is (type promotion)."""
-    labels = dict(problem.fixed)
-    labels.update(dict.fromkeys(itertools.chain(problem.free, problem.promote), HALF))
-    consumers: dict[str, set[str]] = {}
-    for tensor in problem.tensors:
-        for c in tensor.consumers:
-            if c != tensor.producer and c not in problem.fixed:
-                consumers.setdefault(tensor.producer, set()).add(c)
-    stack = [n for n, label in problem.fixed.items() if label == FP32]
-    while stack:
-        for c in consumers.get(stack.pop(), ()):
-            if labels[c] == HALF:
-                labels[c] = FP32
-                stack.append(c)
-    return labels
-
-
-def satisfies_invariant(problem: PlacementProblem, labels: Mapping[str, str]) -> bool:
-    """True when ``labels`` keeps the no-extra-rounding invariant (module doc):
-    no fixed fp32 or promote node reads a value that a half label rounded where
-    per-consumer casting keeps it fp32.  Direct simulation, for tests and the
-    exhaustive solver."""
-    full = _full_labels(problem, labels)
-    ref = reference_labels(problem)
-    producers = _producers(problem)
-    choosable = set(problem.free) | set(problem.promote)
-    rounded = {n for n in choosable if full[n] == HALF and ref[n] == FP32}
-    changed = True
-    while changed:  # rounding propagates through free/promote nodes (monotone fixpoint)
-        changed = False
-        for n in choosable - rounded:
-            if producers.get(n, set()) & rounded:
-                rounded.add(n)
-                changed = True
-    guarded = {n for n, label in problem.fixed.items() if label == FP32} | set(problem.promote)
-    return not any(producers.get(g, set()) & rounded for g in guarded) and not (rounded & set(problem.promote))
 
 
 def _invariant_forced(problem: PlacementProblem) -> set[str]:
@@ -398,9 +201,12 @@ def _invariant_forced(problem: PlacementProblem) -> set[str]:
 # Compilation into regions
 # --------------------------------------------------------------------------- #
 class _Region(NamedTuple):
+    """One independent region.  Its terms and constraints keep global node indices (terms are
+    built once, while linking); ``_Compiled.local`` maps them to positions in ``nodes``."""
+
     nodes: tuple[int, ...]  # global indices, ascending
-    terms: tuple[tuple[int, int, tuple[int, ...], bool, bool], ...]  # local
-    constraints: tuple[tuple[int, int], ...]  # (producer, promote), local
+    terms: tuple[Term, ...]
+    constraints: tuple[tuple[int, int], ...]  # (producer, promote)
 
 
 @dataclass(frozen=True)
@@ -409,6 +215,7 @@ class _Compiled:
     forced: tuple[str, ...]  # nodes forced to fp32 (promote by an fp32 input; the invariant)
     constant: int
     regions: tuple[_Region, ...]
+    local: list[int]  # global index -> its position in its region's nodes
     pinned: frozenset[str] = frozenset()  # fixed to fp32 by the invariant alone
 
 
@@ -462,8 +269,8 @@ class _Linked(NamedTuple):
     """Global-index terms and promote constraints, the folded constant, and the
     union-find whose classes are the regions."""
 
-    terms: list[tuple[int, int, tuple[int, ...], bool, bool]]
-    constraints: list[tuple[int, int]]
+    terms: list[Term]
+    constraints: list[tuple[int, int]]  # (producer, promote)
     constant: int
     sets: _DisjointSets
 
@@ -480,13 +287,13 @@ def _compile(problem: PlacementProblem, *, invariant: bool) -> _Compiled:
     free = tuple(n for n in problem.free if n not in forced_names)
     nodes = free + tuple(q for q in problem.promote if q not in forced_names)
     # One lookup per endpoint: index >= 0 for nodes to solve, else a fixed label.
-    code = {n: _PROD_HALF if label == HALF else _PROD_FP32 for n, label in problem.fixed.items()}
-    code.update(dict.fromkeys(forced_names, _PROD_FP32))
+    code = {n: PRODUCER_HALF if label == HALF else PRODUCER_FP32 for n, label in problem.fixed.items()}
+    code.update(dict.fromkeys(forced_names, PRODUCER_FP32))
     code.update((node, i) for i, node in enumerate(nodes))
     linked = _link_tensors(problem.tensors, code, n_nodes=len(nodes), n_free=len(free))
-    regions = _split_regions(len(nodes), linked)
+    regions, local = _split_regions(len(nodes), linked)
     ordered = tuple(n for n in itertools.chain(problem.free, problem.promote) if n in forced_names)
-    return _Compiled(nodes, ordered, linked.constant, regions, pinned)
+    return _Compiled(nodes, ordered, linked.constant, regions, local, pinned)
 
 
 def _link_tensors(
@@ -519,14 +326,14 @@ def _link_single(pc: int, cc: int, cost: int, n_free: int, linked: _Linked) -> i
             if cc >= n_free:  # promote consumer: widest-input constraint
                 linked.constraints.append((pc, cc))
             if cost:
-                linked.terms.append((pc, cost, (cc,), False, False))
+                linked.terms.append(Term(pc, cost, (cc,), False, False))
             if cost or cc >= n_free:
                 linked.sets.union(pc, cc)
         elif cost:
-            linked.terms.append((pc, cost, (cc,), False, False))
+            linked.terms.append(Term(pc, cost, (cc,), False, False))
     elif cost:
         if pc >= 0:
-            linked.terms.append((pc, cost, (), cc == _PROD_HALF, cc == _PROD_FP32))
+            linked.terms.append(Term(pc, cost, (), cc == PRODUCER_HALF, cc == PRODUCER_FP32))
         elif pc != cc:
             return cost
     return 0
@@ -549,14 +356,14 @@ def _link_shared(tensor: Tensor, code: Mapping[str, int], n_free: int, linked: _
             if cc >= n_free and pc >= 0:  # promote consumer: widest-input constraint
                 linked.constraints.append((pc, cc))  # (fixed fp32 producers were folded)
                 linked.sets.union(pc, cc)
-        elif cc == _PROD_HALF:
+        elif cc == PRODUCER_HALF:
             fixed_half = True
         else:
             fixed_fp32 = True
     if cost == 0:
         return 0
     if pc < 0:
-        if fixed_fp32 if pc == _PROD_HALF else fixed_half:
+        if fixed_fp32 if pc == PRODUCER_HALF else fixed_half:
             return cost  # a fixed consumer already needs the cast
         if not cons:
             return 0
@@ -570,12 +377,13 @@ def _link_shared(tensor: Tensor, code: Mapping[str, int], n_free: int, linked: _
     anchor = ordered[0] if pc < 0 else pc
     for cc in ordered:
         linked.sets.union(anchor, cc)
-    linked.terms.append((pc, cost, ordered, fixed_half, fixed_fp32))
+    linked.terms.append(Term(pc, cost, ordered, fixed_half, fixed_fp32))
     return 0
 
 
-def _split_regions(n_nodes: int, linked: _Linked) -> tuple[_Region, ...]:
-    """Regions in order of their first node; local indices in global order."""
+def _split_regions(n_nodes: int, linked: _Linked) -> tuple[tuple[_Region, ...], list[int]]:
+    """Regions in order of their first node, and each node's position in its region
+    (local indices follow the global order)."""
     find = linked.sets.find
     region_of: dict[int, int] = {}
     members: list[list[int]] = []
@@ -588,53 +396,52 @@ def _split_regions(n_nodes: int, linked: _Linked) -> tuple[_Region, ...]:
             members.append([])
         local[i] = len(members[rid])
         members[rid].append(i)
-    r_terms: list[list] = [[] for _ in members]
-    for pc, cost, cons, fixed_half, fixed_fp32 in linked.terms:
-        if pc >= 0:
-            rid = region_of[find(pc)]
-            pc = local[pc]
-        else:
-            rid = region_of[find(cons[0])]
-        lcons = (local[cons[0]],) if len(cons) == 1 else tuple(local[j] for j in cons)
-        r_terms[rid].append((pc, cost, lcons, fixed_half, fixed_fp32))
-    r_cons: list[list] = [[] for _ in members]
-    for pc, q in linked.constraints:
-        r_cons[region_of[find(q)]].append((local[pc], local[q]))
-    return tuple(
+    r_terms: list[list[Term]] = [[] for _ in members]
+    for term in linked.terms:
+        pc = term.producer
+        r_terms[region_of[find(pc if pc >= 0 else term.consumers[0])]].append(term)
+    r_cons: list[list[tuple[int, int]]] = [[] for _ in members]
+    for pair in linked.constraints:
+        r_cons[region_of[find(pair[1])]].append(pair)
+    regions = tuple(
         _Region(tuple(mem), tuple(rt), tuple(rc)) for mem, rt, rc in zip(members, r_terms, r_cons)
     )
+    return regions, local
 
 
 # --------------------------------------------------------------------------- #
-# Exact enumeration (small regions, and the brute-force reference)
+# Exact enumeration (small regions, and the tests' brute-force oracle)
 # --------------------------------------------------------------------------- #
-def _enumerate(
+def enumerate_region(
     k: int,
-    terms: Sequence[tuple[int, int, tuple[int, ...], bool, bool]],
+    terms: Sequence[Term],
     constraints: Sequence[tuple[int, int]],
-    forced: Sequence[int],
+    index: Sequence[int],
     *,
     alternatives: bool,
     accept: Callable[[int], bool] | None = None,
 ) -> tuple[list[bool], int, dict[int, int]]:
     """Return (fp32 flag per local node, cost, {local node: alternative delta})
-    by trying all 2**k labellings (bit i of a labelling set = node i is fp32);
-    ``accept(mask)`` filters labellings further (the invariant, brute force)."""
+    by trying all 2**k labellings (bit i of a labelling set = local node i is fp32).
+
+    ``index`` maps the node numbers of ``terms`` and of the ``(producer, promote)``
+    pairs of ``constraints`` to the local nodes ``0..k-1``.  ``accept(mask)``
+    filters labellings further (the tests' oracle: the invariant, by simulation).
+    Ties break towards fewer fp32 nodes, then the lowest labelling.
+    """
     compiled = []
     for prod, cost, cons, fixed_half, fixed_fp32 in terms:
         cmask = 0
         for j in cons:
-            cmask |= 1 << j
+            cmask |= 1 << index[j]
         if prod >= 0:
-            compiled.append((1 << prod, False, cost, cmask, fixed_half, fixed_fp32))
+            compiled.append((1 << index[prod], False, cost, cmask, fixed_half, fixed_fp32))
         else:
-            compiled.append((0, prod == _PROD_FP32, cost, cmask, fixed_half, fixed_fp32))
-    forced_mask = 0
-    for q in forced:
-        forced_mask |= 1 << q
+            compiled.append((0, prod == PRODUCER_FP32, cost, cmask, fixed_half, fixed_fp32))
     need: dict[int, int] = {}
     for p, q in constraints:
-        need[q] = need.get(q, 0) | (1 << p)
+        q = index[q]
+        need[q] = need.get(q, 0) | (1 << index[p])
     needs = [(pmask, 1 << q) for q, pmask in need.items()]
 
     best_key = None
@@ -643,7 +450,7 @@ def _enumerate(
     costs: list[int] = []  # -1 = infeasible
     scale = k + 1
     for m in range(1 << k):
-        if forced_mask & ~m or any(m & pm and not m & qb for pm, qb in needs):
+        if any(m & pm and not m & qb for pm, qb in needs):
             costs.append(-1)
             continue
         if accept is not None and not accept(m):
@@ -672,229 +479,8 @@ def _enumerate(
 
 
 # --------------------------------------------------------------------------- #
-# Min-cut (networkx) with exact dynamic alternatives
-# --------------------------------------------------------------------------- #
-def _cut_graph(
-    k: int,
-    terms: Sequence[tuple[int, int, tuple[int, ...], bool, bool]],
-    constraints: Sequence[tuple[int, int]],
-) -> tuple[nx.DiGraph, int, int, int]:
-    """Build the region's flow network; returns (G, s, t, inf)."""
-    s, t = k, k + 1
-    caps: dict[tuple[int, int], int] = {}
-    infinite: list[tuple[int, int]] = []
-    aux = k + 2
+# The solver
 
-    def add(u: int, v: int, c: int) -> None:
-        if u != t and v != s and u != v:
-            caps[u, v] = caps.get((u, v), 0) + c
-
-    def add_inf(u: int, v: int) -> None:
-        if u != t and v != s and u != v:
-            infinite.append((u, v))
-
-    def any_fp32(p: int, cons: tuple[int, ...], cost: int) -> None:
-        """cost * [x_p = H and some consumer in cons is F]"""
-        nonlocal aux
-        if len(cons) == 1:
-            add(p, cons[0], cost)
-            return
-        a = aux
-        aux += 1
-        add(p, a, cost)
-        for j in cons:
-            add_inf(a, j)
-
-    def any_half(p: int, cons: tuple[int, ...], cost: int) -> None:
-        """cost * [x_p = F and some consumer in cons is H]"""
-        nonlocal aux
-        if len(cons) == 1:
-            add(cons[0], p, cost)
-            return
-        b = aux
-        aux += 1
-        add(b, p, cost)
-        for j in cons:
-            add_inf(j, b)
-
-    for prod, cost, cons, fixed_half, fixed_fp32 in terms:
-        if prod == _PROD_HALF:  # fixed consumers agree with p (others were folded)
-            any_fp32(s, cons, cost)
-        elif prod == _PROD_FP32:
-            any_half(t, cons, cost)
-        else:
-            if fixed_fp32:  # a fixed fp32 consumer: cost whenever p is half
-                add(prod, t, cost)
-            elif cons:
-                any_fp32(prod, cons, cost)
-            if fixed_half:  # a fixed half consumer: cost whenever p is fp32
-                add(s, prod, cost)
-            elif cons:
-                any_half(prod, cons, cost)
-    for p, q in constraints:
-        add_inf(q, p)
-    inf = sum(caps.values()) + 1
-    for edge in infinite:
-        caps[edge] = inf
-    graph = nx.DiGraph()
-    graph.add_nodes_from(range(k + 2))
-    graph.add_edges_from((u, v, {"capacity": c}) for (u, v), c in caps.items())
-    return graph, s, t, inf
-
-
-def _sink_side(residual: nx.DiGraph, t: int) -> set[int]:
-    """Nodes that can still reach ``t`` in the residual network (the fp32 side)."""
-    seen = {t}
-    queue = deque((t,))
-    pred = residual._pred  # raw dicts: the public views iterate in Python
-    while queue:
-        v = queue.popleft()
-        for u, attr in pred[v].items():
-            if u not in seen and attr["flow"] < attr["capacity"]:
-                seen.add(u)
-                queue.append(u)
-    return seen
-
-
-class _Residual:
-    """Array form of a networkx residual network with journaled augmentation."""
-
-    __slots__ = ("adj", "head", "res", "journal")
-
-    def __init__(self, residual: nx.DiGraph, n: int) -> None:
-        adj: list[list[int]] = [[] for _ in range(n)]
-        head: list[int] = []
-        res: list[int] = []
-        succ = residual._succ  # raw dicts: the public views iterate in Python
-        for u, nbrs in succ.items():
-            for v, attr in nbrs.items():
-                if u < v:  # networkx keeps both directions of every pair
-                    back = succ[v][u]
-                    e = len(head)
-                    head.append(v)
-                    res.append(attr["capacity"] - attr["flow"])
-                    head.append(u)
-                    res.append(back["capacity"] - back["flow"])
-                    adj[u].append(e)
-                    adj[v].append(e + 1)
-        self.adj, self.head, self.res = adj, head, res
-        self.journal: dict[int, int] = {}
-
-    def _push(self, path: list[int], amount: int) -> None:
-        res, journal = self.res, self.journal
-        for e in path:
-            for x in (e, e ^ 1):
-                if x not in journal:
-                    journal[x] = res[x]
-            res[e] -= amount
-            res[e ^ 1] += amount
-
-    def reachable(self, src: int) -> set[int]:
-        """Nodes reachable from ``src`` over edges with residual capacity."""
-        adj, head, res = self.adj, self.head, self.res
-        seen = {src}
-        queue = deque((src,))
-        while queue:
-            for e in adj[queue.popleft()]:
-                y = head[e]
-                if y not in seen and res[e] > 0:
-                    seen.add(y)
-                    queue.append(y)
-        return seen
-
-    def rollback(self) -> None:
-        res = self.res
-        for e, value in self.journal.items():
-            res[e] = value
-        self.journal.clear()
-
-    def augment(
-        self, src: int, dst: int, *, limit: int, budget: int | None, backward: bool
-    ) -> int | None:
-        """Push up to ``limit`` more flow src->dst (shortest augmenting paths).
-
-        ``backward`` searches from ``dst`` over reversed residual edges (use it
-        when ``src`` is the hub ``s``).  Returns the flow pushed, or None when
-        more than ``budget`` residual edges had to be scanned.
-        """
-        adj, head, res = self.adj, self.head, self.res
-        start, goal = (dst, src) if backward else (src, dst)
-        flip = 1 if backward else 0  # residual edge y->x is e^1 when searching backwards
-        remaining = math.inf if budget is None else budget
-        total = 0
-        while total < limit:
-            via = {start: -1}
-            queue = deque((start,))
-            found = False
-            while queue and not found:
-                x = queue.popleft()
-                edges = adj[x]
-                remaining -= len(edges)
-                if remaining < 0:
-                    return None
-                for e in edges:
-                    y = head[e]
-                    if y not in via and res[e ^ flip] > 0:
-                        via[y] = e ^ flip
-                        if y == goal:
-                            found = True
-                            break
-                        queue.append(y)
-            if not found:
-                break
-            path = []
-            x = goal
-            while x != start:  # walk back to start; the path is made of src->dst edges
-                e = via[x]
-                path.append(e)
-                x = head[e] if backward else head[e ^ 1]
-            amount = min(res[e] for e in path)
-            self._push(path, amount)
-            total += amount
-        return total
-
-
-def _mincut(
-    k: int,
-    terms: Sequence[tuple[int, int, tuple[int, ...], bool, bool]],
-    constraints: Sequence[tuple[int, int]],
-    *,
-    alternatives: bool,
-    flow_func: Callable,
-    budget: int | None,
-) -> tuple[list[bool], int, dict[int, int]]:
-    """Same contract as :func:`_enumerate`, solved as a minimum s-t cut.
-
-    Alternatives: dynamic cuts on the residual network, ``budget`` edge scans
-    per flip at most (a flip over budget gets no entry).
-    """
-    graph, s, t, inf = _cut_graph(k, terms, constraints)
-    residual = flow_func(graph, s, t, capacity="capacity")
-    value = residual.graph["flow_value"]
-    if value >= inf:  # cannot happen: all-fp32 is always feasible
-        raise RuntimeError("placement: min-cut found no feasible labelling")
-    fp32_side = _sink_side(residual, t)
-    fp32 = [v in fp32_side for v in range(k)]
-    alt: dict[int, int] = {}
-    if alternatives:
-        net = _Residual(residual, max(graph.nodes) + 1)
-        source_side = net.reachable(s)
-        headroom = inf - value  # extra flow >= headroom means the flip is infeasible
-        for v in range(k):
-            if fp32[v]:  # pin half: s->v infinite, so push v->t
-                extra = net.augment(v, t, limit=headroom, budget=budget, backward=False)
-            elif v not in source_side:  # no residual path s->v: fp32 is just as cheap
-                extra = 0
-            else:  # pin fp32: v->t infinite, so push s->v
-                extra = net.augment(s, v, limit=headroom, budget=budget, backward=True)
-            net.rollback()
-            if extra is not None and extra < headroom:
-                alt[v] = extra
-    return fp32, value, alt
-
-
-# --------------------------------------------------------------------------- #
-# Solvers
 # --------------------------------------------------------------------------- #
 def solve_mincut(
     problem: PlacementProblem,
@@ -926,7 +512,7 @@ def solve_mincut(
     budget = alternative_budget
     func = preflow_push if flow_func is None else flow_func
     compiled = _compile(problem, invariant=invariant)
-    nodes = compiled.nodes
+    nodes, local = compiled.nodes, compiled.local
     labels: dict[str, str] = dict.fromkeys(compiled.forced, FP32)
     alt_cost: dict[str, int] = {}
     total = compiled.constant
@@ -935,14 +521,15 @@ def solve_mincut(
         if not region.terms and not region.constraints:
             fp32, cost, alt = [False] * k, 0, (dict.fromkeys(range(k), 0) if alternatives else {})
         elif k <= small_region:
-            fp32, cost, alt = _enumerate(
-                k, region.terms, region.constraints, (), alternatives=alternatives
+            fp32, cost, alt = enumerate_region(
+                k, region.terms, region.constraints, local, alternatives=alternatives
             )
         else:
-            fp32, cost, alt = _mincut(
+            fp32, cost, alt = solve_region_by_cut(
                 k,
                 region.terms,
                 region.constraints,
+                local,
                 alternatives=alternatives,
                 flow_func=func,
                 budget=budget if k > _EXACT_ALTERNATIVES_UP_TO else None,
@@ -959,283 +546,4 @@ def solve_mincut(
         alternative_cost=MappingProxyType({n: alt_cost[n] for n in nodes if n in alt_cost}),
         regions=len(compiled.regions),
         pinned=compiled.pinned,
-    )
-
-
-def _rounding_checker(problem: PlacementProblem, nodes: Sequence[str]) -> Callable[[int], bool]:
-    """:func:`satisfies_invariant` on bit masks (bit i set = ``nodes[i]`` is fp32):
-    the same simulation, written for speed, independent of the min-cut encoding."""
-    index = {n: i for i, n in enumerate(nodes)}
-    ref = reference_labels(problem)
-    producers = _producers(problem)
-    reference_fp32 = sum(1 << i for i, n in enumerate(nodes) if ref[n] == FP32)
-    feeds = {n: sum(1 << index[p] for p in producers.get(n, ()) if p in index) for n in nodes}
-    order: list[str] = []  # topological order of the choosable nodes (Kahn; cycles keep going round)
-    indegree = {n: sum(1 for p in producers.get(n, ()) if p in index) for n in nodes}
-    ready = [n for n in nodes if indegree[n] == 0]
-    consumers: dict[str, list[str]] = {}
-    for n in nodes:
-        for p in producers.get(n, ()):
-            if p in index:
-                consumers.setdefault(p, []).append(n)
-    while ready:
-        n = ready.pop()
-        order.append(n)
-        for c in consumers.get(n, ()):
-            indegree[c] -= 1
-            if indegree[c] == 0:
-                ready.append(c)
-    steps = [(feeds[n], 1 << index[n]) for n in order]
-    cyclic = len(order) < len(nodes)
-    if cyclic:
-        steps = [(feeds[n], 1 << index[n]) for n in nodes]
-    promote_mask = sum(1 << index[q] for q in problem.promote)
-    guards = [feeds.get(g, 0) for g in problem.promote]
-    guards += [sum(1 << index[p] for p in producers.get(g, ()) if p in index)
-               for g, label in problem.fixed.items() if label == FP32]
-    guards = [g for g in guards if g]
-    full = (1 << len(nodes)) - 1
-
-    def accept(mask: int) -> bool:
-        rounded = reference_fp32 & ~mask & full
-        while True:
-            before = rounded
-            for pm, bit in steps:
-                if pm & rounded:
-                    rounded |= bit
-            if not cyclic or rounded == before:
-                break
-        return not (rounded & promote_mask) and not any(g & rounded for g in guards)
-
-    return accept
-
-
-def solve_exhaustive(
-    problem: PlacementProblem, *, max_nodes: int = 20, invariant: bool = True
-) -> PlacementResult:
-    """Brute force over all labellings of all free/promote nodes (tests only).
-
-    ``invariant``: only labellings that :func:`satisfies_invariant` (simulated on
-    each labelling, not the min-cut encoding) compete.
-    No decomposition and no constant folding: every tensor is compiled as is.
-    Ties break towards fewer fp32 nodes, then the lowest enumeration index.
-    ``regions`` is 1 (the whole problem) or 0 when there is nothing to label.
-    """
-    nodes = tuple(problem.free) + tuple(problem.promote)
-    if len(nodes) > max_nodes:
-        raise ValueError(
-            f"solve_exhaustive: {len(nodes)} free/promote nodes > max_nodes={max_nodes}"
-        )
-    index = {n: i for i, n in enumerate(nodes)}
-    promote = set(problem.promote)
-    fixed = problem.fixed
-    terms = []
-    constraints = []
-    forced = set()
-    for tensor in problem.tensors:
-        p = tensor.producer
-        prod = index[p] if p in index else (_PROD_HALF if fixed[p] == HALF else _PROD_FP32)
-        cons = set()
-        fixed_half = fixed_fp32 = False
-        for c in tensor.consumers:
-            if c == p:
-                continue
-            if c in index:
-                cons.add(index[c])
-                if c in promote:
-                    if prod >= 0:
-                        constraints.append((prod, index[c]))
-                    elif prod == _PROD_FP32:
-                        forced.add(index[c])
-            elif fixed[c] == HALF:
-                fixed_half = True
-            else:
-                fixed_fp32 = True
-        terms.append((prod, tensor.cost, tuple(sorted(cons)), fixed_half, fixed_fp32))
-    accept = _rounding_checker(problem, nodes) if invariant else None
-    fp32, cost, alt = _enumerate(
-        len(nodes), terms, constraints, sorted(forced), alternatives=True, accept=accept
-    )
-    labels = {n: FP32 if f else HALF for n, f in zip(nodes, fp32)}
-    return PlacementResult(
-        labels=MappingProxyType(labels),
-        cost=cost,
-        alternative_cost=MappingProxyType({nodes[i]: d for i, d in sorted(alt.items())}),
-        regions=1 if nodes else 0,
-    )
-
-
-class _TfGraph(NamedTuple):
-    """The producer -> consumer graph that :func:`solve_greedy_tf` paints."""
-
-    succ: dict[str, set[str]]
-    pred: dict[str, set[str]]
-    order: list[str]  # fixed, then free, then promote nodes
-    position: dict[str, int]
-
-    def outs(self, x: str) -> Iterable[str]:
-        return self.succ.get(x, ())
-
-    def ins(self, x: str) -> Iterable[str]:
-        return self.pred.get(x, ())
-
-    def both(self, x: str) -> set[str]:
-        return set(self.succ.get(x, ())) | set(self.pred.get(x, ()))
-
-    def in_order(self, nodes: Iterable[str]) -> list[str]:
-        return sorted(nodes, key=self.position.__getitem__)
-
-
-def _tf_graph(problem: PlacementProblem) -> _TfGraph:
-    succ: dict[str, set[str]] = {}
-    pred: dict[str, set[str]] = {}
-    for tensor in problem.tensors:
-        for c in tensor.consumers:
-            if c != tensor.producer:
-                succ.setdefault(tensor.producer, set()).add(c)
-                pred.setdefault(c, set()).add(tensor.producer)
-    order = list(problem.fixed) + list(problem.free) + list(problem.promote)
-    return _TfGraph(succ, pred, order, {n: i for i, n in enumerate(order)})
-
-
-def _dfs(
-    roots: Iterable[str],
-    step: Callable[[str], Iterable[str]],
-    enter: Callable[[str], bool],
-    visit: Callable[[str], None],
-) -> None:
-    """Depth-first walk from each root in turn (a fresh ``seen`` per root):
-    ``visit`` every node reached, following ``step`` into nodes that ``enter``
-    accepts (neighbours in sorted order)."""
-    for root in roots:
-        stack = [root]
-        seen = {root}
-        while stack:
-            x = stack.pop()
-            visit(x)
-            for y in sorted(step(x)):
-                if y not in seen and enter(y):
-                    seen.add(y)
-                    stack.append(y)
-
-
-def _tf_deny(problem: PlacementProblem, graph: _TfGraph) -> set[str]:
-    """Pass 2: deny spreads forward through clear/infer nodes that are upstream
-    of a deny or infer node; returns the deny set (roots included)."""
-    fixed = problem.fixed
-    free = set(problem.free)
-    promote = set(problem.promote)
-    deny_roots = [n for n in graph.order if fixed.get(n) == FP32]
-    deny = set(deny_roots)
-    upstream: set[str] = set()
-    roots = [n for n in graph.order if fixed.get(n) == FP32 or n in promote]
-    for root in roots:
-        _dfs([root], graph.ins, lambda y: y not in upstream and y in free, upstream.add)
-    for root in deny_roots:
-        _dfs([root], graph.outs, lambda y: y not in deny and y in upstream, deny.add)
-    return deny
-
-
-def _tf_between(
-    problem: PlacementProblem, graph: _TfGraph, allow: set[str], deny: set[str]
-) -> set[str]:
-    """Pass 3: the clear/infer nodes both downstream and upstream of allow nodes."""
-    paintable = set(problem.free) | set(problem.promote)
-    roots = graph.in_order(allow)
-    downstream: set[str] = set()
-    for root in roots:
-        _dfs(
-            [root],
-            graph.outs,
-            lambda y: y not in downstream and y not in allow and y not in deny and y in paintable,
-            downstream.add,
-        )
-    upstream_allow: set[str] = set()
-    between: set[str] = set()
-
-    def mark_between(x: str) -> None:
-        upstream_allow.add(x)
-        if x in downstream and x not in allow:
-            between.add(x)
-
-    def enter_upstream(y: str) -> bool:
-        return y not in upstream_allow and y not in allow and y not in deny and y in paintable
-
-    for root in roots:
-        _dfs([root], graph.ins, enter_upstream, mark_between)
-    return between
-
-
-def _tf_bf16_infer(
-    problem: PlacementProblem, graph: _TfGraph, allow: set[str], deny: set[str]
-) -> None:
-    """Pass 4 (bf16 only): an infer node with an allow input and no deny input
-    becomes allow (``allow`` is updated in place, in promote order)."""
-    for q in problem.promote:
-        if q not in deny and q not in allow:
-            inputs = graph.ins(q)
-            if any(p in allow for p in inputs) and not any(p in deny for p in inputs):
-                allow.add(q)
-
-
-def _tf_grow_clear(
-    problem: PlacementProblem, graph: _TfGraph, allow: set[str], deny: set[str]
-) -> set[str]:
-    """Pass 5: allow spreads both ways through clear nodes; returns the new ones."""
-    free = set(problem.free)
-    grown: set[str] = set()
-
-    def enter_clear(y: str) -> bool:
-        return y not in allow and y not in deny and y in free and y not in grown
-
-    for root in graph.in_order(allow):
-        _dfs([root], graph.both, enter_clear, grown.add)
-    return grown
-
-
-def _tf_repair(problem: PlacementProblem, graph: _TfGraph, labels: dict[str, str]) -> None:
-    """A promote node with an fp32 producer is fp32: spread fp32 forward through
-    promote nodes (``labels`` is updated in place)."""
-    promote = set(problem.promote)
-    full = dict(problem.fixed)
-    full.update(labels)
-    queue = deque(n for n in graph.order if full[n] == FP32)
-    while queue:
-        x = queue.popleft()
-        for y in graph.outs(x):
-            if y in promote and full[y] == HALF:
-                full[y] = labels[y] = FP32
-                queue.append(y)
-
-
-def solve_greedy_tf(problem: PlacementProblem, *, bf16: bool = False) -> PlacementResult:
-    """TF grappler-style greedy painting (baseline for tests and benchmarks).
-
-    Mapping: fixed half = allow, fixed fp32 = deny, free = clear, promote =
-    infer; edges run producer -> consumer for every tensor (whatever its cost).
-    Passes as in ``auto_mixed_precision.cc``: (2) deny spreads forward through
-    clear/infer nodes that are upstream of a deny or infer node, (3) clear and
-    infer nodes between two allow nodes become allow, (4, ``bf16`` only) an
-    infer node with an allow input and no deny input becomes allow, (5) allow
-    spreads both ways through clear nodes.  Everything not allow is fp32, then
-    promote constraints are repaired by spreading fp32 forward through promote
-    nodes.  No optimality guarantee; ``alternative_cost`` is empty and
-    ``regions`` is 1 (the graph is painted as a whole) or 0.
-    """
-    graph = _tf_graph(problem)
-    allow = {n for n in graph.order if problem.fixed.get(n) == HALF}
-    deny = _tf_deny(problem, graph)
-    allow |= _tf_between(problem, graph, allow, deny)
-    if bf16:
-        _tf_bf16_infer(problem, graph, allow, deny)
-    allow |= _tf_grow_clear(problem, graph, allow, deny)
-    choosable = itertools.chain(problem.free, problem.promote)
-    labels = {n: HALF if n in allow else FP32 for n in choosable}
-    _tf_repair(problem, graph, labels)
-    nodes = tuple(problem.free) + tuple(problem.promote)
-    return PlacementResult(
-        labels=MappingProxyType(labels),
-        cost=total_cost(problem, labels),
-        alternative_cost=MappingProxyType({}),
-        regions=1 if nodes else 0,
     )
