@@ -28,7 +28,17 @@ import torch.fx
 
 from converter.ir.errors import EXIT_CHECK_FAILED, EXIT_INTERNAL, MpconvertError
 from converter.ir.graphmodule import TwoModeGraphModule, materialize, with_eval_graph
-from converter.ir.meta import GM_GRAPH, GM_PARAM_DTYPES, HALF_NAMES, META_CAST, META_DECISION, META_INFO, Decision, GraphMeta, set_graph_facts
+from converter.ir.meta import (
+    GM_GRAPH,
+    GM_PARAM_DTYPES,
+    HALF_NAMES,
+    META_CAST,
+    META_DECISION,
+    META_INFO,
+    Decision,
+    GraphMeta,
+    set_graph_facts,
+)
 from converter.ir.ops import library_op
 from converter.ir.precision import ALIASES, half_precision
 from converter.ir.state import preserved_state
