@@ -18,9 +18,16 @@ from converter.ir.errors import MpconvertError
 from converter.ir.precision_names import PrecisionError
 from converter.options import DEVICES, PLACEMENTS, ConvertOptions, OptionsError
 from tests.helpers import ROOT, load_sample
-from tests.test_cli import MLP, assert_bad_input, run, snapshot, work  # noqa: F401 (work: a fixture)
+from tests.test_cli import MLP, assert_bad_input, run, snapshot
 
 CLI = ROOT / "converter" / "cli"
+
+
+@pytest.fixture
+def work(tmp_path, monkeypatch):
+    """An empty working directory as CWD (default output directories land here)."""
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
 
 
 def _mlp():

@@ -21,6 +21,10 @@ it with the ``--debug`` output); 130 interrupted.
 Output: quiet on success apart from the summary line and the output path (stdout). Progress and
 tables go to stderr through rich (``-q`` silences them and prints only the path). ``--json``
 prints one machine-readable JSON object on stdout instead of the text.
+
+This module is the entry point only: it parses (:mod:`converter.cli.parsers`), runs the command
+(:mod:`converter.cli.commands`) with its output queued on a :class:`~converter.cli.terminal.Terminal`,
+and maps what it raised to the exit status and one line.
 """
 from __future__ import annotations
 
