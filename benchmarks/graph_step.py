@@ -8,7 +8,7 @@ thread CPU clock, interleaved medians). Variants:
 * ``O1`` / ``O2`` — ``converter.convert(..., opt_level=...)`` driven by ``MixedPrecisionTrainer``
   (``master_weights`` for O2), with the simplify pass (what ``convert`` does);
 * ``O1_raw`` / ``O2_raw`` — the same conversion with the simplify pass switched off
-  (``converter.api._pipeline(simplify_graph=False)``): the before of the before/after.
+  (``converter.api.pipeline(simplify_graph=False)``): the before of the before/after.
 
 Run: ``python benchmarks/graph_step.py [--rounds 200] [--device-lowering cpu|none] [--json out.json]``.
 """
@@ -24,17 +24,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import encoder, sgd  # noqa: E402
 from benchmarks.trainer_step import SMALL, autocast_step, lowering_of, time_steps, timing_parser, trainer_step  # noqa: E402
-from converter.api import _pipeline  # noqa: E402
-from converter.numerics.redecide import PlaceSettings  # noqa: E402
+from converter.api import pipeline  # noqa: E402
+from converter.options import ConvertOptions  # noqa: E402
 from converter.train.trainer import MixedPrecisionTrainer  # noqa: E402
 
 __all__ = ["build", "main"]
 
 
 def _convert(model, x, *, level: str, lowering, simplify_graph: bool) -> torch.fx.GraphModule:
-    settings = PlaceSettings(target="bf16", strategy="mincut", keep_io_types=True, opt_level=level)
-    captured, *_ = _pipeline(copy.deepcopy(model), (x,), settings=settings, rules=None, tracer="auto",
-                             device=lowering, simplify_graph=simplify_graph)
+    options = ConvertOptions(precision="bf16", placement="mincut", keep_io_types=True, opt_level=level, device=lowering)
+    captured, *_ = pipeline(copy.deepcopy(model), (x,), options, rules=None, simplify_graph=simplify_graph)
     return captured.gm
 
 

@@ -339,8 +339,8 @@ def ablation_variants(model: nn.Module, args: tuple, kwargs: dict, *, precision:
                       optimizer: str, rules: list[str] | None) -> dict[str, Variant]:
     """The ``--ablate`` variants (:data:`ABLATIONS`): O2 conversions for ``device`` with one choice flipped."""
     import converter
-    from converter.api import _pipeline
-    from converter.numerics.redecide import PlaceSettings
+    from converter.api import pipeline
+    from converter.options import ConvertOptions
     from converter.passes import lower as lower_mod
     from converter.train.trainer import MixedPrecisionTrainer
 
@@ -361,9 +361,8 @@ def ablation_variants(model: nn.Module, args: tuple, kwargs: dict, *, precision:
         finally:
             lower_mod.RECOMPUTE_ATTENTION = None
     out["O2-portable"] = o2("O2-portable", convert())
-    settings = PlaceSettings(target=precision, opt_level="O2")
-    captured, *_ = _pipeline(copy.deepcopy(model), (args, kwargs), settings=settings, rules=rules, tracer="auto",
-                             device=device.type, simplify_graph=False)
+    options = ConvertOptions(precision=precision, opt_level="O2", device=device.type)
+    captured, *_ = pipeline(copy.deepcopy(model), (args, kwargs), options, rules=rules, simplify_graph=False)
     out["O2-raw"] = o2("O2-raw", captured.gm)
     return out
 

@@ -3,6 +3,7 @@
 Public API (docs/architecture.md; the names are a stable contract)::
 
     conv = converter.convert(model, example_inputs, precision="bf16")
+    conv = converter.convert(model, example_inputs, options=converter.ConvertOptions(precision="fp16", opt_level="O2"))
     model = converter.apply(model, example_inputs, precision="bf16")   # in place: the user's own object
     report = converter.audit(model, example_inputs)
     scaler = converter.LossScaler()
@@ -23,6 +24,8 @@ __all__ = [
     "InPlaceError",
     "RecaptureWarning",
     "Conversion",
+    "ConvertOptions",
+    "OptionsError",
     "CalibrationOptions",
     "Report",
     "Rules",
@@ -65,6 +68,8 @@ _LAZY = {
     "FallbackWarning": "converter.inplace",
     "InPlaceError": "converter.inplace",
     "RecaptureWarning": "converter.inplace",
+    "ConvertOptions": "converter.options",
+    "OptionsError": "converter.options",
     "CalibrationOptions": "converter.numerics.options",
     "MpconvertError": "converter.ir.errors",
     "PrecisionError": "converter.ir.precision",

@@ -15,6 +15,7 @@ report. When a stage fails, the error names it and the stages that ran before it
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import time
 import warnings
@@ -27,7 +28,17 @@ import torch.fx
 
 from converter.ir.errors import EXIT_CHECK_FAILED, EXIT_INTERNAL, MpconvertError
 from converter.ir.graphmodule import TwoModeGraphModule, materialize, with_eval_graph
-from converter.ir.meta import GM_GRAPH, GM_PARAM_DTYPES, HALF_NAMES, META_CAST, META_DECISION, META_INFO, Decision, GraphMeta, set_graph_facts
+from converter.ir.meta import (
+    GM_GRAPH,
+    GM_PARAM_DTYPES,
+    HALF_NAMES,
+    META_CAST,
+    META_DECISION,
+    META_INFO,
+    Decision,
+    GraphMeta,
+    set_graph_facts,
+)
 from converter.ir.ops import library_op
 from converter.ir.precision import ALIASES, half_precision
 from converter.ir.state import preserved_state
@@ -35,6 +46,7 @@ from converter.numerics.common import output_tensors
 from converter.numerics.device import half_speed_advice
 from converter.numerics.options import CalibrationOptions
 from converter.numerics.redecide import PlaceSettings
+from converter.options import FIELDS, ConvertOptions, build_options
 from converter.passes.capture import Captured, capture, guard_cache_calls, guard_cache_calls_keeping
 from converter.passes.checkpoint import checkpoint_regions, regions_in
 from converter.passes.decide import decide
@@ -46,7 +58,7 @@ from converter.passes.verify import check_forward
 from converter.report.build import Report, build_report
 from converter.rules.loader import Rules, load_rules
 
-__all__ = ["convert", "audit", "Conversion", "PassError", "Fp16OverflowError", "FrozenModeError", "SlowHalfWarning",
+__all__ = ["convert", "audit", "pipeline", "place_settings", "Conversion", "ConvertOptions", "PassError", "Fp16OverflowError", "FrozenModeError", "SlowHalfWarning",
            "normalize_precision", "PRECISION_ALIASES"]
 
 #: the half-precision spellings ``convert`` accepts (see :mod:`converter.ir.precision`)
@@ -325,15 +337,25 @@ class Conversion:
 
     module: torch.fx.GraphModule
     report: Report
-    precision: str
     tracer: str
     rules: Rules
     original: torch.nn.Module
     example_inputs: tuple
+    options: ConvertOptions = field(default_factory=ConvertOptions)  # what it was converted with: to redo it
     timings: dict = field(default_factory=dict)
-    options: dict = field(default_factory=dict)  # keep_io_types, placement, opt_level, device: to redo it in another dtype
     calibration: Optional[list] = None  # the calibration batches, kept so that a variant is calibrated the same way
-    calibration_options: Optional[CalibrationOptions] = None
+
+    @property
+    def precision(self) -> str:
+        """The half dtype, ``fp16`` or ``bf16`` (``options.precision``)."""
+        return self.options.precision
+
+    @property
+    def calibration_options(self) -> Optional[CalibrationOptions]:
+        """How the calibration ran (None: not calibrated)."""
+        if self.calibration is None:
+            return None
+        return self.options.calibration_options or CalibrationOptions()
 
     @property
     def decisions(self) -> Mapping[str, Decision]:
@@ -352,15 +374,18 @@ class Conversion:
         return emit(self, Path(out_dir), force=force, model_file=model_file,
                     max_shard_size=DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size)
 
+    def redo_options(self, **changes: Any) -> ConvertOptions:
+        """This conversion's options with ``changes``, traced with the tracer that captured it."""
+        return dataclasses.replace(self.options, tracer=self.tracer, **changes)
+
     def variant(self, precision: Union[str, torch.dtype]) -> "Conversion":
         """The same conversion in another half dtype: same model, inputs, rules, tracer and options,
         calibrated again on the same batches when this one was (so the overflow fallback and the
         accuracy search hold for the variant's dtype). ``self`` when the precision is its own."""
-        target = normalize_precision(precision)
-        if target == self.precision:
+        options = self.redo_options(precision=precision)
+        if options.precision == self.precision:
             return self
-        return convert(self.original, self.example_inputs, precision=target, rules=self.rules, tracer=self.tracer,
-                       calibration=self.calibration, calibration_options=self.calibration_options, **self.options)
+        return convert(self.original, self.example_inputs, rules=self.rules, calibration=self.calibration, options=options)
 
     def export_onnx(self, path: Union[str, Path], *, precision: Union[None, str, torch.dtype] = None, **kwargs) -> Any:
         """Export to ONNX and verify it (:func:`converter.export.onnx.export_onnx`).
@@ -390,11 +415,18 @@ def _run_stage(name: str, done: list[str], fn, *args, **kwargs):
     return result
 
 
-def _pipeline(model, example_inputs, *, settings: PlaceSettings, rules, tracer, calibration=None,
-              calibration_options: Optional[CalibrationOptions] = None, device=None, codegen=True,
-              dynamic: bool = True, dynamic_shapes: Any = None, simplify_graph: bool = True, strict_modes: bool = False):
-    """capture → decide → lower → place → (calibrate) → rewrite → simplify → fp32_math → (codegen), placing
-    with ``settings``; ``simplify_graph=False`` keeps the no-op nodes (benchmarks/graph_step.py times both).
+def place_settings(options: ConvertOptions) -> PlaceSettings:
+    """The placement settings of a conversion with ``options`` (what calibration re-places with)."""
+    return PlaceSettings(target=options.precision, strategy=options.placement, keep_io_types=options.keep_io_types,
+                         opt_level=options.opt_level)
+
+
+def pipeline(model: torch.nn.Module, example_inputs: Any, options: ConvertOptions, *,
+             rules: Union[None, str, Path, Iterable, Rules] = None, calibration: Optional[list] = None,
+             codegen: bool = True, simplify_graph: bool = True) -> tuple[Captured, Rules, dict]:
+    """capture → decide → lower → place → (calibrate) → rewrite → simplify → fp32_math → (codegen) with
+    ``options``; returns the capture (its ``gm`` converted), the rules and the stage timings.
+    ``simplify_graph=False`` keeps the no-op nodes (benchmarks/graph_step.py times both).
 
     A model captured as a train graph and an eval graph (it branches on ``self.training``) has both
     converted with the same rules and combined into one :class:`TwoModeGraphModule`."""
@@ -402,8 +434,9 @@ def _pipeline(model, example_inputs, *, settings: PlaceSettings, rules, tracer, 
     done: list[str] = []
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    captured: Captured = capture(model, example_inputs, tracer=tracer, dynamic=dynamic, dynamic_shapes=dynamic_shapes)
-    if strict_modes and captured.modes is not None and captured.modes.frozen:
+    captured: Captured = capture(model, example_inputs, tracer=options.tracer, dynamic=options.dynamic,
+                                 dynamic_shapes=options.dynamic_shapes)
+    if options.strict_modes and captured.modes is not None and captured.modes.frozen:
         raise FrozenModeError(f"the converted module would be {captured.modes}; make the model's train mode traceable "
                               "(see the cause), or convert without strict_modes (CLI: without --strict-modes) to accept it")
     done.append("capture")
@@ -411,12 +444,11 @@ def _pipeline(model, example_inputs, *, settings: PlaceSettings, rules, tracer, 
     graphs = [captured.gm] if captured.eval_gm is None else [captured.gm, captured.eval_gm]
     pass_s = codegen_s = check_s = 0.0
     for index, gm in enumerate(graphs):
-        gm.meta[GM_GRAPH] = GraphMeta(tracer=captured.tracer, precision=settings.target,
+        gm.meta[GM_GRAPH] = GraphMeta(tracer=captured.tracer, precision=options.precision,
                                         capture_errors=tuple(f"{k}: {v}" for k, v in captured.errors.items()),
                                         rule_files=rule_set.files)
         t1 = time.perf_counter()
-        _convert_graph(gm, done, rule_set, settings=settings, calibration=calibration,
-                       calibration_options=calibration_options, device=device, simplify_graph=simplify_graph)
+        _convert_graph(gm, done, rule_set, options, calibration=calibration, simplify_graph=simplify_graph)
         t2 = time.perf_counter()
         pass_s += t2 - t1
         if codegen:
@@ -436,22 +468,23 @@ def _pipeline(model, example_inputs, *, settings: PlaceSettings, rules, tracer, 
     captured.gm = graphs[0] if len(graphs) == 1 or not codegen else _two_modes(model, *graphs)
     if codegen and captured.cache:  # captured with use_cache=False: a call asking for a cache gets one clear error
         (guard_cache_calls_keeping if "use_cache" in captured.kwargs else guard_cache_calls)(captured.gm)
-    return captured, rule_set, settings.target, timings
+    return captured, rule_set, timings
 
 
-def _convert_graph(gm: torch.fx.GraphModule, done: list[str], rule_set: Rules, *, settings: PlaceSettings,
-                   calibration, calibration_options, device, simplify_graph: bool) -> None:
+def _convert_graph(gm: torch.fx.GraphModule, done: list[str], rule_set: Rules, options: ConvertOptions, *,
+                   calibration: Optional[list], simplify_graph: bool) -> None:
     """decide → lower → place → (calibrate) → rewrite → simplify → fp32_math on one captured graph."""
-    _run_stage("decide", done, decide, gm, rule_set, precision=settings.target)
-    lowered = _run_stage("lower", done, lower, gm, device=device, opt_level=settings.opt_level)
-    set_graph_facts(gm, device=device, lowered=tuple(lowered))
+    settings = place_settings(options)
+    _run_stage("decide", done, decide, gm, rule_set, precision=options.precision)
+    lowered = _run_stage("lower", done, lower, gm, device=options.device, opt_level=options.opt_level)
+    set_graph_facts(gm, device=options.device, lowered=tuple(lowered))
     _run_stage("place", done, settings.run, gm)
     if calibration is not None:
         from converter.numerics.calibrate import calibrate_and_redecide
 
         _run_stage("calibrate", done, calibrate_and_redecide, gm, calibration, rules=rule_set, settings=settings,
-                   options=calibration_options or CalibrationOptions())
-    _run_stage("rewrite", done, rewrite, gm, keep_io_types=settings.keep_io_types)
+                   options=options.calibration_options or CalibrationOptions())
+    _run_stage("rewrite", done, rewrite, gm, keep_io_types=options.keep_io_types)
     if simplify_graph:
         set_graph_facts(gm, simplified=_run_stage("simplify", done, simplify, gm))
     math_setting = rule_set.setting("fp32_math", DEFAULT_FP32_MATH)
@@ -498,11 +531,12 @@ def _checkpoint_extra(gm: torch.fx.GraphModule) -> dict:
     return found
 
 
-def _report(captured: Captured, rule_set: Rules, target: str, timings: dict, *, opt_level: str, device) -> Report:
+def _report(captured: Captured, rule_set: Rules, timings: dict, options: ConvertOptions) -> Report:
     gm = captured.gm
-    return build_report(gm, precision=target, tracer=captured.tracer, rules=rule_set.to_dict(), modes=captured.modes,
-                        extra={"capture_errors": captured.errors, "timings": timings, "opt_level": opt_level,
-                               "device": device, "lowered": list(gm.meta[GM_GRAPH].lowered),
+    return build_report(gm, precision=options.precision, tracer=captured.tracer, rules=rule_set.to_dict(),
+                        modes=captured.modes,
+                        extra={"capture_errors": captured.errors, "timings": timings, "opt_level": options.opt_level,
+                               "device": options.device, "lowered": list(gm.meta[GM_GRAPH].lowered),
                                "lowering": list(gm.meta[GM_GRAPH].lowering),
                                "dynamic_dims": captured.dynamic_dims, "shapes": captured.shapes_note,
                                "narrowed_dims": captured.narrowed_dims, "dynamic_ranges": captured.dynamic_ranges,
@@ -511,124 +545,72 @@ def _report(captured: Captured, rule_set: Rules, target: str, timings: dict, *, 
                                "simplified": fold_counts(gm.meta[GM_GRAPH].simplified)})
 
 
-def convert(
-    model: torch.nn.Module,
-    example_inputs: Any,
-    *,
-    precision: Union[str, torch.dtype] = "bf16",
-    rules: Union[None, str, Path, Iterable, Rules] = None,
-    tracer: str = "auto",
-    calibration: Optional[Iterable] = None,
-    keep_io_types: bool = True,
-    placement: str = "mincut",
-    calibration_options: Union[None, CalibrationOptions, Mapping[str, Any]] = None,
-    opt_level: str = "O1",
-    device: Optional[str] = None,
-    dynamic: bool = True,
-    dynamic_shapes: Any = None,
-    strict_modes: bool = False,
-) -> Conversion:
+def convert(model: torch.nn.Module, example_inputs: Any, *, rules: Union[None, str, Path, Iterable, Rules] = None,
+            calibration: Optional[Iterable] = None, options: Optional[ConvertOptions] = None,
+            **keywords: Any) -> Conversion:
     """Convert ``model`` to mixed precision.
 
-    ``precision``: the half dtype that ``half`` rules mean (bf16 by default: it has fp32's range,
-    so it needs no loss scaling). ``rules``: rule files layered over the defaults. ``tracer``:
-    ``auto`` tries FX then torch.export (torch.export first for a Hugging Face model). ``keep_io_types``: outputs keep their original dtype.
-    ``placement``: ``mincut`` (fewest cast bytes that round nothing autocast keeps in fp32),
-    ``mincut-bytes`` (fewest cast bytes only: it may round values that per-consumer casting keeps
-    in fp32, see :mod:`converter.passes.place.stage`) or ``simple``. ``calibration``: an iterable of
-    inputs used to find and fix nodes that would overflow fp16 (kept on the result, so that
-    :meth:`Conversion.variant` calibrates the same way). ``calibration_options``: a
-    :class:`~converter.numerics.options.CalibrationOptions` (or a mapping of its fields), e.g. a
-    ``tolerance`` for the accuracy search. ``opt_level``: how the parameters
-    will be stored when training — ``O1`` fp32 (default: ``conv.module`` trains as is, weight casts
-    are part of the cost), ``O2`` in half where every consumer is half, with fp32 master weights
-    in :class:`MixedPrecisionTrainer` (``master_weights=True``); placement then treats weight casts
-    as free. ``conv.module`` keeps fp32 parameters either way; the trainer stores them for O2.
-    ``device``: the device the model will train on, which enables that device's lowerings
-    (:mod:`converter.lower`; ``"cpu"``: bf16 attention as matmul·softmax·matmul, 2-4x faster than
-    PyTorch's CPU bf16 flash kernel). None (default): a portable graph, nothing device-specific.
-    ``dynamic``: torch.export captures batch, sequence and other input dims as dynamic, so the
-    converted module serves other sizes (False: fixed to the example's sizes; symbolic_trace
-    graphs are dynamic either way). ``dynamic_shapes``: torch.export-style dims for the example
-    inputs instead of the default. ``report.extra["dynamic_dims"]`` lists the dims that are dynamic
-    and ``report.extra["modes"]`` whether ``train()``/``eval()`` work (see :mod:`converter.passes.capture`);
-    ``strict_modes=True`` raises :class:`FrozenModeError` instead of converting a model whose train mode
-    cannot be traced into a module frozen in one mode (default: converted, with a warning in the report).
-    A half dtype with no fast math where the model will train (fp16 on most CPUs, measured by timing
-    one small matmul; on CUDA, the compute capability) gives a :class:`SlowHalfWarning` naming the
-    alternative, also in ``report.extra["device_advice"]``.
-    fp16 without ``calibration``: the converted graph runs once on the example inputs beside its
-    fp32 twin, and :class:`Fp16OverflowError` names the first node that gives inf/NaN where fp32 is
-    finite.
+    ``options``: a :class:`~converter.options.ConvertOptions` (``precision``, ``tracer``, ``placement``,
+    ``keep_io_types``, ``opt_level``, ``device``, ``dynamic``, ``dynamic_shapes``, ``strict_modes``,
+    ``calibration_options``; each field is documented there), or the same fields as keywords
+    (``convert(model, x, precision="fp16", opt_level="O2")``), not both. Each is checked once, and
+    ``conv.options`` keeps them. ``precision`` (default bf16: fp32's range, no loss scaling) is the half
+    dtype that ``half`` rules mean. ``rules``: rule files layered over the defaults. ``calibration``: an
+    iterable of inputs used to find and fix nodes that would overflow fp16 (kept on the result, so that
+    :meth:`Conversion.variant` calibrates the same way; ``calibration_options`` says how, e.g. a
+    ``tolerance`` for the accuracy search). ``opt_level="O2"`` treats weight casts as free in placement
+    (half storage with fp32 masters in :class:`MixedPrecisionTrainer`); ``conv.module`` keeps fp32
+    parameters either way. ``device`` enables that device's lowerings (:mod:`converter.passes.lower`).
+    ``report.extra["dynamic_dims"]`` lists the dims that are dynamic and ``report.extra["modes"]`` whether
+    ``train()``/``eval()`` work (see :mod:`converter.passes.capture`); ``strict_modes=True`` raises
+    :class:`FrozenModeError` instead of converting a model frozen in one mode.
+    A half dtype with no fast math where the model will train (measured) gives a :class:`SlowHalfWarning`,
+    also in ``report.extra["device_advice"]``. fp16 without ``calibration``: the converted graph runs
+    once on the example inputs beside its fp32 twin, and :class:`Fp16OverflowError` names the first
+    node that gives inf/NaN where fp32 is finite.
 
-    **Weights are shared, not copied.** ``conv.module`` holds its own parameter objects (its own
-    ``requires_grad`` and ``.grad``) over the *same storage* as ``model``'s parameters, and
-    ``model``'s buffers, so converting costs no copy of the weights. As with ``torch.compile``,
-    training ``conv.module`` (O1) updates ``model``'s weights in place, and a train-mode forward
-    updates the shared batch-norm statistics; ``copy.deepcopy(conv.module)`` gives an independent
-    module. The O2 :class:`~converter.train.trainer.MixedPrecisionTrainer` gives the parameters
-    storage of their own when it is built, so O2 training leaves ``model`` as it was. ``model``
-    itself is left exactly as it was by conversion: its modes, ``config``, buffers, parameters and
-    hooks (capture traces a shell of it, see :mod:`converter.passes.capture`), also when it fails.
+    **Weights are shared, not copied.** ``conv.module`` holds its own parameter objects over the *same
+    storage* as ``model``'s parameters, and ``model``'s buffers: as with ``torch.compile``, training
+    ``conv.module`` (O1) updates ``model``'s weights in place; ``copy.deepcopy(conv.module)`` gives an
+    independent module. The O2 :class:`~converter.train.trainer.MixedPrecisionTrainer` gives the
+    parameters storage of their own. ``model`` itself is left exactly as it was by conversion: its
+    modes, ``config``, buffers, parameters and hooks, also when it fails.
     """
-    options = CalibrationOptions.coerce(calibration_options) if calibration is not None else None
+    options = build_options(options, keywords, caller="convert")
     batches = None
     if calibration is not None:  # kept for variants; an endless iterator is read up to max_batches only
-        batches = list(calibration if options.max_batches is None else itertools.islice(calibration, options.max_batches))
-    settings = PlaceSettings(target=normalize_precision(precision), strategy=placement, keep_io_types=keep_io_types,
-                             opt_level=opt_level)
-    captured, rule_set, target, timings = _pipeline(
-        model, example_inputs, settings=settings, rules=rules, tracer=tracer, calibration=batches,
-        calibration_options=options, device=device, dynamic=dynamic, dynamic_shapes=dynamic_shapes,
-        strict_modes=strict_modes,
-    )
-    advice = half_speed_advice(target, device)
+        limit = (options.calibration_options or CalibrationOptions()).max_batches
+        batches = list(calibration if limit is None else itertools.islice(calibration, limit))
+    captured, rule_set, timings = pipeline(model, example_inputs, options, rules=rules, calibration=batches)
+    advice = half_speed_advice(options.precision, options.device)
     if advice is not None:
         warnings.warn(advice, SlowHalfWarning, stacklevel=2)
     without_weights = any(p.is_meta for p in captured.gm.parameters())  # nothing to run: no values
-    if target == "fp16" and batches is None and not without_weights:
+    if options.precision == "fp16" and batches is None and not without_weights:
         _check_fp16_overflow(captured.gm, captured.args, captured.kwargs)
         if isinstance(captured.gm, TwoModeGraphModule):  # the check interprets `graph`: the eval graph too
             _check_fp16_overflow(captured.gm.for_mode(False), captured.args, captured.kwargs)
-    report = _report(captured, rule_set, target, timings, opt_level=opt_level, device=device)
+    report = _report(captured, rule_set, timings, options)
     report.extra["device_advice"] = advice
-    return Conversion(
-        module=captured.gm,
-        report=report,
-        precision=target,
-        tracer=captured.tracer,
-        rules=rule_set,
-        original=model,
-        example_inputs=(captured.args, captured.kwargs),
-        timings=timings,
-        options={"keep_io_types": keep_io_types, "placement": placement, "opt_level": opt_level, "device": device,
-                 "dynamic": dynamic, "dynamic_shapes": dynamic_shapes, "strict_modes": strict_modes},
-        calibration=batches,
-        calibration_options=options,
-    )
+    return Conversion(module=captured.gm, report=report, tracer=captured.tracer, rules=rule_set, original=model,
+                      example_inputs=(captured.args, captured.kwargs), options=options, timings=timings,
+                      calibration=batches)
 
 
-def audit(
-    model: torch.nn.Module,
-    example_inputs: Any,
-    *,
-    precision: Union[str, torch.dtype] = "bf16",
-    rules: Union[None, str, Path, Iterable, Rules] = None,
-    tracer: str = "auto",
-    placement: str = "mincut",
-    device: Optional[str] = None,
-    dynamic: bool = True,
-    dynamic_shapes: Any = None,
-    opt_level: str = "O1",
-) -> Report:
+#: the options :func:`audit` takes as keywords: no calibration runs there
+AUDIT_FIELDS = FIELDS - {"calibration_options"}
+
+
+def audit(model: torch.nn.Module, example_inputs: Any, *, rules: Union[None, str, Path, Iterable, Rules] = None,
+          options: Optional[ConvertOptions] = None, **keywords: Any) -> Report:
     """The report of what :func:`convert` would do; the model is untouched.
 
     Runs capture, decide, lower, place and rewrite on the traced copy (the rewrite is what puts
     the casts the report counts on the graph), but no calibration and no code generation, and
-    returns only the report. ``opt_level`` as in :func:`convert` (O2: weight casts are free in placement).
+    returns only the report. ``options`` (or its fields as keywords, not both) as in :func:`convert`
+    (``opt_level="O2"``: weight casts are free in placement; ``strict_modes=True`` refuses a model
+    frozen in one mode, as convert would); ``calibration_options`` are not used.
     """
-    settings = PlaceSettings(target=normalize_precision(precision), strategy=placement, opt_level=opt_level)
-    captured, rule_set, target, timings = _pipeline(model, example_inputs, settings=settings, rules=rules, tracer=tracer,
-                                                    device=device, codegen=False, dynamic=dynamic,
-                                                    dynamic_shapes=dynamic_shapes)
-    return _report(captured, rule_set, target, timings, opt_level=opt_level, device=device)
+    options = build_options(options, keywords, caller="audit", allowed=AUDIT_FIELDS)
+    captured, rule_set, timings = pipeline(model, example_inputs, options, rules=rules, codegen=False)
+    return _report(captured, rule_set, timings, options)

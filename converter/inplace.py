@@ -51,6 +51,7 @@ import torch.utils._pytree as pytree
 from converter.api import Conversion, convert
 from converter.ir.errors import MpconvertError
 from converter.ir.graphmodule import EVAL_PREFIX, TwoModeGraphModule
+from converter.options import ConvertOptions, build_options
 from converter.passes.capture.cache import CACHE_ARGUMENTS
 
 __all__ = ["apply", "conversion_of", "converted_forward", "restore", "ConvertedForward", "FallbackWarning",
@@ -78,11 +79,13 @@ class _ShapeMismatch(str):
 
 
 def apply(model: torch.nn.Module, example_inputs: Any, *, max_recaptures: int = DEFAULT_MAX_RECAPTURES,
-          **options: Any) -> torch.nn.Module:
+          rules: Any = None, calibration: Any = None, options: Optional[ConvertOptions] = None,
+          **keywords: Any) -> torch.nn.Module:
     """Convert ``model`` in place and return it (the same object).
 
-    ``example_inputs`` and ``options`` are those of :func:`converter.convert` (``precision``,
-    ``rules``, ``tracer``, ``calibration``, ``opt_level``, ``device``, ``dynamic`` ...). Pass the
+    ``example_inputs``, ``rules``, ``calibration`` and ``options`` (a :class:`~converter.options.ConvertOptions`,
+    or its fields as keywords: ``precision``, ``tracer``, ``opt_level``, ``device``, ``dynamic`` ...) are those
+    of :func:`converter.convert`. Pass the
     arguments the training or serving code passes (for a HF model e.g. ``input_ids``,
     ``attention_mask`` and ``labels``): calls with other arguments run the original forward.
     Calls of sizes the graph does not serve are converted again, up to ``max_recaptures`` graphs
@@ -92,9 +95,10 @@ def apply(model: torch.nn.Module, example_inputs: Any, *, max_recaptures: int = 
         raise InPlaceError(f"max_recaptures must be an int >= 0, got {max_recaptures!r}")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"apply() needs a torch.nn.Module, got {type(model).__name__}")
+    options = build_options(options, keywords, caller="apply")
     restore(model)
     original = model.__dict__.get("forward")
-    conversion = convert(model, example_inputs, **options)
+    conversion = convert(model, example_inputs, rules=rules, calibration=calibration, options=options)
     model.forward = ConvertedForward(model, conversion, original=original, max_recaptures=max_recaptures)
     return model
 
@@ -329,9 +333,8 @@ class ConvertedForward:
         device_type = _autocast_type(self._device() or self._graphs.home)
         try:
             with torch.enable_grad(), torch.autocast(device_type=device_type, enabled=False):
-                new = convert(self.model, example, precision=conv.precision, rules=conv.rules, tracer=conv.tracer,
-                              calibration=conv.calibration, calibration_options=conv.calibration_options,
-                              **conv.options)
+                new = convert(self.model, example, rules=conv.rules, calibration=conv.calibration,
+                              options=conv.redo_options())
         finally:
             self.model.__dict__.pop("forward", None)
             if current is not missing:

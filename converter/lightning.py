@@ -31,10 +31,10 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from converter.api import normalize_precision
 from converter.inplace import apply, conversion_of
 from converter.ir.errors import MpconvertError
 from converter.ir.meta import GM_PARAM_DTYPES
+from converter.options import ConvertOptions, build_options
 from converter.train.trainer import MixedPrecisionTrainer
 
 try:  # the unified package first, then the standalone one
@@ -49,6 +49,8 @@ except ImportError:  # pragma: no cover - depends on what is installed
 __all__ = ["MixedPrecision"]
 
 _LIGHTNING_NAMES = {"bf16": "bf16-mixed", "fp16": "16-mixed"}
+#: the arguments of :func:`converter.apply` that are not conversion options
+_APPLY_ARGUMENTS = ("rules", "calibration", "max_recaptures")
 
 
 class MixedPrecision(_Precision):
@@ -61,28 +63,40 @@ class MixedPrecision(_Precision):
         opt_level: ``"O1"`` (fp32 parameters, casts in the graph) or ``"O2"`` (weights stored in half, fp32
             masters in the trainer).
         loss_scale: fp16 only: ``"dynamic"`` (default), a fixed float, or a :class:`~converter.LossScaler`.
-        **convert_options: passed on to :func:`converter.convert` (``rules``, ``tracer``, ``device``, ...).
+        **convert_options: passed on to :func:`converter.apply`: ``rules``, ``calibration``, ``max_recaptures``
+            and the fields of :class:`~converter.options.ConvertOptions` (``tracer``, ``device``, ...), which are
+            checked here, once, with ``precision`` and ``opt_level``: ``options`` holds them.
     """
 
     def __init__(self, precision: str = "bf16-mixed", *, example_inputs: Any = None, submodule: Optional[str] = None,
                  opt_level: str = "O1", loss_scale: Any = "dynamic", **convert_options: Any) -> None:
         super().__init__()
-        self.half = normalize_precision(precision)
+        #: ``rules``, ``calibration`` and ``max_recaptures``: what :func:`converter.apply` takes besides the options
+        self.apply_arguments = {key: convert_options.pop(key) for key in _APPLY_ARGUMENTS if key in convert_options}
+        #: the one record of the conversion's options (precision canonical: ``bf16`` or ``fp16``)
+        self.options: ConvertOptions = build_options(None, {"precision": precision, "opt_level": opt_level, **convert_options},
+                                                     caller="MixedPrecision")
         self.precision = _LIGHTNING_NAMES[self.half]  # what Lightning logs and compares
-        if opt_level not in ("O1", "O2"):
-            raise ValueError(f"opt_level must be 'O1' or 'O2', got {opt_level!r}")
         if self.half == "bf16" and loss_scale not in ("dynamic", None):
             raise ValueError("bf16 needs no loss scaling (fp32's exponent range): drop loss_scale, or use '16-mixed'")
         self.example_inputs = example_inputs
         self.submodule = submodule
-        self.opt_level = opt_level
         self.loss_scale = loss_scale if self.half == "fp16" else None
-        self.convert_options = convert_options
         #: the converted module (the LightningModule itself, or its ``submodule``), once set up
         self.target: Optional[nn.Module] = None
         #: one trainer per optimizer, in the order Lightning lists them (set by ``connect``)
         self.trainers: list[MixedPrecisionTrainer] = []
         self._pending_state: Optional[dict] = None
+
+    @property
+    def half(self) -> str:
+        """The half dtype, ``bf16`` or ``fp16`` (``options.precision``)."""
+        return self.options.precision
+
+    @property
+    def opt_level(self) -> str:
+        """``O1`` or ``O2`` (``options.opt_level``)."""
+        return self.options.opt_level
 
     # ------------------------------------------------------------------ setup
     def convert_module(self, module: nn.Module) -> nn.Module:
@@ -100,7 +114,7 @@ class MixedPrecision(_Precision):
         elif isinstance(inputs, dict):
             inputs = ((), inputs)
         with _training_mode(target):  # convert the mode Lightning will train in (dropout, batch norm)
-            apply(target, inputs, precision=self.half, opt_level=self.opt_level, **self.convert_options)
+            apply(target, inputs, options=self.options, **self.apply_arguments)
         self.target = target
         return module
 

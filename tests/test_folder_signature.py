@@ -16,6 +16,7 @@ import json
 import pytest
 import torch
 
+import converter.cli.commands as commands
 import converter.cli.main as cli
 from tests.helpers import sqnr
 from tests.test_cli import assert_bad_input, run
@@ -102,17 +103,17 @@ def converted(tmp_path_factory):
             return made[kind]
         _save(kind, base / kind)
         kept = []
-        original = cli._convert
+        original = commands.convert_model
 
         def keep(*args, **kwargs):
             kept.append(original(*args, **kwargs))
             return kept[-1]
 
-        cli._convert = keep
+        commands.convert_model = keep
         try:
             code = cli.main([str(base / kind), "--out", str(base / f"{kind}_mp"), "--no-measure", "-q"])
         finally:
-            cli._convert = original
+            commands.convert_model = original
         assert code == 0, kind
         made[kind] = (base / kind, base / f"{kind}_mp", kept[0])
         return made[kind]

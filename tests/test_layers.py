@@ -2,7 +2,7 @@
 
 Layers, lowest first (docs/architecture.md)::
 
-    _version < ir < rules < passes < numerics < report < export < api < inplace < lightning < cli
+    _version < ir < rules < passes < numerics < options < report < export < api < inplace < lightning < cli
 
 ``train`` stands beside the stack: it may import ``converter.ir`` and nothing else from the package, so the
 training wrapper never drags in the converter. ``converter/__init__.py`` and ``__main__`` sit on top.
@@ -16,7 +16,7 @@ from pathlib import Path
 import networkx as nx
 
 PACKAGE = Path(__file__).resolve().parent.parent / "converter"
-LAYERS = ["_version", "ir", "rules", "passes", "numerics", "report", "export", "api", "inplace", "lightning", "cli"]
+LAYERS = ["_version", "ir", "rules", "passes", "numerics", "options", "report", "export", "api", "inplace", "lightning", "cli"]
 RANK = {name: i for i, name in enumerate(LAYERS)}
 
 

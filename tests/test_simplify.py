@@ -10,9 +10,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import converter
-from converter.api import _pipeline
+from converter.api import pipeline
 from converter.ir.meta import GM_GRAPH, META_CAST
-from converter.numerics.redecide import PlaceSettings
+from converter.options import ConvertOptions
 from converter.passes.simplify import LEAN_CALLS, Fold, fold_counts
 
 
@@ -23,9 +23,9 @@ def _encoder(p: float, train: bool, d: int = 32):
 
 
 def _unsimplified(model, args, **kw):
-    settings = PlaceSettings(target="bf16", strategy="mincut", keep_io_types=True, opt_level=kw.get("opt_level", "O1"))
-    captured, *_ = _pipeline(copy.deepcopy(model), args, settings=settings, rules=None, tracer="auto",
-                             device=kw.get("device"), simplify_graph=False)
+    options = ConvertOptions(precision="bf16", placement="mincut", keep_io_types=True, opt_level=kw.get("opt_level", "O1"),
+                             tracer="auto", device=kw.get("device"))
+    captured, *_ = pipeline(copy.deepcopy(model), args, options, rules=None, simplify_graph=False)
     return captured.gm
 
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from converter.ir.errors import MpconvertError
+from converter.options import ConvertOptions
 
 __all__ = ["ReportNotUsable", "read_report", "fresh_report", "report_dir_of"]
 
@@ -108,28 +109,28 @@ def _newest_input(model: Path, rules: list[str]) -> float:
     return max((p.stat().st_mtime for p in paths if p.exists()), default=0.0)
 
 
-def _matches_options(data: dict, ns, precision: str) -> bool:
+def _matches_options(data: dict, options: ConvertOptions, rules: list[str], entry: Optional[str]) -> bool:
     """Was the report made with the options of this command line? (Conservative: any doubt is no.)
-    ``precision`` is the canonical name of ``--precision`` (a report stores ``bf16``, never ``bfloat16``)."""
-    rules = list(ns.rules or ())
+    ``options.precision`` is canonical (a report stores ``bf16``, never ``bfloat16``)."""
     files = (data.get("rules") or {}).get("files") or []
     if [Path(str(f)).stem for f in files] != ["default"] + [Path(r).stem for r in rules]:
         return False
     return (
-        data.get("precision") == precision
-        and data.get("device") == ns.device
-        and data.get("opt_level", "O1") == ns.opt_level
-        and ns.tracer in ("auto", data.get("tracer"))
-        and ns.entry is None
+        data.get("precision") == options.precision
+        and data.get("device") == options.device
+        and data.get("opt_level", "O1") == options.opt_level
+        and options.tracer in ("auto", data.get("tracer"))
+        and entry is None
     )
 
 
-def fresh_report(ns, *, cwd: Path, precision: str) -> Optional[Path]:
-    """The newest fresh report.json among the model's default output directories, if any; ``precision``
-    is ``--precision`` normalised (:func:`converter.ir.precision_names.half_name`)."""
-    model = Path(ns.model)
+def fresh_report(model: Path, options: ConvertOptions, *, rules: Sequence[str] = (), entry: Optional[str] = None,
+                 cwd: Path) -> Optional[Path]:
+    """The newest fresh report.json among the default output directories of ``model``, if any: made with
+    ``options`` (precision, device, opt level, tracer), the rule files ``rules`` and no ``entry``."""
+    rules = list(rules)
     stem = model.resolve().name if model.is_dir() else model.stem
-    newest_input = _newest_input(model, list(ns.rules or ()))
+    newest_input = _newest_input(model, rules)
     found: list[tuple[float, Path]] = []
     for suffix in ("_mp", "_audit"):
         path = cwd / f"{stem}{suffix}" / "report.json"
@@ -142,6 +143,6 @@ def fresh_report(ns, *, cwd: Path, precision: str) -> Optional[Path]:
             data = read_report(path)
         except ReportNotUsable:
             continue
-        if _matches_options(data, ns, precision):
+        if _matches_options(data, options, rules, entry):
             found.append((mtime, path))
     return max(found)[1] if found else None

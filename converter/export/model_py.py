@@ -169,7 +169,7 @@ def _table(rows: list[tuple[str, torch.Tensor, str]], stored: Optional[dict[str,
 def _storage_dtypes(conv, gm: torch.fx.GraphModule, found: "_Tensors") -> dict[str, torch.dtype]:
     """O2: name -> the half dtype each parameter is stored in (``gm.meta["mp_param_dtypes"]``);
     O1: nothing (every tensor is stored in its own dtype)."""
-    if (getattr(conv, "options", None) or {}).get("opt_level", "O1") != "O2":
+    if getattr(getattr(conv, "options", None), "opt_level", "O1") != "O2":
         return {}
     recorded = gm.meta.get(GM_PARAM_DTYPES) or {}
     params = {name for name, _, _ in found.parameters}

@@ -1,0 +1,136 @@
+"""The options of a conversion, as one frozen, validated record (in the style of torchao's ``Float8LinearConfig``).
+
+::
+
+    options = ConvertOptions(precision="fp16", opt_level="O2", device="cpu")
+    conv = converter.convert(model, example_inputs, options=options)
+    conv.options.precision                                   # "fp16"
+    same = converter.convert(model, example_inputs, precision="float16", opt_level="O2", device="cpu")
+
+:func:`converter.convert`, :func:`converter.audit`, :func:`converter.apply`, the Lightning plugin and the
+``mpconvert`` command each build one :class:`ConvertOptions` and hand it down; every field is checked and
+normalised once, in ``__post_init__`` (``"bfloat16"``, ``torch.bfloat16`` and ``"bf16-mixed"`` are all
+``"bf16"``). A bad value is one line: :class:`~converter.ir.precision_names.PrecisionError` for a precision,
+:class:`OptionsError` for anything else (both ``ValueError``; the CLI exits 2).
+
+This module imports no torch (``mpconvert explain OUT_DIR`` builds its options without it): a torch dtype
+is read through :mod:`converter.ir.precision`, and calibration options through
+:mod:`converter.numerics.options`, only when one is given.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Mapping, Optional
+
+from converter.ir.errors import MpconvertError
+from converter.ir.precision_names import half_name
+
+__all__ = ["ConvertOptions", "OptionsError", "build_options", "TRACERS", "PLACEMENTS", "OPT_LEVELS", "DEVICES"]
+
+#: ``tracer``: ``auto`` tries torch.fx, then torch.export (:mod:`converter.passes.capture`)
+TRACERS = ("auto", "fx", "export")
+#: ``placement``: the strategies of :mod:`converter.passes.place.stage` (its ``STRATEGIES``; a test holds them equal)
+PLACEMENTS = ("mincut", "mincut-bytes", "simple")
+#: ``opt_level``: how parameters are stored for training
+OPT_LEVELS = ("O1", "O2")
+#: ``device``: the devices with lowerings (:mod:`converter.passes.lower`'s ``DEVICES``), or None
+DEVICES = ("cpu", "cuda")
+
+
+class OptionsError(MpconvertError, ValueError):
+    """An option has a value :class:`ConvertOptions` does not take (or options were given twice); one line."""
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """How :func:`converter.convert` (and ``audit``, ``apply``, the Lightning plugin, the CLI) converts a model.
+
+    * ``precision``: the half dtype that ``half`` rules mean: ``"bf16"`` (default: fp32's range, no loss
+      scaling) or ``"fp16"``, any alias (``"bfloat16"``, ``"bf16-mixed"``, ``"float16"``, ``"half"``,
+      ``"16-mixed"``) or torch dtype; stored canonical.
+    * ``tracer``: ``"auto"`` (torch.fx, then torch.export; torch.export first for a Hugging Face model),
+      ``"fx"`` or ``"export"``.
+    * ``placement``: ``"mincut"`` (fewest cast bytes that round nothing autocast keeps in fp32),
+      ``"mincut-bytes"`` (fewest cast bytes only) or ``"simple"``.
+    * ``keep_io_types``: outputs keep their original dtype (default True).
+    * ``opt_level``: ``"O1"`` (fp32 parameters, weight casts count in placement) or ``"O2"`` (half storage
+      where every consumer is half, fp32 masters in the trainer; weight casts are free in placement).
+    * ``device``: the device the model will train on (``"cpu"``, ``"cuda"``), which enables its lowerings;
+      None (default): a portable graph.
+    * ``dynamic``: torch.export captures batch, sequence and other input dims as dynamic (False: the
+      example's sizes); ``dynamic_shapes``: torch.export-style dims instead of the default.
+    * ``strict_modes``: refuse (:class:`~converter.api.FrozenModeError`) a model whose train mode cannot be
+      traced, instead of converting it frozen in one mode.
+    * ``calibration_options``: how a calibration runs (a
+      :class:`~converter.numerics.options.CalibrationOptions`, or a mapping of its fields, stored as one);
+      used only when calibration data is given. None: the defaults.
+
+    Frozen: ``dataclasses.replace(options, precision="fp16")`` gives another (checked again).
+    """
+
+    precision: Any = "bf16"
+    tracer: str = "auto"
+    placement: str = "mincut"
+    keep_io_types: bool = True
+    opt_level: str = "O1"
+    device: Optional[str] = None
+    dynamic: bool = True
+    dynamic_shapes: Any = None
+    strict_modes: bool = False
+    calibration_options: Any = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "precision", _half(self.precision))
+        _choice("tracer", self.tracer, TRACERS)
+        _choice("placement", self.placement, PLACEMENTS)
+        _choice("opt_level", self.opt_level, OPT_LEVELS)
+        if self.device is not None:
+            _choice("device", self.device, DEVICES, or_none=True)
+        for name in ("keep_io_types", "dynamic", "strict_modes"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise OptionsError(f"{name} must be True or False, got {value!r}")
+        if self.calibration_options is not None:
+            from converter.numerics.options import CalibrationOptions
+
+            object.__setattr__(self, "calibration_options", CalibrationOptions.coerce(self.calibration_options))
+
+
+def _half(precision: Any) -> str:
+    """``fp16``/``bf16`` for any spelling or torch dtype (the one table, :mod:`converter.ir.precision_names`)."""
+    if isinstance(precision, str):
+        return half_name(precision)
+    from converter.ir.precision import half_precision  # a torch dtype: torch is loaded already
+
+    return half_precision(precision)
+
+
+def _choice(name: str, value: Any, allowed: tuple, *, or_none: bool = False) -> None:
+    if not isinstance(value, str) or value not in allowed:
+        shown = ", ".join(repr(a) for a in allowed) + (" or None" if or_none else "")
+        raise OptionsError(f"{name} must be one of {shown}, got {value!r}")
+
+
+#: the field names, for the keyword form of convert/audit/apply
+FIELDS = frozenset(f.name for f in fields(ConvertOptions))
+
+
+def build_options(options: Optional[ConvertOptions], keywords: Mapping[str, Any], *, caller: str,
+                  allowed: frozenset = FIELDS) -> ConvertOptions:
+    """The one :class:`ConvertOptions` of a call: ``options`` itself, or one built from the keyword options.
+
+    Both at once is an :class:`OptionsError`; a keyword that is no option (of ``allowed``) is a ``TypeError``
+    as Python gives for any unknown keyword."""
+    if options is not None:
+        if not isinstance(options, ConvertOptions):
+            raise TypeError(f"{caller}(options=...) must be a ConvertOptions, got {type(options).__name__}")
+        if keywords:
+            names = ", ".join(f"{k}=" for k in sorted(keywords))
+            raise OptionsError(f"{caller}() got options= and {names} too; give one: put them in the ConvertOptions "
+                               "(dataclasses.replace(options, ...)) or drop options=")
+        return options
+    unknown = sorted(set(keywords) - allowed)
+    if unknown:
+        raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r}; its options are "
+                        f"{', '.join(sorted(allowed))}")
+    return ConvertOptions(**keywords)
