@@ -201,7 +201,7 @@ class MixedPrecision(_Precision):
             raise TypeError("the checkpoint's MixedPrecision trainer states must be dicts; nothing was loaded")
         merged = [{**trainer.state_dict(), **state} for trainer, state in zip(self.trainers, saved)]
         for trainer, state in zip(self.trainers, merged):  # every trainer's state checked before any is loaded
-            trainer._check_state_dict(state)
+            trainer.check_state_dict(state)
         for trainer, state in zip(self.trainers, merged):
             trainer.load_state_dict(state)
 

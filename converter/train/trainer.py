@@ -556,8 +556,9 @@ class MixedPrecisionTrainer:
             "spike_history": list(self._norm_history) if self._opts.spike_guard is not None else [],
         }
 
-    def _check_state_dict(self, state_dict: Any) -> TrainStats:
-        """Validate a whole checkpoint before anything is loaded; returns its stats."""
+    def check_state_dict(self, state_dict: Any) -> TrainStats:
+        """Validate a whole checkpoint before anything is loaded (raises ``ValueError`` naming the
+        first mismatch; nothing changes); returns its stats. The Lightning plugin checks with it too."""
         checkpoint.check_header(state_dict, precision=self._opts.precision, master_weights=self._opts.master_weights)
         # FSDP2's entries are sharded DTensors: their values are checked by torch.distributed.checkpoint
         checkpoint.check_tensors("master weights", state_dict["master"], self._masters.tensors(),
@@ -578,7 +579,7 @@ class MixedPrecisionTrainer:
         name, shape and dtype, the scaler dict): a mismatch raises ``ValueError`` naming it and
         loads nothing; nothing is broadcast or silently converted.
         """
-        stats = self._check_state_dict(state_dict)
+        stats = self.check_state_dict(state_dict)
         self._sync.load(self._inner, self._optimizer, state_dict["model"], state_dict["optimizer"])
         self._masters.load_state_dict(state_dict["master"])
         if self._scaler is not None:
