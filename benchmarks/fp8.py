@@ -288,7 +288,7 @@ def _run_layer(module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> tuple:
     return y.detach(), x.grad, module.weight.grad
 
 
-def layer_sqnr(base: nn.Module, fqns: list[str], io_: dict, recipes: list[str], ao: Optional[dict]) -> list[dict]:
+def per_layer_accuracy(base: nn.Module, fqns: list[str], io_: dict, recipes: list[str], ao: Optional[dict]) -> list[dict]:
     """One row per (layer, recipe): SQNR of output, grad_input, grad_weight for ours and torchao vs bf16."""
     rows = []
     for fqn in fqns:
@@ -308,7 +308,7 @@ def layer_sqnr(base: nn.Module, fqns: list[str], io_: dict, recipes: list[str], 
     return rows
 
 
-def model_sqnr(models: dict[str, nn.Module], ids, targets) -> dict[str, dict]:
+def whole_model_accuracy(models: dict[str, nn.Module], ids, targets) -> dict[str, dict]:
     """Whole-model SQNR against ``bf16``: logits, and all parameter gradients concatenated (one batch)."""
     outs = {}
     for name, m in models.items():
@@ -524,11 +524,11 @@ def main(argv=None) -> int:
 
     log(f"torchao: {ao['version'] if ao else 'not used'}; FP8 layers: {fqns}")
     io_ = capture_layer_io(copy.deepcopy(base), fqns, ids, targets)
-    layers = layer_sqnr(base, fqns, io_, args.sqnr_recipes, ao)
+    layers = per_layer_accuracy(base, fqns, io_, args.sqnr_recipes, ao)
     names = ["bf16"] + [f"{lib}_{r}" for r in args.time_recipes for lib in ("ours", "torchao")
                         if lib == "ours" or (ao is not None and r in TORCHAO_RECIPE)]
     models = {n: make_variant(base, n, fqns, ao) for n in names}
-    whole = model_sqnr(models, ids, targets)
+    whole = whole_model_accuracy(models, ids, targets)
     log("per-layer SQNR done; timing")
     timing = time_and_memory(models, ids, targets, args)
     del models

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import importlib.util
 import inspect
 import json
@@ -560,7 +561,10 @@ def run_model(spec: ModelSpec, *, device: torch.device, half: torch.dtype, optim
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     precision = "fp16" if half == torch.float16 else "bf16"
 
-    convert_params = inspect.signature(converter.convert).parameters
+    # what this converter accepts: convert()'s keywords, or (since ConvertOptions) the options' fields
+    convert_params = set(inspect.signature(converter.convert).parameters)
+    if hasattr(converter, "ConvertOptions"):
+        convert_params |= {f.name for f in dataclasses.fields(converter.ConvertOptions)}
     has_opt_level = "opt_level" in convert_params
     # converted for the device it runs on (its lowerings), unless --portable
     target = {} if portable or "device" not in convert_params else {"device": device.type}

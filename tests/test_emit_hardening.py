@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -608,3 +609,41 @@ def test_train_py_without_mpconvert_trains_with_torch_alone(tmp_path):
     train = import_file(out / "train.py")
     with pytest.raises(SystemExit, match="--o2 needs the mpconvert package"):
         train._TorchTrainer(nn.Linear(2, 2), None, precision="fp16", master_weights=True, max_grad_norm=None, accumulation_steps=1)
+
+
+def test_forward_annotations_kept_as_text_are_emitted(tmp_path):
+    """A model file with ``from __future__ import annotations`` and an annotated ``forward``: FX keeps
+    the annotations as strings ('torch.Tensor'), which model.py binds as literals (no import, no eval)."""
+    model_file = tmp_path / "annotated.py"
+    model_file.write_text(textwrap.dedent('''
+        from __future__ import annotations
+
+        import torch
+        from torch import nn
+
+
+        class Net(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.fc = nn.Linear(16, 16)
+
+            def forward(self, x: torch.Tensor, scale: float = 2.0) -> torch.Tensor:
+                return torch.relu(self.fc(x)) * scale
+
+
+        def build_model():
+            return Net()
+
+
+        def example_inputs():
+            return (torch.randn(2, 16),)
+    '''))
+    mf = load_model_file(model_file)
+    conv = converter.convert(mf.model, mf.example_inputs, tracer="fx")
+    out = emit(conv, tmp_path / "o", model_file=str(model_file))
+    source = (out / "model.py").read_text()
+    assert "= 'torch.Tensor'" in source, source[:2000]
+    loaded = import_file(out / "model.py").load()
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), conv.module(x))

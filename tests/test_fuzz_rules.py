@@ -203,3 +203,10 @@ def test_several_files_one_line_per_bad_file(scratch, capfd, data):
     bad = err.strip().splitlines() if err.strip() else []
     assert len(bad) + out.count("ok: ") == len(paths)
     assert (code == 2) == bool(bad)
+
+
+def test_known_op_names_hold_no_class_names():
+    """Hypothesis found ``[op] Tensor = "half"`` drawn as a valid rule (torch.Tensor is callable) and
+    refused by the loader, which reads a capitalised op name as a custom autograd Function's class."""
+    assert [name for name in KNOWN_OPS if name[:1].isupper()] == []
+    assert {"tensor", "linear", "softmax"} <= set(KNOWN_OPS)

@@ -77,3 +77,13 @@ def test_non_editable_install_converts_with_default_rules(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     assert "Converted 2/3 compute nodes" in run.stdout, run.stdout
     assert "('default.toml', 'llm.toml')" in run.stdout
+
+
+def test_every_package_folder_is_listed_in_pyproject():
+    """A new subpackage missing from [tool.setuptools] packages installs without its files (the
+    non-editable install then fails at import); this names it in milliseconds."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "converter").rglob("__init__.py")}
+    assert found - listed == set(), f"packages missing from pyproject.toml: {sorted(found - listed)}"

@@ -205,6 +205,10 @@ def check_defaults(body: str) -> None:
 
 
 def _import_line(name: str, obj: Any, warnings: list[str]) -> Optional[str]:
+    if isinstance(obj, str):
+        # a forward annotation kept as text (the model file has ``from __future__ import annotations``):
+        # FX names it as a global whose value is the string; model.py binds the same string, a literal
+        return f"{name} = {obj!r}"
     if name in _custom_builtins and _custom_builtins[name].obj is obj:
         return _custom_builtins[name].import_str
     if isinstance(obj, type(sys)):

@@ -388,7 +388,10 @@ def known_op_names() -> frozenset[str]:
         for attr in dir(mod):
             if not attr.startswith("_") and callable(getattr(mod, attr, None)):
                 names.add(_normalise(attr))
-    return frozenset(n for n in names if n and not n.startswith("_"))
+    # a capitalised name is a class (torch.Tensor, torch.Size, torch.Generator), never an op: in a rule
+    # file it names a custom autograd Function (passes.autograd_fns), and the loader refuses one whose
+    # lower-case form is an op (``Tensor`` for ``tensor``)
+    return frozenset(n for n in names if n and not n.startswith("_") and not n[:1].isupper())
 
 
 #: layout-only ops between a weight and its matmul (``x @ w.t()``, a reshaped conv kernel)
