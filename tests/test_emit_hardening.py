@@ -18,9 +18,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
-import textwrap
 from pathlib import Path
 
 import pytest

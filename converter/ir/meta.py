@@ -19,7 +19,7 @@ The report, the emitted artifacts and the ONNX check read these records and noth
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Mapping, Optional, get_args
 
 import torch
