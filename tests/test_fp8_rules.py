@@ -162,6 +162,17 @@ def test_fp8_is_a_rule_target_for_gemms_only(tmp_path):
         assert "\n" not in str(info.value) and f"bad{i}.toml" in str(info.value)
 
 
+def test_fp8_is_a_conversion_target_but_never_a_dtype():
+    from converter.ir.precision import PrecisionError, canonical, half_precision
+    from converter.ir.precision_names import run_half, target_name
+
+    assert [target_name(n) for n in ("fp8", "FP8", "bf16-mixed", "16")] == ["fp8", "fp8", "bf16", "fp16"]
+    assert (run_half("fp8"), run_half("fp16")) == ("bf16", "fp16")
+    for call, name in ((target_name, "fp32"), (canonical, "fp8"), (half_precision, "fp8")):
+        with pytest.raises(PrecisionError):
+            call(name)
+
+
 def test_a_node_rule_marking_a_non_gemm_fp8_fails_at_decide(decoder, tmp_path):
     rules = _user_rules(tmp_path, '[node]\nrelu = "fp8"\n')
     with pytest.raises(RulesError, match=r"\[node\]\.relu: marks node 'relu' fp8, but its op 'relu' is not an fp8 GEMM"):
@@ -296,6 +307,15 @@ def test_a_user_pattern_that_matches_nothing_is_an_error(decoder, tmp_path):
         rules = _user_rules(tmp_path, f'[{table}]\n"{pattern}" = "bf16"\n', f"{table}.toml")
         with pytest.raises(Fp8PatternError, match=rf"\[{table}\]\.{pattern}: the pattern matches no"):
             convert_fp8_graph(decoder, (_tokens(),), rules=[rules])
+    # patterns that do match pass, also a module rule whose ops entry names an op its module runs
+    rules = _user_rules(tmp_path, """
+        [module]
+        "blocks.*.norm1" = { precision = "fp32", ops = { layer_norm = "fp32" } }
+        "embed" = "fp32"
+        [module_type]
+        LayerNorm = "fp32"
+    """, "matching.toml")
+    assert len(convert_fp8_graph(decoder, (_tokens(),), rules=[rules]).fp8_nodes) == 0  # the built-in size gate
     # built-in patterns are generic: rules/fp8.toml's "*.router" matches nothing here and is no error
     assert any(r.pattern == "*.router" for r in fp8_rule_set().rules)
 
@@ -305,8 +325,12 @@ def test_fp8_rule_set_layers_default_fp8_then_the_user(tmp_path):
     assert [f.split("/")[-1] for f in rules.files] == ["default.toml", "fp8.toml", "user.toml"]
     assert rules.matches_for(node="n", op="linear", module_stack=())[0].precision == "half"
     assert fp8_rule_set(rules) is rules
-    plain = fp8_rule_set(Rules())
-    assert plain.files[:2] == ("default.toml", "fp8.toml")
+    for given in (Rules(), load_rules(), load_rules(["llm"])):  # Rules objects without an fp8 rule
+        layered = fp8_rule_set(given)
+        assert layered.files[:2] == ("default.toml", "fp8.toml") and layered.files.count("default.toml") == 1
+        assert layered.matches_for(node="n", op="linear", module_stack=())[0].precision == "fp8"
+    head = fp8_rule_set(load_rules(["llm"])).matches_for(node="n", op="linear", module_stack=(("lm_head", "Linear"),))
+    assert (head[0].precision, head[0].rule.file) == ("fp32", "llm.toml")  # the user's files stay on top
 
 
 # --------------------------------------------------------------------------------------- numerics

@@ -29,6 +29,7 @@ from converter.ir.notes import NOTE_LABELS, NoteStage, note_text
 __all__ = [
     "Precision",
     "HalfPrecision",
+    "TargetPrecision",
     "DecisionPrecision",
     "RequestedPrecision",
     "FP32Math",
@@ -85,6 +86,8 @@ __all__ = [
 Precision = Literal["fp32", "fp16", "bf16"]
 #: the half precisions a conversion targets
 HalfPrecision = Literal["fp16", "bf16"]
+#: what a conversion may target: a half precision, or ``fp8`` (GEMMs in float8, the rest bf16; never a dtype)
+TargetPrecision = Literal["fp16", "bf16", "fp8"]
 #: ``Decision.precision``: a concrete name once *place* ran (``fp64`` only for a model's own fp64
 #: op); before, ``follow``/``promote`` (placement decides) or ``alias`` (its producer's precision)
 DecisionPrecision = Literal["fp32", "fp16", "bf16", "fp64", "follow", "promote", "alias"]

@@ -51,7 +51,8 @@ from converter.passes.place.stage import place
 from converter.passes.rewrite import rewrite
 from converter.passes.simplify import simplify
 from converter.passes.verify import check_forward
-from converter.rules.loader import GEMM_PRECISIONS, Rule, Rules, RulesError, load_rules, rules_dir
+from converter.rules.loader import (GEMM_PRECISIONS, Rule, Rules, RulesError, default_rules_path, load_rules,
+                                    rules_dir)
 from converter.rules.precedence import MATCH_TABLES
 
 __all__ = ["FP8_RULES", "DEFAULT_RECIPE", "UNSUPPORTED_RULE", "Fp8PatternError", "Fp8Graph", "fp8_rule_set", "check_patterns", "apply_fp8",
@@ -77,13 +78,16 @@ class Fp8PatternError(RulesError):
 def fp8_rule_set(rules: Union[None, str, Path, Sequence[Union[str, Path]], Rules] = None) -> Rules:
     """The rules of precision fp8: default.toml, ``rules/fp8.toml``, then ``rules`` (the user's files, on top).
 
-    A :class:`Rules` object is taken as it is (the caller layered it), with ``fp8.toml`` added under it when
-    it has no fp8 rule at all.
+    A :class:`Rules` object is taken as it is (the caller layered it) when it has an fp8 rule; otherwise its
+    rules but default.toml's are layered over default.toml and ``fp8.toml``.
     """
     if isinstance(rules, Rules):
         if any(rule.precision in GEMM_PRECISIONS for rule in rules.rules):
             return rules
-        return load_rules([FP8_RULES]) + Rules(rules.rules, rules.files, rules.settings, rules.setting_files)
+        default = default_rules_path().name
+        own = Rules(tuple(r for r in rules.rules if r.file != default), tuple(f for f in rules.files if f != default),
+                    rules.settings, rules.setting_files)
+        return load_rules([FP8_RULES]) + own
     items = [] if rules is None else [rules] if isinstance(rules, (str, Path)) else list(rules)
     return load_rules([FP8_RULES, *items])
 
@@ -117,8 +121,10 @@ def check_patterns(rules: Rules, graphs: Iterable[torch.fx.Graph]) -> None:
             if decision is not None:
                 matched.add(decision.rule)
                 matched.update(m.rule for m in decision.matches)
+    # a module rule with an ``ops`` table is several Rule objects under one pattern: it matched if any of them did
+    hit = {(ref.file, ref.table, ref.pattern.split(".ops.")[0]) for ref in matched}
     unmatched: list[Rule] = [rule for rule in rules.rules if rule.level in _NAMED_LEVELS and not _is_builtin(rule.file)
-                             and rule.ref not in matched]
+                             and (rule.file, rule.level, rule.pattern) not in hit]
     if not unmatched:
         return
     rule = unmatched[0]
