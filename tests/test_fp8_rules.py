@@ -26,7 +26,7 @@ import converter
 from converter.export.model_py import generate_model_source
 from converter.export.weights import write_weights
 from converter.ir.errors import EXIT_BAD_INPUT
-from converter.ir.meta import META_DECISION, META_INFO
+from converter.ir.meta import META_CAST, META_DECISION, META_INFO
 from converter.passes.fp8 import Fp8PatternError, convert_fp8_graph, fp8_rule_set
 from converter.rules.loader import RULE_PRECISIONS, Rules, RulesError, load_rules
 from tests.helpers import sqnr
@@ -213,6 +213,10 @@ def test_the_rules_select_exactly_the_expected_linears_each_with_its_rule(conver
         assert (decision.requested, decision.precision, str(decision.rule)) == ("bf16", "bf16", rule), (name, decision)
         assert linears[name].target is torch.nn.functional.linear, name
     assert "200" in linears["blocks_1_up"].meta[META_DECISION].reason  # the misaligned dim is named
+    for node in converted.module.graph.nodes:  # the casts into a gated linear name its gate, not the fp8 rule
+        cast = node.meta.get(META_CAST)
+        if cast is not None and cast.consumers == ("blocks_0_q",):
+            assert str(cast.rule) == EXCLUDED["blocks_0_q"], cast
     for node in converted.module.graph.nodes:  # embeddings, norms and the attention core: never fp8
         decision = node.meta.get(META_DECISION)
         if decision is not None and node.meta[META_INFO].op in ("embedding", "layer_norm", "matmul"):

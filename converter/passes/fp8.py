@@ -4,16 +4,22 @@
 
 1. the rules: ``default.toml``, then the built-in ``rules/fp8.toml``, then the user's files
    (:func:`fp8_rule_set`), decided with ``half`` = bf16;
-2. decide, lower, place and rewrite as for bf16: a node decided ``fp8`` has ``precision`` bf16 and
-   ``requested`` fp8 (:mod:`converter.passes.decide`), so placement treats it as a bf16 node and the casts
-   around it are bf16 casts;
-3. this stage, right after rewrite (:func:`apply_fp8`): each such linear becomes a call of
-   :func:`converter.fp8.kernels.fp8_linear` with the recipe, on the bf16 operands rewrite prepared, so
+2. decide, then the gates right after it (:func:`gate_fp8`: the pattern check and the shape gates below,
+   before placement, so the casts around a gated linear name the gate), then lower, place and rewrite as
+   for bf16: a node decided ``fp8`` has ``precision`` bf16 and ``requested`` fp8
+   (:mod:`converter.passes.decide`), so placement treats it as a bf16 node and its casts are bf16 casts;
+3. this stage, right after rewrite (:func:`apply_fp8`): each linear still ``requested`` fp8 becomes a call
+   of :func:`converter.fp8.kernels.fp8_linear` with the recipe, on the bf16 operands rewrite prepared, so
    forward, grad_input and grad_weight are each one ``torch._scaled_mm`` (``tensorwise``/``rowwise``).
 
-It runs after rewrite, not inside it, because rewrite reads only precisions and an fp8 node's precision
-*is* bf16: the stage changes which kernel a bf16 node calls, not a dtype, and keeps rewrite ignorant of
-recipes. It runs before simplify, which then sees an ordinary call.
+The pipeline (``converter.api``) wires it as: for ``precision="fp8"``, rules = :func:`fp8_rule_set` of the
+user's rules, target bf16; ``gate_fp8(gm, rules, recipe, patterns=False)`` after decide (and
+:func:`check_patterns` once over every graph of a two-mode conversion); ``apply_fp8(gm, rules, recipe)``
+after rewrite. :func:`convert_fp8_graph` is that pipeline for one graph (the tests use it).
+
+The conversion runs after rewrite, not inside it, because rewrite reads only precisions and an fp8 node's
+precision *is* bf16: the stage changes which kernel a bf16 node calls, not a dtype, and keeps rewrite
+ignorant of recipes. It runs before simplify, which then sees an ordinary call.
 
 **Gates** (``[settings]`` of the rule files; the deciding rule of a gated node is
 ``file:[settings].key``, its reason names the size and the fp8 rule it overrode): ``fp8_keep_first`` and
@@ -55,8 +61,8 @@ from converter.rules.loader import (GEMM_PRECISIONS, Rule, Rules, RulesError, de
                                     rules_dir)
 from converter.rules.precedence import MATCH_TABLES
 
-__all__ = ["FP8_RULES", "DEFAULT_RECIPE", "UNSUPPORTED_RULE", "Fp8PatternError", "Fp8Graph", "fp8_rule_set", "check_patterns", "apply_fp8",
-           "convert_fp8_graph"]
+__all__ = ["FP8_RULES", "DEFAULT_RECIPE", "UNSUPPORTED_RULE", "Fp8PatternError", "Fp8Graph", "fp8_rule_set", "check_patterns",
+           "gate_fp8", "apply_fp8", "convert_fp8_graph"]
 
 #: the built-in rule file that precision fp8 layers over default.toml, under the user's files
 FP8_RULES = "fp8"
@@ -179,34 +185,58 @@ def _gate(node: torch.fx.Node, gm: torch.fx.GraphModule, rules: Rules, recipe: s
     return None
 
 
-def apply_fp8(gm: torch.fx.GraphModule, rules: Rules, recipe: Optional[str] = None, *, patterns: bool = True) -> list[str]:
-    """The fp8 stage on a rewritten graph (module docstring); returns the names of the nodes now calling
-    ``fp8_linear``. ``recipe``: a name of ``converter.fp8.kernels.RECIPES`` (None: the rules' ``fp8_recipe``,
-    else ``tensorwise``). ``patterns``: run :func:`check_patterns` on ``gm`` first (a two-mode conversion
-    checks both graphs itself and passes False)."""
+def _recipe(rules: Rules, recipe: Optional[str]) -> str:
+    return resolve_recipe(recipe or rules.setting("fp8_recipe", DEFAULT_RECIPE)).name
+
+
+def _linears(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The decided linear nodes of ``gm`` in graph order."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and META_DECISION in n.meta
+            and getattr(n.meta.get(META_INFO), "op", None) == "linear"]
+
+
+def gate_fp8(gm: torch.fx.GraphModule, rules: Rules, recipe: Optional[str] = None, *, patterns: bool = True) -> list[str]:
+    """The fp8 gates on a decided graph, before placement (so the casts around a gated linear name the gate);
+    returns the names of the gated nodes. Idempotent: it touches only nodes still ``requested`` fp8.
+    ``patterns``: run :func:`check_patterns` on ``gm`` first (a two-mode conversion checks both graphs at
+    once and passes False). ``recipe`` as in :func:`apply_fp8`."""
     if patterns:
         check_patterns(rules, [gm.graph])
-    recipe = resolve_recipe(recipe or rules.setting("fp8_recipe", DEFAULT_RECIPE)).name
-    linears = [n for n in gm.graph.nodes if n.op == "call_function" and META_DECISION in n.meta
-               and getattr(n.meta.get(META_INFO), "op", None) == "linear"]
-    done: list[str] = []
+    recipe = _recipe(rules, recipe)
+    linears = _linears(gm)
+    gated: list[str] = []
     for index, node in enumerate(linears):
         decision: Decision = node.meta[META_DECISION]
         if decision.requested not in GEMM_PRECISIONS:
             continue
         position = "first" if index == 0 else "last" if index == len(linears) - 1 else ""
-        gated = _gate(node, gm, rules, recipe, position)
-        if gated is not None:
-            setting, why = gated
-            ref = rules.setting_ref(setting) if setting else UNSUPPORTED_RULE
-            shown = f"{setting} = {rules.setting(setting)!r}: " if setting else ""
-            node.meta[META_DECISION] = decision.replace(
-                requested="bf16", rule=ref,
-                reason=f"fp8 gate {shown}{why}: kept bf16 (the fp8 rule was {decision.rule})")
+        found = _gate(node, gm, rules, recipe, position)
+        if found is None:
+            continue
+        setting, why = found
+        shown = f"{setting} = {rules.setting(setting)!r}: " if setting else ""
+        node.meta[META_DECISION] = decision.replace(
+            requested="bf16", rule=rules.setting_ref(setting) if setting else UNSUPPORTED_RULE,
+            reason=f"fp8 gate {shown}{why}: kept bf16 (the fp8 rule was {decision.rule})")
+        gated.append(node.name)
+    return gated
+
+
+def apply_fp8(gm: torch.fx.GraphModule, rules: Rules, recipe: Optional[str] = None) -> list[str]:
+    """The fp8 stage on a rewritten graph (module docstring): each linear still ``requested`` fp8 becomes an
+    ``fp8_linear`` call on its bf16 operands; returns their names. ``recipe``: a name of
+    ``converter.fp8.kernels.RECIPES`` (None: the rules' ``fp8_recipe``, else ``tensorwise``). The gates run
+    first (:func:`gate_fp8` without the pattern check; a no-op where it already ran after decide)."""
+    gate_fp8(gm, rules, recipe, patterns=False)
+    recipe = _recipe(rules, recipe)
+    calls = RECIPES[recipe].scaled_mm_calls
+    done: list[str] = []
+    for node in _linears(gm):
+        decision: Decision = node.meta[META_DECISION]
+        if decision.requested not in GEMM_PRECISIONS:
             continue
         x, weight, bias = _operands(node)
         node.target, node.args, node.kwargs = fp8_linear, (x, weight, bias, recipe), {}
-        calls = RECIPES[recipe].scaled_mm_calls
         node.meta[META_DECISION] = decision.replace(
             reason=f"{decision.reason}; runs fp8_linear (recipe {recipe}: {calls} torch._scaled_mm per training step), "
                    "bf16 in and out")
@@ -229,7 +259,7 @@ class Fp8Graph(NamedTuple):
 def convert_fp8_graph(model: torch.nn.Module, example_inputs: Any, *, rules=None, recipe: Optional[str] = None,
                       tracer: str = "auto", device: Optional[str] = None, keep_io_types: bool = True,
                       opt_level: str = "O1") -> Fp8Graph:
-    """capture → decide → lower → place → rewrite → **fp8** → simplify → fp32_math → checkpoint → codegen →
+    """capture → decide → **fp8 gates** → lower → place → rewrite → **fp8** → simplify → fp32_math → checkpoint → codegen →
     check, with :func:`fp8_rule_set` and half = bf16: the pipeline of ``convert(precision="fp8")`` for a
     one-graph model (a model captured as a train and an eval graph is refused here)."""
     rule_set = fp8_rule_set(rules)
@@ -239,6 +269,7 @@ def convert_fp8_graph(model: torch.nn.Module, example_inputs: Any, *, rules=None
     gm = captured.gm
     gm.meta[GM_GRAPH] = GraphMeta(tracer=captured.tracer, precision="bf16", rule_files=rule_set.files)
     decide(gm, rule_set, precision="bf16")
+    gate_fp8(gm, rule_set, recipe)
     set_graph_facts(gm, device=device, lowered=tuple(lower(gm, device=device, opt_level=opt_level)))
     place(gm, target="bf16", keep_io_types=keep_io_types, opt_level=opt_level)
     rewrite(gm, keep_io_types=keep_io_types)
