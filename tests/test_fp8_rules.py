@@ -425,3 +425,15 @@ def test_model_py_carries_the_kernels_and_trains_with_only_torch(converted, deco
     with torch.no_grad():
         want = converted.module(tokens)
     assert torch.equal(got["out"], want), (got["out"] - want).abs().max()
+
+
+def test_the_recipe_is_a_setting_and_an_argument(decoder, tmp_path):
+    rules = _user_rules(tmp_path, '[settings]\nfp8_min_flops_per_token = 4096\nfp8_recipe = "rowwise"\n')
+    for recipe, want in ((None, [(E4M3, E4M3)] * 3), ("tensorwise", TENSORWISE)):
+        result = convert_fp8_graph(decoder, (_tokens(),), rules=[rules], recipe=recipe)
+        assert set(result.fp8_nodes) == FP8_LAYERS
+        name = recipe or "rowwise"
+        assert all(f"recipe {name}" in _linears(result.module)[n].meta[META_DECISION].reason for n in FP8_LAYERS)
+        with ScaledMMCalls() as seen:
+            _train_step(result.module, _tokens(5))
+        assert Counter(seen.calls) == Counter(want * len(FP8_LAYERS)), (name, seen.calls)
