@@ -27,11 +27,13 @@ import sys
 import textwrap
 import types
 from importlib import resources
+from pathlib import Path
 from typing import Optional
 
 from converter.export.errors import EmitError
+from converter.fp8 import kernels as fp8_kernels
 
-__all__ = ["function_lines"]
+__all__ = ["function_lines", "fp8_kernel_lines"]
 
 #: names model.py's template imports itself (``import math``, ``import torch``, ``from torch import nn``...)
 _TEMPLATE_MODULES = {"json": "json", "math": "math", "os": "os", "torch": "torch", "nn": "torch.nn"}
@@ -60,6 +62,35 @@ def function_lines(classes: list[type], warnings: list[str]) -> list[str]:
                         "itself defines; rename it in the model's code")
     head = ["", "", "# custom autograd Functions the graph calls: forward and backward are the model's own"]
     return head + carried.imports + [""] + [block for _, _, code in carried.blocks for block in ("", code)] + lines + [""]
+
+
+def fp8_kernel_lines() -> list[str]:
+    """converter/fp8/kernels.py for model.py, verbatim but for two statements: its ``from __future__`` import
+    (legal only at the top of a file; the code runs the same without it) and its ``__all__`` (model.py's
+    names are its own). The module imports only torch and the standard library (tests/test_fp8_kernels.py)."""
+    text = Path(fp8_kernels.__file__).read_text(encoding="utf-8")
+    drop: set[int] = set()
+    for stmt in ast.parse(text).body:
+        future = isinstance(stmt, ast.ImportFrom) and stmt.module == "__future__"
+        exported = isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in stmt.targets)
+        if future or exported:
+            drop.update(range(stmt.lineno, stmt.end_lineno + 1))
+    kept = [line for number, line in enumerate(text.splitlines(), 1) if number not in drop]
+    taken = sorted(_template_names() & _top_level_names("\n".join(kept)))
+    if taken:
+        raise EmitError(f"internal error: the fp8 kernels define {taken[0]!r}, a name model.py itself defines; please report it")
+    return ["", "", "# ---- converter/fp8/kernels.py (mpconvert's FP8 GEMMs, torch only): the fp8_linear calls below ----",
+            *kept, "# ---- end of converter/fp8/kernels.py ----", ""]
+
+
+def _top_level_names(source: str) -> set[str]:
+    names: set[str] = set()
+    for stmt in ast.parse(source).body:
+        if isinstance(stmt, (ast.FunctionDef, ast.ClassDef)):
+            names.add(stmt.name)
+        elif isinstance(stmt, ast.Assign):
+            names.update(t.id for t in stmt.targets if isinstance(t, ast.Name))
+    return names
 
 
 @functools.lru_cache(maxsize=1)

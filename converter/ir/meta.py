@@ -29,6 +29,7 @@ from converter.ir.notes import NOTE_LABELS, NoteStage, note_text
 __all__ = [
     "Precision",
     "HalfPrecision",
+    "TargetPrecision",
     "DecisionPrecision",
     "RequestedPrecision",
     "FP32Math",
@@ -85,12 +86,16 @@ __all__ = [
 Precision = Literal["fp32", "fp16", "bf16"]
 #: the half precisions a conversion targets
 HalfPrecision = Literal["fp16", "bf16"]
+#: what a conversion may target: a half precision, or ``fp8`` (GEMMs in float8, the rest bf16; never a dtype)
+TargetPrecision = Literal["fp16", "bf16", "fp8"]
 #: ``Decision.precision``: a concrete name once *place* ran (``fp64`` only for a model's own fp64
 #: op); before, ``follow``/``promote`` (placement decides) or ``alias`` (its producer's precision)
 DecisionPrecision = Literal["fp32", "fp16", "bf16", "fp64", "follow", "promote", "alias"]
 #: ``Decision.requested``: what the winning rule said (``half`` = the target dtype), or
 #: ``fixed``/``alias`` for nodes no rule decides
-RequestedPrecision = Literal["fp32", "fp16", "bf16", "fp64", "half", "tf32", "follow", "promote", "banned", "fixed", "alias"]
+#: ``fp8`` is a compute mode of GEMMs (storage and IO stay bf16: such a node's ``precision`` is ``bf16``)
+RequestedPrecision = Literal["fp32", "fp16", "bf16", "fp64", "half", "tf32", "fp8", "follow", "promote", "banned", "fixed",
+                             "alias"]
 #: the math an fp32 matmul/conv runs with: IEEE fp32, reduced (TF32 on CUDA, bf16 in oneDNN), or
 #: whatever the global flags say at run time (``[settings] fp32_math``, the ``tf32`` precision)
 FP32Math = Literal["ieee", "tf32", "inherit"]
@@ -98,7 +103,8 @@ FP32Math = Literal["ieee", "tf32", "inherit"]
 NodeKind = Literal["compute", "fixed", "alias", "passive", "cast"]
 NODE_KINDS: tuple[str, ...] = get_args(NodeKind)
 #: ``RuleRef.table``: a rule table, or where a non-rule decision came from
-RuleTable = Literal["node", "module", "module_type", "op", "default", "builtin", "placement", "calibration", "user"]
+#: (``settings``: a threshold of a rule file's ``[settings]``, e.g. a shape gate of :mod:`converter.passes.fp8`)
+RuleTable = Literal["node", "module", "module_type", "op", "default", "builtin", "placement", "calibration", "user", "settings"]
 # NoteStage, NOTE_LABELS and note_text live in the torch-free converter.ir.notes (imported above)
 
 # ---------------------------------------------------------------------------------------------
@@ -131,7 +137,7 @@ class MetaKey:
     """One entry of the meta contract: where the key lives, what it holds, who writes and reads it.
 
     ``writers`` and ``readers`` name stages (``capture``, ``decide``, ``lower``, ``place``,
-    ``rewrite``, ``simplify``, ``checkpoint``, ``verify``, ``calibrate``, ``search``, ``measure``, ``report``, ``export``,
+    ``rewrite``, ``fp8``, ``simplify``, ``checkpoint``, ``verify``, ``calibrate``, ``search``, ``measure``, ``report``, ``export``,
     ``train``, ``api``, ``cli``, ``ir``); ``tests/test_ir_contract.py`` checks them against the code.
     """
 
@@ -146,12 +152,13 @@ class MetaKey:
 CONTRACT: tuple[MetaKey, ...] = (
     MetaKey(META_INFO, "node", "NodeInfo", ("capture", "lower", "rewrite"),
             ("ir", "decide", "place", "calibrate", "search", "measure", "fp32_math", "report", "export", "train", "api",
-             "verify", "simplify", "checkpoint", "intent"),
+             "verify", "simplify", "checkpoint", "intent", "fp8"),
             "what capture learned: op, module, kind, outputs, opaque_leaf (a module FX could not trace into, "
             "read by capture instead of the wording of why); lower and rewrite describe the nodes they make"),
-    MetaKey(META_DECISION, "node", "Decision", ("decide", "lower", "place", "calibrate"),
+    MetaKey(META_DECISION, "node", "Decision", ("decide", "lower", "place", "calibrate", "fp8"),
             ("rewrite", "fp32_math", "search", "measure", "report", "export", "api", "verify"),
-            "the node's precision and its provenance; later stages amend it with Decision.noted"),
+            "the node's precision and its provenance; later stages amend it with Decision.noted (fp8 replaces the "
+            "rule of a linear one of its gates keeps bf16)"),
     MetaKey(META_CAST, "node", "CastRecord", ("rewrite",),
             ("measure", "report", "export", "train", "api", "simplify", "checkpoint"),
             "on every cast node: what it converts and which rule made it necessary"),
@@ -181,7 +188,7 @@ CONTRACT: tuple[MetaKey, ...] = (
             "the user's precision intent over the node (its innermost autocast region, _keep_in_fp32_modules), "
             "first applicable wins; capture and regions tag through converter.passes.intent, decide reads through "
             "its applicable_intent; outranks every rule file"),
-    MetaKey(GM_GRAPH, "graph", "GraphMeta", ("api", "lower", "ir"), ("report",),
+    MetaKey(GM_GRAPH, "graph", "GraphMeta", ("api", "lower", "ir", "fp8"), ("report",),
             "graph-level facts, declared fields of a frozen record: tracer, precision, capture errors, rule files; "
             "lower's list and its cost model's choices (lower sets lowering), simplify's folds, the fp32_math "
             "setting and region count, the checkpoint summary (set_graph_facts replaces them)"),

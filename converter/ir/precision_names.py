@@ -10,7 +10,8 @@ from typing import Literal, Optional
 
 from converter.ir.errors import MpconvertError
 
-__all__ = ["ALIASES", "HALF_NAMES", "PrecisionError", "canonical_name", "half_name", "precision_message"]
+__all__ = ["ALIASES", "HALF_NAMES", "COMPUTE_MODES", "PrecisionError", "canonical_name", "half_name", "precision_message",
+           "target_name", "run_half"]
 
 #: every accepted spelling (lower case) -> the canonical name
 ALIASES: dict[str, Literal["fp32", "fp16", "bf16"]] = {
@@ -26,6 +27,10 @@ ALIASES: dict[str, Literal["fp32", "fp16", "bf16"]] = {
     "float32": "fp32",
 }
 HALF_NAMES = ("fp16", "bf16")
+#: conversion targets that are compute modes, not dtypes -> the half dtype the rest of the model runs in.
+#: ``fp8``: the GEMMs the rules mark fp8 run in float8 (converter.passes.fp8), everything else by the bf16
+#: rules; no tensor is ever stored in fp8, so fp8 is in neither ALIASES nor HALF_NAMES
+COMPUTE_MODES: dict[str, Literal["fp16", "bf16"]] = {"fp8": "bf16"}
 _HALF_ALIASES = ", ".join(k for k, v in ALIASES.items() if v in HALF_NAMES and k not in HALF_NAMES and not k.isdigit())
 
 
@@ -53,3 +58,15 @@ def half_name(name: str) -> Literal["fp16", "bf16"]:
     if found is None or found not in HALF_NAMES:
         raise PrecisionError(precision_message(name, known=found is not None))
     return found  # type: ignore[return-value]
+
+
+def target_name(name: str) -> Literal["fp16", "bf16", "fp8"]:
+    """A conversion target: a compute mode of :data:`COMPUTE_MODES` (``fp8``, any case) or :func:`half_name`."""
+    if isinstance(name, str) and name.lower() in COMPUTE_MODES:
+        return name.lower()  # type: ignore[return-value]
+    return half_name(name)
+
+
+def run_half(target: str) -> Literal["fp16", "bf16"]:
+    """The half dtype a conversion to ``target`` runs its half nodes in (``fp8`` -> ``bf16``)."""
+    return COMPUTE_MODES.get(target, target)  # type: ignore[return-value]

@@ -31,6 +31,12 @@ its first match is that intent at the ``user`` level. In an enabled autocast reg
 means the region's dtype (the reason says so). A ``banned`` op is still an error there. Once every
 node is decided, the autocast calls of enabled regions leave the graph (their ops' dtypes are now
 explicit; :func:`~converter.passes.intent.drop_enabled_autocast`).
+
+``fp8`` (a compute mode of GEMMs, :data:`~converter.rules.loader.FP8_OPS`): a node a rule marks ``fp8``
+stores and exchanges bf16 (``precision`` bf16, ``requested`` fp8), so placement and rewrite treat it as a
+bf16 node; :mod:`converter.passes.fp8` later runs its GEMMs in float8. A ``module``/``module_type`` rule
+``fp8`` reaches only the GEMMs of its scope (the other ops fall through to the next rule); a ``node`` rule
+that marks another op ``fp8`` is a :class:`~converter.rules.loader.RulesError`.
 """
 from __future__ import annotations
 
@@ -45,7 +51,7 @@ from converter.ir.meta import BUILTIN, META_DECISION, META_INFO, META_VALUE, Dec
 from converter.ir.ops import ACCUMULATE_OPS
 from converter.passes.autograd_fns import autograd_function
 from converter.passes.intent import applicable_intent, drop_enabled_autocast, half_in
-from converter.rules.loader import Rules
+from converter.rules.loader import FP8_OPS, GEMM_PRECISIONS, Rules, RulesError
 from converter.rules.precedence import DEFAULT_LEVEL, PRECEDENCE, SCOPED_LEVELS, USER_LEVEL, rank
 
 __all__ = ["AUTOGRAD_FUNCTION_RULE", "CONSTANT_RANGE_RULE", "VALUE_SCALAR_OPS", "BannedOpError", "decide", "decision_reason", "overflowing_constant"]
@@ -139,7 +145,21 @@ def decide(gm: torch.fx.GraphModule, rules: Rules, *, precision: str) -> None:
 def _resolved(requested: str, target: str) -> str:
     """A rule's precision as a node's: ``half`` is the target dtype; tf32 is fp32 storage (placement and
     rewrite treat it as fp32; fp32_math scopes its math); the others as they are."""
+    if requested in GEMM_PRECISIONS:  # fp8: a GEMM compute mode; storage and IO stay bf16
+        return "bf16"
     return target if requested == "half" else "fp32" if requested == "tf32" else requested
+
+
+def _gemm_matches(matches: tuple[Match, ...], op: str, node: str) -> tuple[Match, ...]:
+    """``matches`` without the scoped fp8 rules that do not reach ``op`` (a non-GEMM); an unscoped fp8
+    rule (node, op) on a non-GEMM is an error (the loader already refuses op patterns)."""
+    if op in FP8_OPS or not any(m.precision in GEMM_PRECISIONS for m in matches):
+        return matches
+    kept = tuple(m for m in matches if not (m.precision in GEMM_PRECISIONS and m.level_name in SCOPED_LEVELS))
+    if kept and kept[0].precision in GEMM_PRECISIONS:
+        raise RulesError(f"{kept[0].rule}: marks node {node!r} fp8, but its op {op!r} is not an fp8 GEMM "
+                         f"({', '.join(sorted(FP8_OPS))}); mark it half, bf16 or fp32 instead")
+    return kept
 
 
 def _decide_accumulator(node: torch.fx.Node, target: str) -> None:
@@ -177,7 +197,8 @@ def _decide_node(node: torch.fx.Node, rules: Rules, precision: str, half: str) -
     info = node.meta.get(META_INFO)
     if info is None or node.op in ("placeholder", "get_attr", "output") or info.kind == "passive":
         return
-    matches = tuple(rules.matches_for(node=node.name, op=info.op, module_stack=info.module_stack))
+    matches = _gemm_matches(tuple(rules.matches_for(node=node.name, op=info.op, module_stack=info.module_stack)),
+                            info.op, node.name)
     if info.kind == "fixed":
         node.meta[META_DECISION] = Decision(
             precision=name_of(info.fixed_dtype),

@@ -33,6 +33,14 @@ matmul/conv may use the backend's reduced fp32 math: TF32 on CUDA, bf16 in oneDN
 ``follow`` (the precision of its inputs, chosen by placement), ``promote`` (the widest floating
 input) and ``banned`` (an error carrying ``message``). See :mod:`converter.passes.fp32_math`.
 
+``fp8`` (:data:`GEMM_PRECISIONS`) is a compute mode for the GEMMs the fp8 kernels run (:data:`FP8_OPS`:
+``linear``): their three GEMMs go through ``torch._scaled_mm``, their storage and IO stay bf16
+(:mod:`converter.passes.fp8`). An ``[op]`` rule, an ``ops`` entry or a ``node`` rule that marks another op
+``fp8`` is an error (here for op patterns, at decide time for node rules); a ``module``/``module_type`` rule
+``fp8`` reaches only the GEMMs of its scope, the other ops of the scope fall through to the next rule.
+The fp8 shape gates are ``[settings]``: ``fp8_recipe``, ``fp8_align``, ``fp8_min_flops_per_token``,
+``fp8_keep_first``, ``fp8_keep_last`` (``rules/fp8.toml``).
+
 **Precedence**, highest first: ``node`` > ``module`` (path) > ``module_type`` > ``op`` > ``default``.
 A module rule may carry an ``ops`` table: per-op precisions for ops inside that module's scope;
 they outrank the module rule's own precision at the same module (not an inner module's rules).
@@ -80,6 +88,10 @@ __all__ = [
     "Rules",
     "RulesError",
     "PRECISIONS",
+    "GEMM_PRECISIONS",
+    "RULE_PRECISIONS",
+    "FP8_OPS",
+    "FP8_RECIPES",
     "LEVELS",
     "SCOPES",
     "default_scope",
@@ -90,6 +102,13 @@ __all__ = [
 ]
 
 PRECISIONS = ("half", "fp16", "bf16", "fp32", "tf32", "follow", "promote", "banned")
+#: precisions only a GEMM may take (module docstring); every precision a rule may name is RULE_PRECISIONS
+GEMM_PRECISIONS = ("fp8",)
+RULE_PRECISIONS = PRECISIONS + GEMM_PRECISIONS
+#: the canonical ops an ``fp8`` rule may mark: those ``converter.fp8.kernels`` runs (``fp8_linear``)
+FP8_OPS = frozenset({"linear"})
+#: the fp8 recipes (``converter.fp8.kernels.RECIPES``; spelled out here, the loader imports no kernels)
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_gw_hp", "blockwise")
 #: match tables, highest precedence first (see :mod:`converter.rules.precedence`)
 LEVELS = MATCH_TABLES
 _TOP_KEYS = ("meta", "settings", "default") + LEVELS
@@ -101,6 +120,12 @@ _SETTINGS = {
     "overflow_fallback": ("bf16", "fp32"),
     "overflow_margin": None,  # a finite number in (0, _MAX_MARGIN]
     "fp32_math": ("ieee", "tf32", "inherit"),  # see converter.passes.fp32_math
+    # the fp8 stage (converter.passes.fp8): recipe and shape gates
+    "fp8_recipe": FP8_RECIPES,
+    "fp8_align": lambda value, where: _check_count(value, where, low=1),
+    "fp8_min_flops_per_token": lambda value, where: _check_count(value, where, low=0),
+    "fp8_keep_first": lambda value, where: _check_bool(value, where),
+    "fp8_keep_last": lambda value, where: _check_bool(value, where),
 }
 #: the largest overflow margin: beyond fp16's largest finite value every nonzero value "overflows"
 _MAX_MARGIN = 65504.0
@@ -147,10 +172,10 @@ class Rule:
     def __post_init__(self) -> None:
         if self.level not in LEVELS + ("default",):
             raise RulesError(f"{self.file}: unknown rule table {self.level!r}{_suggest(self.level, LEVELS)}")
-        if self.precision not in PRECISIONS:
+        if self.precision not in RULE_PRECISIONS:
             raise RulesError(
                 f"{self.file}: [{self.level}].{self.pattern}: unknown precision {self.precision!r}"
-                f"{_suggest(self.precision, PRECISIONS)} (valid: {', '.join(PRECISIONS)})"
+                f"{_suggest(self.precision, RULE_PRECISIONS)} (valid: {', '.join(RULE_PRECISIONS)})"
             )
 
         if self.scope not in SCOPES:
@@ -188,6 +213,8 @@ class Rules:
     rules: tuple[Rule, ...] = ()
     files: tuple[str, ...] = ()
     settings: Mapping[str, object] = field(default_factory=dict)
+    #: setting -> the file that set it last (the provenance of a decision a threshold makes)
+    setting_files: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Lookup indexes (not part of the value): exact patterns by name, globs compiled once, and
@@ -244,7 +271,9 @@ class Rules:
                     if key not in _SETTINGS:
                         raise RulesError(f"{where('settings', key)}: unknown setting{_suggest(key, _SETTINGS)}")
                     allowed = _SETTINGS[key]
-                    if allowed is not None and value not in allowed:
+                    if callable(allowed):
+                        allowed(value, where("settings", key))
+                    elif allowed is not None and value not in allowed:
                         raise RulesError(f"{where('settings', key)}: must be one of {', '.join(allowed)}, got {value!r}")
                     if allowed is None:
                         _check_number(value, where("settings", key))
@@ -255,7 +284,7 @@ class Rules:
                     if key not in _RULE_KEYS:
                         raise RulesError(f"{where('default', key)}: unknown key{_suggest(key, _RULE_KEYS)}")
                 entry = _entry(body, file, "default", "precision", where)
-                if entry[0] in ("follow", "promote", "banned"):
+                if entry[0] in ("follow", "promote", "banned") + GEMM_PRECISIONS:
                     raise RulesError(f"{where('default', 'precision')}: the default must be half, fp16, bf16, fp32 or tf32")
                 rules.append(Rule("default", "*", entry[0], entry[1], entry[2], file, start + len(rules)))
                 continue
@@ -282,17 +311,21 @@ class Rules:
                     _check_pattern(op_pattern, where(top, key))
                     op_precision, op_reason, op_message = _entry(op_value, file, top, key, where)
                     _check_op_name(op_pattern, known_ops, where(top, key))
+                    if op_precision in GEMM_PRECISIONS:
+                        _check_fp8_op(op_pattern, known_ops, where(top, key))
                     if op_precision == "banned" and not op_message:
                         raise RulesError(f"{where(top, key)}: a banned rule needs a 'message' telling the user what to do instead")
                     rules.append(Rule(top, pattern, op_precision, op_reason or reason, op_message, file, start + len(rules),
                                       op=op_pattern, scope=scope if top in ("module", "module_type") else "subtree"))
                 if top == "op":
                     _check_op_name(pattern, known_ops, where(top, pattern))
+                    if precision in GEMM_PRECISIONS:
+                        _check_fp8_op(pattern, known_ops, where(top, pattern))
                 if precision == "banned" and not message:
                     raise RulesError(f"{where(top, pattern)}: a banned rule needs a 'message' telling the user what to do instead")
                 rules.append(Rule(top, pattern, precision, reason, message, file, start + len(rules),
                                   scope=scope if top in ("module", "module_type") else "subtree"))
-        return cls(rules=tuple(rules), files=(file,), settings=settings)
+        return cls(rules=tuple(rules), files=(file,), settings=settings, setting_files={key: file for key in settings})
 
     @classmethod
     def from_file(cls, path: Union[str, Path], *, start: int = 0) -> "Rules":
@@ -319,7 +352,8 @@ class Rules:
         """Layer ``other`` on top of ``self``: its rules win ties (they are read later)."""
         offset = len(self.rules)
         shifted = tuple(dataclasses.replace(r, order=offset + r.order) for r in other.rules)
-        return Rules(self.rules + shifted, self.files + other.files, {**self.settings, **other.settings})
+        return Rules(self.rules + shifted, self.files + other.files, {**self.settings, **other.settings},
+                     {**self.setting_files, **other.setting_files})
 
     # ---- lookup -------------------------------------------------------------------------
     def by_level(self, level: str) -> tuple[Rule, ...]:
@@ -331,6 +365,10 @@ class Rules:
 
     def setting(self, key: str, fallback=None):
         return self.settings.get(key, fallback)
+
+    def setting_ref(self, key: str) -> RuleRef:
+        """The provenance of a setting: ``file:[settings].key`` of the file that set it last."""
+        return RuleRef(file=self.setting_files.get(key, BUILTIN), table="settings", pattern=key)
 
     def matches_for(self, *, node: str, op: str, module_stack: Sequence[tuple[str, str]]) -> list[Match]:
         """Every rule that matches, best first (see the module docstring for the order).
@@ -410,6 +448,26 @@ def _check_pattern(pattern: str, where: str) -> None:
         i = close + 1
 
 
+def _check_count(value: object, where: str, *, low: int) -> None:
+    """An integer setting of at least ``low`` (booleans and floats are refused)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise RulesError(f"{where}: must be an integer of at least {low}, got {value!r}")
+
+
+def _check_bool(value: object, where: str) -> None:
+    if not isinstance(value, bool):
+        raise RulesError(f"{where}: must be true or false, got {value!r}")
+
+
+def _check_fp8_op(pattern: str, known_ops: frozenset, where: str) -> None:
+    """An ``fp8`` op rule must name only GEMMs the fp8 kernels run (a glob: every known op it matches)."""
+    named = {o for o in known_ops if fnmatch.fnmatchcase(o, pattern)} if _GLOB_CHARS.search(pattern) else {pattern}
+    others = sorted(named - FP8_OPS)
+    if others:
+        raise RulesError(f"{where}: fp8 is a GEMM compute mode: op {others[0]!r} is not one of the fp8 GEMMs "
+                         f"({', '.join(sorted(FP8_OPS))}); mark it half, bf16 or fp32 instead")
+
+
 def _check_op_name(pattern: str, known_ops: frozenset, where: str) -> None:
     if pattern[:1].isupper():
         # a custom autograd Function's op name is its class name (passes.autograd_fns); a known op in
@@ -435,7 +493,7 @@ def _entry(value, file: str, table: str, key: str, where) -> tuple[str, str, str
             if sub not in _RULE_KEYS:
                 raise RulesError(f"{where(table, key)}.{sub}: unknown key{_suggest(sub, valid)} (valid: {', '.join(valid)})")
         if "precision" not in value:
-            raise RulesError(f"{where(table, key)}: missing 'precision' (one of {', '.join(PRECISIONS)})")
+            raise RulesError(f"{where(table, key)}: missing 'precision' (one of {', '.join(RULE_PRECISIONS)})")
         precision = value["precision"]
         reason = value.get("reason", "")
         message = value.get("message", "")
@@ -444,10 +502,9 @@ def _entry(value, file: str, table: str, key: str, where) -> tuple[str, str, str
                 raise RulesError(f"{where(table, key)}.{name}: must be a string, got {type(text).__name__}")
     else:
         raise RulesError(f"{where(table, key)}: expected a precision string or a table with 'precision', got {type(value).__name__}")
-    if not isinstance(precision, str) or precision not in PRECISIONS:
-        raise RulesError(
-            f"{where(table, key)}: unknown precision {precision!r}{_suggest(str(precision), PRECISIONS)} (valid: {', '.join(PRECISIONS)})"
-        )
+    if not isinstance(precision, str) or precision not in RULE_PRECISIONS:
+        raise RulesError(f"{where(table, key)}: unknown precision {precision!r}{_suggest(str(precision), RULE_PRECISIONS)} "
+                         f"(valid: {', '.join(RULE_PRECISIONS)})")
     return precision, reason, message
 
 

@@ -1,0 +1,284 @@
+"""The fp8 stage: linear nodes the rules decided ``fp8`` run their three GEMMs in float8.
+
+**Precision fp8** is three things layered (docs/rules.md, "FP8"):
+
+1. the rules: ``default.toml``, then the built-in ``rules/fp8.toml``, then the user's files
+   (:func:`fp8_rule_set`), decided with ``half`` = bf16;
+2. decide, then the gates right after it (:func:`gate_fp8`: the pattern check and the shape gates below,
+   before placement, so the casts around a gated linear name the gate), then lower, place and rewrite as
+   for bf16: a node decided ``fp8`` has ``precision`` bf16 and ``requested`` fp8
+   (:mod:`converter.passes.decide`), so placement treats it as a bf16 node and its casts are bf16 casts;
+3. this stage, right after rewrite (:func:`apply_fp8`): each linear still ``requested`` fp8 becomes a call
+   of :func:`converter.fp8.kernels.fp8_linear` with the recipe, on the bf16 operands rewrite prepared, so
+   forward, grad_input and grad_weight are each one ``torch._scaled_mm`` (``tensorwise``/``rowwise``).
+
+The pipeline (``converter.api``) wires it as: for ``precision="fp8"``, rules = :func:`fp8_rule_set` of the
+user's rules, target bf16; ``gate_fp8(gm, rules, recipe, patterns=False)`` after decide (and
+:func:`check_patterns` once over every graph of a two-mode conversion); ``apply_fp8(gm, rules, recipe)``
+after rewrite. :func:`convert_fp8_graph` is that pipeline for one graph (the tests use it).
+
+The conversion runs after rewrite, not inside it, because rewrite reads only precisions and an fp8 node's
+precision *is* bf16: the stage changes which kernel a bf16 node calls, not a dtype, and keeps rewrite
+ignorant of recipes. It runs before simplify, which then sees an ordinary call.
+
+**Gates** (``[settings]`` of the rule files; the deciding rule of a gated node is
+``file:[settings].key``, its reason names the size and the fp8 rule it overrode): ``fp8_keep_first`` and
+``fp8_keep_last`` (the first and the last linear of the graph, in graph order: the layer that reads the
+embeddings and the output layer), ``fp8_align`` (in_features and out_features multiples of it; CUDA
+``_scaled_mm`` needs 16 and the kernels never pad), ``fp8_min_flops_per_token`` (2·K·N below it: the casts
+cost more than the faster GEMM saves). A gated node keeps its bf16 linear and has ``requested`` bf16.
+
+**Patterns that match nothing** are an error (:class:`Fp8PatternError`, exit 2): every ``node``,
+``module`` and ``module_type`` pattern of a user's rule file (not a built-in one, whose patterns are generic)
+must match at least one node of the graph. An exclusion that matches nothing silently leaves the layer in
+fp8: torchtitan's float8 filter once quantised the LM head that way.
+"""
+from __future__ import annotations
+
+import difflib
+import functools
+from pathlib import Path
+from typing import Any, Iterable, NamedTuple, Optional, Sequence, Union
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from converter.fp8.kernels import RECIPES, fp8_linear, misaligned_dims, resolve_recipe
+from converter.ir.graphmodule import materialize
+from converter.ir.meta import (BUILTIN, GM_GRAPH, META_DECISION, META_INFO, Decision, GraphMeta, RuleRef,
+                               set_graph_facts)
+from converter.passes.capture import Captured, capture
+from converter.passes.checkpoint import checkpoint_regions
+from converter.passes.decide import decide
+from converter.passes.fp32_math import DEFAULT_FP32_MATH, fp32_math
+from converter.passes.lower import lower
+from converter.passes.place.stage import place
+from converter.passes.rewrite import rewrite
+from converter.passes.simplify import simplify
+from converter.passes.verify import check_forward
+from converter.rules.loader import (GEMM_PRECISIONS, Rule, Rules, RulesError, default_rules_path, load_rules,
+                                    rules_dir)
+from converter.rules.precedence import MATCH_TABLES
+
+__all__ = ["FP8_RULES", "DEFAULT_RECIPE", "UNSUPPORTED_RULE", "Fp8PatternError", "Fp8Graph", "fp8_rule_set", "check_patterns",
+           "gate_fp8", "apply_fp8", "convert_fp8_graph"]
+
+#: the built-in rule file that precision fp8 layers over default.toml, under the user's files
+FP8_RULES = "fp8"
+#: the recipe when neither the caller nor a rule file's ``fp8_recipe`` names one
+DEFAULT_RECIPE = "tensorwise"
+#: the call targets of a linear node the stage can rewrite (FX: F.linear; torch.export: aten.linear)
+_LINEAR_TARGETS = (F.linear, torch.ops.aten.linear.default)
+#: the deciding rule of an fp8 node the stage cannot run in fp8 (not a plain linear call, no 2-D weight)
+UNSUPPORTED_RULE = RuleRef(BUILTIN, "builtin", "fp8-unsupported")
+#: the rule tables whose patterns must match a node of the model
+_NAMED_LEVELS = tuple(level for level in MATCH_TABLES if level != "op")
+_WHAT = dict(zip(_NAMED_LEVELS, ("node name", "module path", "module class")))
+
+
+class Fp8PatternError(RulesError):
+    """A pattern of a user's rule file matches no node of the model (an fp8 exclusion would be silent)."""
+
+
+def fp8_rule_set(rules: Union[None, str, Path, Sequence[Union[str, Path]], Rules] = None) -> Rules:
+    """The rules of precision fp8: default.toml, ``rules/fp8.toml``, then ``rules`` (the user's files, on top).
+
+    A :class:`Rules` object is taken as it is (the caller layered it) when it has an fp8 rule; otherwise its
+    rules but default.toml's are layered over default.toml and ``fp8.toml``.
+    """
+    if isinstance(rules, Rules):
+        if any(rule.precision in GEMM_PRECISIONS for rule in rules.rules):
+            return rules
+        default = default_rules_path().name
+        own = Rules(tuple(r for r in rules.rules if r.file != default), tuple(f for f in rules.files if f != default),
+                    rules.settings, rules.setting_files)
+        return load_rules([FP8_RULES]) + own
+    items = [] if rules is None else [rules] if isinstance(rules, (str, Path)) else list(rules)
+    return load_rules([FP8_RULES, *items])
+
+
+def _is_builtin(file: str) -> bool:
+    """A built-in rule file's label is its bare name in the rules directory (``Rules.from_file``)."""
+    return file == BUILTIN or (Path(file).name == file and file.endswith(".toml") and (rules_dir() / file).is_file())
+
+
+def _names(graphs: Iterable[torch.fx.Graph]) -> dict[str, set[str]]:
+    """What the patterns of each named table could match: node names, module paths, module classes."""
+    found: dict[str, set[str]] = {level: set() for level in _NAMED_LEVELS}
+    for graph in graphs:
+        for node in graph.nodes:
+            found["node"].add(node.name)
+            info = node.meta.get(META_INFO)
+            for path, cls in getattr(info, "module_stack", ()) or ():
+                found["module"].add(path)
+                found["module_type"].add(cls)
+    return found
+
+
+def check_patterns(rules: Rules, graphs: Iterable[torch.fx.Graph]) -> None:
+    """Raise :class:`Fp8PatternError` for the first node/module/module_type pattern of a user's rule file
+    that matched no node of ``graphs`` (decided graphs: the matches are read from each decision)."""
+    graphs = list(graphs)
+    matched = set()
+    for graph in graphs:
+        for node in graph.nodes:
+            decision: Optional[Decision] = node.meta.get(META_DECISION)
+            if decision is not None:
+                matched.add(decision.rule)
+                matched.update(m.rule for m in decision.matches)
+    # a module rule with an ``ops`` table is several Rule objects under one pattern: it matched if any of them did
+    hit = {(ref.file, ref.table, ref.pattern.split(".ops.")[0]) for ref in matched}
+    unmatched: list[Rule] = [rule for rule in rules.rules if rule.level in _NAMED_LEVELS and not _is_builtin(rule.file)
+                             and (rule.file, rule.level, rule.pattern) not in hit]
+    if not unmatched:
+        return
+    rule = unmatched[0]
+    names = sorted(_names(graphs)[rule.level])
+    close = difflib.get_close_matches(rule.pattern, names, n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    what = _WHAT[rule.level]
+    raise Fp8PatternError(
+        f"{rule.file}: [{rule.level}].{rule.pattern}: the pattern matches no {what} of the model{hint} (a rule that "
+        "matches nothing would silently leave those layers in fp8, as torchtitan's LM head was); fix or remove it")
+
+
+def _tensor_of(gm: torch.fx.GraphModule, node: Any) -> Optional[torch.Tensor]:
+    """The parameter/buffer behind ``node`` (through rewrite's ``.to`` casts), or None."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_method" and node.target == "to":
+        node = node.args[0]
+    if not isinstance(node, torch.fx.Node) or node.op != "get_attr":
+        return None
+    try:
+        return functools.reduce(getattr, node.target.split("."), gm)
+    except AttributeError:
+        return None
+
+
+def _operands(node: torch.fx.Node) -> tuple[Any, Any, Any]:
+    """(input, weight, bias) of a linear call."""
+    args = list(node.args) + [None] * (3 - len(node.args))
+    bias = node.kwargs.get("bias", args[2])
+    return node.kwargs.get("input", args[0]), node.kwargs.get("weight", args[1]), bias
+
+
+def _gate(node: torch.fx.Node, gm: torch.fx.GraphModule, rules: Rules, recipe: str, position: str) -> Optional[tuple[str, str]]:
+    """``(setting, why)`` when a gate keeps ``node`` bf16; None when it runs fp8."""
+    if position and rules.setting(f"fp8_keep_{position}", True):
+        what = "first linear of the graph (it reads the embeddings)" if position == "first" else (
+            "last linear of the graph (the output layer: its logits feed the loss)")
+        return f"fp8_keep_{position}", what
+    if node.target not in _LINEAR_TARGETS:
+        return "", f"a linear call the fp8 stage cannot rewrite ({node.target})"
+    weight = _tensor_of(gm, _operands(node)[1])
+    if weight is None or weight.dim() != 2:
+        return "", "its weight is not a 2-D parameter the stage can see"
+    n, k = weight.shape
+    align = int(rules.setting("fp8_align", 16))
+    bad = [(name, size) for name, size in (("K", k), ("N", n)) if size % align] or misaligned_dims(None, k, n, recipe)
+    if bad:
+        dims = ", ".join(f"{name}={size}" for name, size in bad)
+        return "fp8_align", f"{dims} not a multiple of {align} (scaled GEMMs are never padded)"
+    floor = int(rules.setting("fp8_min_flops_per_token", 0))
+    if 2 * k * n < floor:
+        return "fp8_min_flops_per_token", f"2·K·N = {2 * k * n} FLOPs per token (K={k}, N={n}) is below {floor}"
+    return None
+
+
+def _recipe(rules: Rules, recipe: Optional[str]) -> str:
+    return resolve_recipe(recipe or rules.setting("fp8_recipe", DEFAULT_RECIPE)).name
+
+
+def _linears(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The decided linear nodes of ``gm`` in graph order."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and META_DECISION in n.meta
+            and getattr(n.meta.get(META_INFO), "op", None) == "linear"]
+
+
+def gate_fp8(gm: torch.fx.GraphModule, rules: Rules, recipe: Optional[str] = None, *, patterns: bool = True) -> list[str]:
+    """The fp8 gates on a decided graph, before placement (so the casts around a gated linear name the gate);
+    returns the names of the gated nodes. Idempotent: it touches only nodes still ``requested`` fp8.
+    ``patterns``: run :func:`check_patterns` on ``gm`` first (a two-mode conversion checks both graphs at
+    once and passes False). ``recipe`` as in :func:`apply_fp8`."""
+    if patterns:
+        check_patterns(rules, [gm.graph])
+    recipe = _recipe(rules, recipe)
+    linears = _linears(gm)
+    gated: list[str] = []
+    for index, node in enumerate(linears):
+        decision: Decision = node.meta[META_DECISION]
+        if decision.requested not in GEMM_PRECISIONS:
+            continue
+        position = "first" if index == 0 else "last" if index == len(linears) - 1 else ""
+        found = _gate(node, gm, rules, recipe, position)
+        if found is None:
+            continue
+        setting, why = found
+        shown = f"{setting} = {rules.setting(setting)!r}: " if setting else ""
+        node.meta[META_DECISION] = decision.replace(
+            requested="bf16", rule=rules.setting_ref(setting) if setting else UNSUPPORTED_RULE,
+            reason=f"fp8 gate {shown}{why}: kept bf16 (the fp8 rule was {decision.rule})")
+        gated.append(node.name)
+    return gated
+
+
+def apply_fp8(gm: torch.fx.GraphModule, rules: Rules, recipe: Optional[str] = None) -> list[str]:
+    """The fp8 stage on a rewritten graph (module docstring): each linear still ``requested`` fp8 becomes an
+    ``fp8_linear`` call on its bf16 operands; returns their names. ``recipe``: a name of
+    ``converter.fp8.kernels.RECIPES`` (None: the rules' ``fp8_recipe``, else ``tensorwise``). The gates run
+    first (:func:`gate_fp8` without the pattern check; a no-op where it already ran after decide)."""
+    gate_fp8(gm, rules, recipe, patterns=False)
+    recipe = _recipe(rules, recipe)
+    calls = RECIPES[recipe].scaled_mm_calls
+    done: list[str] = []
+    for node in _linears(gm):
+        decision: Decision = node.meta[META_DECISION]
+        if decision.requested not in GEMM_PRECISIONS:
+            continue
+        x, weight, bias = _operands(node)
+        node.target, node.args, node.kwargs = fp8_linear, (x, weight, bias, recipe), {}
+        node.meta[META_DECISION] = decision.replace(
+            reason=f"{decision.reason}; runs fp8_linear (recipe {recipe}: {calls} torch._scaled_mm per training step), "
+                   "bf16 in and out")
+        done.append(node.name)
+    if done:
+        gm.graph.lint()
+        gm.recompile()
+    return done
+
+
+class Fp8Graph(NamedTuple):
+    """What :func:`convert_fp8_graph` returns."""
+
+    module: torch.fx.GraphModule
+    rules: Rules
+    fp8_nodes: list[str]
+    captured: Captured
+
+
+def convert_fp8_graph(model: torch.nn.Module, example_inputs: Any, *, rules=None, recipe: Optional[str] = None,
+                      tracer: str = "auto", device: Optional[str] = None, keep_io_types: bool = True,
+                      opt_level: str = "O1") -> Fp8Graph:
+    """capture → decide → **fp8 gates** → lower → place → rewrite → **fp8** → simplify → fp32_math → checkpoint → codegen →
+    check, with :func:`fp8_rule_set` and half = bf16: the pipeline of ``convert(precision="fp8")`` for a
+    one-graph model (a model captured as a train and an eval graph is refused here)."""
+    rule_set = fp8_rule_set(rules)
+    captured = capture(model, example_inputs, tracer=tracer)
+    if captured.eval_gm is not None:
+        raise NotImplementedError("convert_fp8_graph converts one graph; this model branches on self.training")
+    gm = captured.gm
+    gm.meta[GM_GRAPH] = GraphMeta(tracer=captured.tracer, precision="bf16", rule_files=rule_set.files)
+    decide(gm, rule_set, precision="bf16")
+    gate_fp8(gm, rule_set, recipe)
+    set_graph_facts(gm, device=device, lowered=tuple(lower(gm, device=device, opt_level=opt_level)))
+    place(gm, target="bf16", keep_io_types=keep_io_types, opt_level=opt_level)
+    rewrite(gm, keep_io_types=keep_io_types)
+    fp8_nodes = apply_fp8(gm, rule_set, recipe)
+    set_graph_facts(gm, simplified=simplify(gm))
+    setting = rule_set.setting("fp32_math", DEFAULT_FP32_MATH)
+    set_graph_facts(gm, fp32_math=setting, fp32_math_regions=fp32_math(gm, setting=setting))
+    set_graph_facts(gm, checkpoint=checkpoint_regions(gm))
+    gm = materialize(gm)
+    check_forward(gm, captured.args, captured.kwargs)
+    captured.gm = gm
+    return Fp8Graph(gm, rule_set, fp8_nodes, captured)
