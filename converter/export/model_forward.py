@@ -26,9 +26,9 @@ from torch.fx.node import map_aggregate
 
 from converter.export.errors import EmitError
 from converter.export.functions import fp8_kernel_lines, function_lines
-from converter.fp8.kernels import fp8_linear
 from converter.export.model_signature import EmitCodeGen, export_codegen
 from converter.export.source_text import check_attribute_path, comment_text
+from converter.fp8.kernels import fp8_linear
 from converter.ir.graphmodule import TwoModeGraphModule
 from converter.ir.meta import META_CAST, META_DECISION, META_INFO
 from converter.ir.ops import library_op

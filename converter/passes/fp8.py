@@ -46,8 +46,7 @@ import torch.nn.functional as F
 
 from converter.fp8.kernels import RECIPES, fp8_linear, misaligned_dims, resolve_recipe
 from converter.ir.graphmodule import materialize
-from converter.ir.meta import (BUILTIN, GM_GRAPH, META_DECISION, META_INFO, Decision, GraphMeta, RuleRef,
-                               set_graph_facts)
+from converter.ir.meta import BUILTIN, GM_GRAPH, META_DECISION, META_INFO, Decision, GraphMeta, RuleRef, set_graph_facts
 from converter.passes.capture import Captured, capture
 from converter.passes.checkpoint import checkpoint_regions
 from converter.passes.decide import decide
@@ -57,8 +56,7 @@ from converter.passes.place.stage import place
 from converter.passes.rewrite import rewrite
 from converter.passes.simplify import simplify
 from converter.passes.verify import check_forward
-from converter.rules.loader import (GEMM_PRECISIONS, Rule, Rules, RulesError, default_rules_path, load_rules,
-                                    rules_dir)
+from converter.rules.loader import GEMM_PRECISIONS, Rule, Rules, RulesError, default_rules_path, load_rules, rules_dir
 from converter.rules.precedence import MATCH_TABLES
 
 __all__ = ["FP8_RULES", "DEFAULT_RECIPE", "UNSUPPORTED_RULE", "Fp8PatternError", "Fp8Graph", "fp8_rule_set", "check_patterns",
