@@ -50,6 +50,7 @@ from converter.options import FIELDS, ConvertOptions, build_options
 from converter.passes.capture import Captured, capture, guard_cache_calls, guard_cache_calls_keeping
 from converter.passes.checkpoint import checkpoint_regions, regions_in
 from converter.passes.decide import decide
+from converter.passes.fp8 import apply_fp8, check_patterns, fp8_rule_set, gate_fp8, resolved_recipe
 from converter.passes.fp32_math import DEFAULT_FP32_MATH, fp32_math
 from converter.passes.lower import lower
 from converter.passes.rewrite import rewrite
@@ -430,7 +431,7 @@ def pipeline(model: torch.nn.Module, example_inputs: Any, options: ConvertOption
 
     A model captured as a train graph and an eval graph (it branches on ``self.training``) has both
     converted with the same rules and combined into one :class:`TwoModeGraphModule`."""
-    rule_set = load_rules(rules)
+    rule_set = fp8_rule_set(rules) if options.fp8_recipe is not None else load_rules(rules)
     done: list[str] = []
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -462,6 +463,8 @@ def pipeline(model: torch.nn.Module, example_inputs: Any, options: ConvertOption
                 _run_stage("check", done, check_forward, gm, captured.args, captured.kwargs)
             check_s += time.perf_counter() - t3
     timings["pass_s"] = pass_s
+    if options.fp8_recipe is not None:  # each user pattern must have decided a node of some graph (fp8 exclusions)
+        check_patterns(rule_set, [g.graph for g in graphs])
     if codegen:
         timings.update(codegen_s=codegen_s, check_s=check_s)
     # audit (no codegen) reports the train graph and needs no runnable module
@@ -476,6 +479,9 @@ def _convert_graph(gm: torch.fx.GraphModule, done: list[str], rule_set: Rules, o
     """decide → lower → place → (calibrate) → rewrite → simplify → fp32_math on one captured graph."""
     settings = place_settings(options)
     _run_stage("decide", done, decide, gm, rule_set, precision=options.precision)
+    recipe = None if options.fp8_recipe in (None, "auto") else options.fp8_recipe
+    if options.fp8_recipe is not None:  # the shape gates, before placement: the casts name the gate
+        _run_stage("fp8_gate", done, gate_fp8, gm, rule_set, recipe, patterns=False)
     lowered = _run_stage("lower", done, lower, gm, device=options.device, opt_level=options.opt_level)
     set_graph_facts(gm, device=options.device, lowered=tuple(lowered))
     _run_stage("place", done, settings.run, gm)
@@ -485,6 +491,9 @@ def _convert_graph(gm: torch.fx.GraphModule, done: list[str], rule_set: Rules, o
         _run_stage("calibrate", done, calibrate_and_redecide, gm, calibration, rules=rule_set, settings=settings,
                    options=options.calibration_options or CalibrationOptions())
     _run_stage("rewrite", done, rewrite, gm, keep_io_types=options.keep_io_types)
+    if options.fp8_recipe is not None:
+        set_graph_facts(gm, fp8_recipe=resolved_recipe(rule_set, recipe),
+                        fp8_layers=tuple(_run_stage("fp8", done, apply_fp8, gm, rule_set, recipe)))
     if simplify_graph:
         set_graph_facts(gm, simplified=_run_stage("simplify", done, simplify, gm))
     math_setting = rule_set.setting("fp32_math", DEFAULT_FP32_MATH)
@@ -542,7 +551,15 @@ def _report(captured: Captured, rule_set: Rules, timings: dict, options: Convert
                                "narrowed_dims": captured.narrowed_dims, "dynamic_ranges": captured.dynamic_ranges,
                                "modes": str(captured.modes or ""), "cache": captured.cache, "library_ops": _library_ops(gm),
                                "checkpoint": _checkpoint_extra(gm),
-                               "simplified": fold_counts(gm.meta[GM_GRAPH].simplified)})
+                               "simplified": fold_counts(gm.meta[GM_GRAPH].simplified), "fp8": _fp8_extra(gm)})
+
+
+def _fp8_extra(gm: torch.fx.GraphModule) -> Optional[dict]:
+    """report.extra["fp8"]: the recipe and the linear nodes that run their GEMMs in fp8 (None: no fp8)."""
+    graph_meta = gm.meta[GM_GRAPH]
+    if graph_meta.fp8_recipe is None:
+        return None
+    return {"recipe": graph_meta.fp8_recipe, "layers": list(graph_meta.fp8_layers), "count": len(graph_meta.fp8_layers)}
 
 
 def convert(model: torch.nn.Module, example_inputs: Any, *, rules: Union[None, str, Path, Iterable, Rules] = None,

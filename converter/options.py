@@ -25,7 +25,8 @@ from typing import Any, Mapping, Optional
 from converter.ir.errors import MpconvertError
 from converter.ir.precision_names import half_name
 
-__all__ = ["ConvertOptions", "OptionsError", "build_options", "TRACERS", "PLACEMENTS", "OPT_LEVELS", "DEVICES"]
+__all__ = ["ConvertOptions", "OptionsError", "build_options", "TRACERS", "PLACEMENTS", "OPT_LEVELS", "DEVICES",
+           "FP8_RECIPES"]
 
 #: ``tracer``: ``auto`` tries torch.fx, then torch.export (:mod:`converter.passes.capture`)
 TRACERS = ("auto", "fx", "export")
@@ -35,6 +36,9 @@ PLACEMENTS = ("mincut", "mincut-bytes", "simple")
 OPT_LEVELS = ("O1", "O2")
 #: ``device``: the devices with lowerings (:mod:`converter.passes.lower`'s ``DEVICES``), or None
 DEVICES = ("cpu", "cuda")
+#: ``fp8_recipe``: :data:`converter.fp8.kernels.RECIPES`' names (a test holds them equal), or ``"auto"``:
+#: the rule files' ``fp8_recipe`` setting, else tensorwise
+FP8_RECIPES = ("auto", "tensorwise", "rowwise", "rowwise_gw_hp", "blockwise")
 
 
 class OptionsError(MpconvertError, ValueError):
@@ -61,6 +65,11 @@ class ConvertOptions:
       example's sizes); ``dynamic_shapes``: torch.export-style dims instead of the default.
     * ``strict_modes``: refuse (:class:`~converter.api.FrozenModeError`) a model whose train mode cannot be
       traced, instead of converting it frozen in one mode.
+    * ``fp8_recipe``: None (default) or the FP8 recipe of the GEMMs the rules mark ``fp8``
+      (``"tensorwise"``, ``"rowwise"``, ``"rowwise_gw_hp"``, ``"blockwise"``, or ``"auto"``: the rule
+      files' ``fp8_recipe`` setting, else tensorwise). ``precision="fp8"`` is ``precision="bf16"`` with
+      ``fp8_recipe="auto"`` (unless one is given): fp8 is compute for GEMMs only, everything else follows
+      the bf16 rules, storage included (:mod:`converter.passes.fp8`).
     * ``calibration_options``: how a calibration runs (a
       :class:`~converter.numerics.options.CalibrationOptions`, or a mapping of its fields, stored as one);
       used only when calibration data is given. None: the defaults.
@@ -78,9 +87,19 @@ class ConvertOptions:
     dynamic_shapes: Any = None
     strict_modes: bool = False
     calibration_options: Any = None
+    fp8_recipe: Optional[str] = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "precision", _half(self.precision))
+        precision = self.precision
+        if isinstance(precision, str) and precision.strip().lower() == "fp8":
+            object.__setattr__(self, "fp8_recipe", self.fp8_recipe or "auto")
+            precision = "bf16"
+        object.__setattr__(self, "precision", _half(precision))
+        if self.fp8_recipe is not None:
+            _choice("fp8_recipe", self.fp8_recipe, FP8_RECIPES, or_none=True)
+            if self.precision != "bf16":
+                raise OptionsError(f"fp8_recipe={self.fp8_recipe!r} runs the GEMMs in fp8 and the rest in bf16, "
+                                   f"not {self.precision}; use precision='fp8' (or 'bf16'), or drop fp8_recipe")
         _choice("tracer", self.tracer, TRACERS)
         _choice("placement", self.placement, PLACEMENTS)
         _choice("opt_level", self.opt_level, OPT_LEVELS)

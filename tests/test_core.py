@@ -234,7 +234,7 @@ def test_user_cast_respected_and_precision_aliases():
         float_node = next(r for r in conv.report.nodes if r["op"] == "to")
         assert float_node["precision"] == "fp32" and "explicit cast" in float_node["reason"]
     with pytest.raises(ValueError, match="unknown precision"):
-        converter.convert(UserCast(), (torch.randn(2, 8),), precision="fp8")
+        converter.convert(UserCast(), (torch.randn(2, 8),), precision="fp4")
 
 
 def test_banned_rule_raises_with_message(tmp_path):

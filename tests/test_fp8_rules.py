@@ -27,7 +27,7 @@ from converter.export.model_py import generate_model_source
 from converter.export.weights import write_weights
 from converter.ir.errors import EXIT_BAD_INPUT
 from converter.ir.meta import META_CAST, META_DECISION, META_INFO
-from converter.passes.fp8 import Fp8PatternError, convert_fp8_graph, fp8_rule_set
+from converter.passes.fp8 import Fp8PatternError, fp8_rule_set
 from converter.rules.loader import RULE_PRECISIONS, Rules, RulesError, load_rules
 from tests.helpers import sqnr
 
@@ -84,7 +84,7 @@ class Decoder(nn.Module):
         self.norm = nn.LayerNorm(DIM)
         self.lm_head = nn.Linear(DIM, VOCAB)
 
-    def forward(self, tokens):  # unannotated: a string annotation (PEP 563) breaks model.py emission
+    def forward(self, tokens):
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x)
@@ -111,6 +111,15 @@ def _user_rules(tmp_path, text: str, name: str = "user.toml") -> str:
     path = tmp_path / name
     path.write_text(textwrap.dedent(text), encoding="utf-8")
     return str(path)
+
+
+def convert_fp8_graph(model, example_inputs, *, rules=None, recipe=None):
+    """``converter.convert(precision="fp8")`` and the facts these tests read (the module, the fp8 layers)."""
+    conv = converter.convert(model, example_inputs, precision="fp8", rules=rules, fp8_recipe=recipe)
+    assert conv.options.precision == "bf16" and conv.options.fp8_recipe == (recipe or "auto")
+    fp8 = conv.report.extra["fp8"]
+    assert fp8["count"] == len(fp8["layers"]), fp8
+    return SimpleNamespace(module=conv.module, fp8_nodes=fp8["layers"], conv=conv, recipe=fp8["recipe"])
 
 
 @pytest.fixture(scope="module")
@@ -405,9 +414,7 @@ _STANDALONE = textwrap.dedent(
 
 
 def test_model_py_carries_the_kernels_and_trains_with_only_torch(converted, decoder, tmp_path):
-    conv = SimpleNamespace(module=converted.module, original=decoder, precision="fp8", tracer=converted.captured.tracer,
-                           report=None)
-    source = generate_model_source(conv)
+    source = generate_model_source(converted.conv)
     assert "class Fp8Linear(torch.autograd.Function):" in source.code and "from converter" not in source.code
     assert source.code.count("fp8_linear(") >= len(FP8_LAYERS)
     (tmp_path / "model.py").write_text(source.code, encoding="utf-8")
@@ -437,3 +444,108 @@ def test_the_recipe_is_a_setting_and_an_argument(decoder, tmp_path):
         with ScaledMMCalls() as seen:
             _train_step(result.module, _tokens(5))
         assert Counter(seen.calls) == Counter(want * len(FP8_LAYERS)), (name, seen.calls)
+
+
+# ---------------------------------------------------------------------------------------------
+# the API and the CLI: precision "fp8"
+
+
+def test_precision_fp8_is_bf16_with_fp8_gemms_in_the_options():
+    from converter.fp8.kernels import RECIPES
+    from converter.options import FP8_RECIPES, ConvertOptions, OptionsError
+
+    assert FP8_RECIPES == ("auto", *RECIPES)
+    options = ConvertOptions(precision="fp8")
+    assert (options.precision, options.fp8_recipe) == ("bf16", "auto")
+    assert ConvertOptions(precision=" FP8 ", fp8_recipe="rowwise").fp8_recipe == "rowwise"
+    assert ConvertOptions(precision="bf16", fp8_recipe="blockwise").fp8_recipe == "blockwise"
+    with pytest.raises(OptionsError, match="runs the GEMMs in fp8 and the rest in bf16, not fp16"):
+        ConvertOptions(precision="fp16", fp8_recipe="rowwise")
+    with pytest.raises(OptionsError, match="fp8_recipe must be one of"):
+        ConvertOptions(precision="fp8", fp8_recipe="per-tensor")
+    assert ConvertOptions().fp8_recipe is None
+
+
+_MODEL_FILE = '''
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(128, 64)
+        self.up = nn.Linear(64, 256)
+        self.down = nn.Linear(256, 64)
+        self.mid = nn.Linear(64, 64)
+        self.lm_head = nn.Linear(64, 128)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        x = x + self.down(torch.relu(self.up(x)))
+        return self.lm_head(self.mid(x))
+
+
+def build_model():
+    torch.manual_seed(0)
+    return Net()
+
+
+def example_inputs():
+    return (torch.randint(0, 128, (2, 16)),)
+'''
+
+
+def test_cli_precision_fp8_converts_and_a_zero_match_exclusion_exits_2(tmp_path, capfd):
+    import json
+
+    from converter.cli.main import main
+
+    model_file = tmp_path / "net.py"
+    model_file.write_text(_MODEL_FILE, encoding="utf-8")
+    typo = _user_rules(tmp_path, '[module]\n"lm_haed" = "bf16"\n', name="typo.toml")
+    code = main([str(model_file), "--precision", "fp8", "--rules", typo, "--out", str(tmp_path / "bad"), "-q"])
+    _, err = capfd.readouterr()
+    assert code == 2 and err.count("\n") == 1, (code, err)
+    assert "[module].lm_haed: the pattern matches no module path of the model; did you mean 'lm_head'?" in err, err
+    assert not (tmp_path / "bad").exists()
+
+    gates = _user_rules(tmp_path, "[settings]\nfp8_min_flops_per_token = 4096\n", name="gates.toml")
+    out = tmp_path / "out"
+    code = main([str(model_file), "--precision", "fp8", "--rules", gates, "--out", str(out), "-q", "--no-measure"])
+    _, err = capfd.readouterr()
+    assert code == 0, err
+    report = json.loads((out / "report.json").read_text())
+    # first linear (up) and last (lm_head) stay bf16 by the gates; down and mid run in fp8
+    assert report["fp8"] == {"recipe": "tensorwise", "layers": ["down", "mid"], "count": 2}, report["fp8"]
+    assert "class Fp8Linear(torch.autograd.Function):" in (out / "model.py").read_text()
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_the_trainer_trains_an_fp8_conversion(decoder, tmp_path, opt_level):
+    """MixedPrecisionTrainer over an fp8 conversion: bf16 (no loss scaling), O2 masters in fp32, and every
+    step runs the selected linears' 3 scaled GEMMs; the loss falls."""
+    import copy
+    from collections import Counter
+
+    from converter.train.trainer import MixedPrecisionTrainer
+
+    rules = _user_rules(tmp_path, "[settings]\nfp8_min_flops_per_token = 4096\n")
+    conv = converter.convert(copy.deepcopy(decoder), (_tokens(),), precision="fp8", rules=[rules], opt_level=opt_level)
+    optimizer = torch.optim.AdamW(conv.module.parameters(), lr=1e-3)
+    trainer = MixedPrecisionTrainer(conv.module, optimizer, precision=conv.precision, master_weights=opt_level == "O2")
+    losses = []
+    for step in range(12):
+        tokens = _tokens(step % 3)
+        with ScaledMMCalls() as calls:
+            logits = conv.module(tokens)
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.flatten())
+            trainer.backward(loss)
+            assert trainer.step()
+        optimizer.zero_grad(set_to_none=True)
+        assert Counter(calls.calls) == Counter(TENSORWISE * len(FP8_LAYERS)), Counter(calls.calls)
+        losses.append(loss.item())
+    assert conv.precision == "bf16" and losses[-1] < losses[0] - 0.5, losses
+    if opt_level == "O2":
+        stored = {n: p.dtype for n, p in conv.module.named_parameters() if n.replace(".", "_").endswith("_up_weight")}
+        assert set(stored.values()) == {torch.bfloat16}, stored

@@ -268,7 +268,7 @@ def test_torch_dtypes_are_accepted(dtype, want):
 
 
 @pytest.mark.parametrize(("bad", "hint"), [("flaot16", "did you mean 'float16'?"), ("bf61", "did you mean 'bf16'?"),
-                                           ("fp8", ""), ("fp32", ""), (torch.float32, ""), (torch.int8, "")])
+                                           ("fp4", ""), ("fp32", ""), (torch.float32, ""), (torch.int8, "")])
 def test_one_message_for_a_bad_precision_everywhere(bad, hint, tmp_path):
     from converter.train.trainer import MixedPrecisionTrainer
 

@@ -436,7 +436,9 @@ class GraphMeta:
     rewrote; ``lowering``: its cost model's choices (``LoweringChoice.to_dict()``, one per attention
     call); ``simplified``: simplify's folds (``converter.passes.simplify.Fold``); ``fp32_math``: the
     rule files' fp32_math setting and ``fp32_math_regions`` how many bracketed regions enforce it;
-    ``checkpoint``: what the checkpoint stage kept (``checkpoint_regions``' summary), None before it ran.
+    ``checkpoint``: what the checkpoint stage kept (``checkpoint_regions``' summary), None before it ran;
+    ``fp8_recipe``: the FP8 recipe of a conversion with fp8 GEMMs (None: none), ``fp8_layers`` the linear
+    nodes the fp8 stage turned into fp8 GEMM calls.
     """
 
     tracer: str
@@ -450,6 +452,8 @@ class GraphMeta:
     fp32_math: Optional[str] = None
     fp32_math_regions: int = 0
     checkpoint: Optional[Mapping[str, Any]] = None
+    fp8_recipe: Optional[str] = None
+    fp8_layers: tuple[str, ...] = ()
 
 
 def set_graph_facts(gm: torch.fx.GraphModule, **facts: Any) -> None:

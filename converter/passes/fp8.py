@@ -15,7 +15,7 @@
 The pipeline (``converter.api``) wires it as: for ``precision="fp8"``, rules = :func:`fp8_rule_set` of the
 user's rules, target bf16; ``gate_fp8(gm, rules, recipe, patterns=False)`` after decide (and
 :func:`check_patterns` once over every graph of a two-mode conversion); ``apply_fp8(gm, rules, recipe)``
-after rewrite. :func:`convert_fp8_graph` is that pipeline for one graph (the tests use it).
+after rewrite. ``convert(precision="fp8")`` (or ``fp8_recipe=``) runs it.
 
 The conversion runs after rewrite, not inside it, because rewrite reads only precisions and an fp8 node's
 precision *is* bf16: the stage changes which kernel a bf16 node calls, not a dtype, and keeps rewrite
@@ -38,29 +38,19 @@ from __future__ import annotations
 import difflib
 import functools
 from pathlib import Path
-from typing import Any, Iterable, NamedTuple, Optional, Sequence, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 import torch.fx
 import torch.nn.functional as F
 
 from converter.fp8.kernels import RECIPES, fp8_linear, misaligned_dims, resolve_recipe
-from converter.ir.graphmodule import materialize
-from converter.ir.meta import BUILTIN, GM_GRAPH, META_DECISION, META_INFO, Decision, GraphMeta, RuleRef, set_graph_facts
-from converter.passes.capture import Captured, capture
-from converter.passes.checkpoint import checkpoint_regions
-from converter.passes.decide import decide
-from converter.passes.fp32_math import DEFAULT_FP32_MATH, fp32_math
-from converter.passes.lower import lower
-from converter.passes.place.stage import place
-from converter.passes.rewrite import rewrite
-from converter.passes.simplify import simplify
-from converter.passes.verify import check_forward
+from converter.ir.meta import BUILTIN, META_DECISION, META_INFO, Decision, RuleRef
 from converter.rules.loader import GEMM_PRECISIONS, Rule, Rules, RulesError, default_rules_path, load_rules, rules_dir
 from converter.rules.precedence import MATCH_TABLES
 
-__all__ = ["FP8_RULES", "DEFAULT_RECIPE", "UNSUPPORTED_RULE", "Fp8PatternError", "Fp8Graph", "fp8_rule_set", "check_patterns",
-           "gate_fp8", "apply_fp8", "convert_fp8_graph"]
+__all__ = ["FP8_RULES", "DEFAULT_RECIPE", "UNSUPPORTED_RULE", "Fp8PatternError", "fp8_rule_set", "check_patterns",
+           "gate_fp8", "apply_fp8", "resolved_recipe"]
 
 #: the built-in rule file that precision fp8 layers over default.toml, under the user's files
 FP8_RULES = "fp8"
@@ -183,7 +173,8 @@ def _gate(node: torch.fx.Node, gm: torch.fx.GraphModule, rules: Rules, recipe: s
     return None
 
 
-def _recipe(rules: Rules, recipe: Optional[str]) -> str:
+def resolved_recipe(rules: Rules, recipe: Optional[str]) -> str:
+    """The recipe's name: ``recipe``, else the rule files' ``fp8_recipe`` setting, else :data:`DEFAULT_RECIPE`."""
     return resolve_recipe(recipe or rules.setting("fp8_recipe", DEFAULT_RECIPE)).name
 
 
@@ -200,7 +191,7 @@ def gate_fp8(gm: torch.fx.GraphModule, rules: Rules, recipe: Optional[str] = Non
     once and passes False). ``recipe`` as in :func:`apply_fp8`."""
     if patterns:
         check_patterns(rules, [gm.graph])
-    recipe = _recipe(rules, recipe)
+    recipe = resolved_recipe(rules, recipe)
     linears = _linears(gm)
     gated: list[str] = []
     for index, node in enumerate(linears):
@@ -226,7 +217,7 @@ def apply_fp8(gm: torch.fx.GraphModule, rules: Rules, recipe: Optional[str] = No
     ``converter.fp8.kernels.RECIPES`` (None: the rules' ``fp8_recipe``, else ``tensorwise``). The gates run
     first (:func:`gate_fp8` without the pattern check; a no-op where it already ran after decide)."""
     gate_fp8(gm, rules, recipe, patterns=False)
-    recipe = _recipe(rules, recipe)
+    recipe = resolved_recipe(rules, recipe)
     calls = RECIPES[recipe].scaled_mm_calls
     done: list[str] = []
     for node in _linears(gm):
@@ -243,40 +234,3 @@ def apply_fp8(gm: torch.fx.GraphModule, rules: Rules, recipe: Optional[str] = No
         gm.graph.lint()
         gm.recompile()
     return done
-
-
-class Fp8Graph(NamedTuple):
-    """What :func:`convert_fp8_graph` returns."""
-
-    module: torch.fx.GraphModule
-    rules: Rules
-    fp8_nodes: list[str]
-    captured: Captured
-
-
-def convert_fp8_graph(model: torch.nn.Module, example_inputs: Any, *, rules=None, recipe: Optional[str] = None,
-                      tracer: str = "auto", device: Optional[str] = None, keep_io_types: bool = True,
-                      opt_level: str = "O1") -> Fp8Graph:
-    """capture → decide → **fp8 gates** → lower → place → rewrite → **fp8** → simplify → fp32_math → checkpoint → codegen →
-    check, with :func:`fp8_rule_set` and half = bf16: the pipeline of ``convert(precision="fp8")`` for a
-    one-graph model (a model captured as a train and an eval graph is refused here)."""
-    rule_set = fp8_rule_set(rules)
-    captured = capture(model, example_inputs, tracer=tracer)
-    if captured.eval_gm is not None:
-        raise NotImplementedError("convert_fp8_graph converts one graph; this model branches on self.training")
-    gm = captured.gm
-    gm.meta[GM_GRAPH] = GraphMeta(tracer=captured.tracer, precision="bf16", rule_files=rule_set.files)
-    decide(gm, rule_set, precision="bf16")
-    gate_fp8(gm, rule_set, recipe)
-    set_graph_facts(gm, device=device, lowered=tuple(lower(gm, device=device, opt_level=opt_level)))
-    place(gm, target="bf16", keep_io_types=keep_io_types, opt_level=opt_level)
-    rewrite(gm, keep_io_types=keep_io_types)
-    fp8_nodes = apply_fp8(gm, rule_set, recipe)
-    set_graph_facts(gm, simplified=simplify(gm))
-    setting = rule_set.setting("fp32_math", DEFAULT_FP32_MATH)
-    set_graph_facts(gm, fp32_math=setting, fp32_math_regions=fp32_math(gm, setting=setting))
-    set_graph_facts(gm, checkpoint=checkpoint_regions(gm))
-    gm = materialize(gm)
-    check_forward(gm, captured.args, captured.kwargs)
-    captured.gm = gm
-    return Fp8Graph(gm, rule_set, fp8_nodes, captured)
