@@ -479,9 +479,10 @@ def _convert_graph(gm: torch.fx.GraphModule, done: list[str], rule_set: Rules, o
     """decide → lower → place → (calibrate) → rewrite → simplify → fp32_math on one captured graph."""
     settings = place_settings(options)
     _run_stage("decide", done, decide, gm, rule_set, precision=options.precision)
-    recipe = None if options.fp8_recipe in (None, "auto") else options.fp8_recipe
+    recipe = None
     if options.fp8_recipe is not None:  # the shape gates, before placement: the casts name the gate
-        _run_stage("fp8_gate", done, gate_fp8, gm, rule_set, recipe, patterns=False)
+        recipe = resolved_recipe(rule_set, None if options.fp8_recipe == "auto" else options.fp8_recipe)
+        _run_stage("fp8_gate", done, gate_fp8, gm, rule_set, recipe)
     lowered = _run_stage("lower", done, lower, gm, device=options.device, opt_level=options.opt_level)
     set_graph_facts(gm, device=options.device, lowered=tuple(lowered))
     _run_stage("place", done, settings.run, gm)
@@ -491,9 +492,8 @@ def _convert_graph(gm: torch.fx.GraphModule, done: list[str], rule_set: Rules, o
         _run_stage("calibrate", done, calibrate_and_redecide, gm, calibration, rules=rule_set, settings=settings,
                    options=options.calibration_options or CalibrationOptions())
     _run_stage("rewrite", done, rewrite, gm, keep_io_types=options.keep_io_types)
-    if options.fp8_recipe is not None:
-        set_graph_facts(gm, fp8_recipe=resolved_recipe(rule_set, recipe),
-                        fp8_layers=tuple(_run_stage("fp8", done, apply_fp8, gm, rule_set, recipe)))
+    if recipe is not None:
+        set_graph_facts(gm, fp8_recipe=recipe, fp8_layers=tuple(_run_stage("fp8", done, apply_fp8, gm, recipe)))
     if simplify_graph:
         set_graph_facts(gm, simplified=_run_stage("simplify", done, simplify, gm))
     math_setting = rule_set.setting("fp32_math", DEFAULT_FP32_MATH)

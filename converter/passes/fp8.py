@@ -13,9 +13,9 @@
    forward, grad_input and grad_weight are each one ``torch._scaled_mm`` (``tensorwise``/``rowwise``).
 
 The pipeline (``converter.api``) wires it as: for ``precision="fp8"``, rules = :func:`fp8_rule_set` of the
-user's rules, target bf16; ``gate_fp8(gm, rules, recipe, patterns=False)`` after decide (and
-:func:`check_patterns` once over every graph of a two-mode conversion); ``apply_fp8(gm, rules, recipe)``
-after rewrite. ``convert(precision="fp8")`` (or ``fp8_recipe=``) runs it.
+user's rules, target bf16, the recipe named once by :func:`resolved_recipe`; ``gate_fp8(gm, rules, recipe)``
+after decide; ``apply_fp8(gm, recipe)`` after rewrite; :func:`check_patterns` once over every graph (a
+pattern may match only the eval graph of a two-mode conversion). ``convert(precision="fp8")`` (or ``fp8_recipe=``) runs it.
 
 The conversion runs after rewrite, not inside it, because rewrite reads only precisions and an fp8 node's
 precision *is* bf16: the stage changes which kernel a bf16 node calls, not a dtype, and keeps rewrite
@@ -184,14 +184,10 @@ def _linears(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
             and getattr(n.meta.get(META_INFO), "op", None) == "linear"]
 
 
-def gate_fp8(gm: torch.fx.GraphModule, rules: Rules, recipe: Optional[str] = None, *, patterns: bool = True) -> list[str]:
+def gate_fp8(gm: torch.fx.GraphModule, rules: Rules, recipe: str) -> list[str]:
     """The fp8 gates on a decided graph, before placement (so the casts around a gated linear name the gate);
-    returns the names of the gated nodes. Idempotent: it touches only nodes still ``requested`` fp8.
-    ``patterns``: run :func:`check_patterns` on ``gm`` first (a two-mode conversion checks both graphs at
-    once and passes False). ``recipe`` as in :func:`apply_fp8`."""
-    if patterns:
-        check_patterns(rules, [gm.graph])
-    recipe = resolved_recipe(rules, recipe)
+    returns the names of the gated nodes. Touches only nodes still ``requested`` fp8. ``recipe``: a name of
+    ``converter.fp8.kernels.RECIPES`` (:func:`resolved_recipe`)."""
     linears = _linears(gm)
     gated: list[str] = []
     for index, node in enumerate(linears):
@@ -211,13 +207,10 @@ def gate_fp8(gm: torch.fx.GraphModule, rules: Rules, recipe: Optional[str] = Non
     return gated
 
 
-def apply_fp8(gm: torch.fx.GraphModule, rules: Rules, recipe: Optional[str] = None) -> list[str]:
-    """The fp8 stage on a rewritten graph (module docstring): each linear still ``requested`` fp8 becomes an
-    ``fp8_linear`` call on its bf16 operands; returns their names. ``recipe``: a name of
-    ``converter.fp8.kernels.RECIPES`` (None: the rules' ``fp8_recipe``, else ``tensorwise``). The gates run
-    first (:func:`gate_fp8` without the pattern check; a no-op where it already ran after decide)."""
-    gate_fp8(gm, rules, recipe, patterns=False)
-    recipe = resolved_recipe(rules, recipe)
+def apply_fp8(gm: torch.fx.GraphModule, recipe: str) -> list[str]:
+    """The fp8 stage on a rewritten graph (module docstring): each linear still ``requested`` fp8 after
+    :func:`gate_fp8` becomes an ``fp8_linear`` call on its bf16 operands; returns their names. ``recipe``:
+    a name of ``converter.fp8.kernels.RECIPES`` (:func:`resolved_recipe`)."""
     calls = RECIPES[recipe].scaled_mm_calls
     done: list[str] = []
     for node in _linears(gm):
