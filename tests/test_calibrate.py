@@ -14,8 +14,9 @@ import converter
 from converter.numerics.calibrate import ToleranceNotMet, calibrate_and_redecide, recommend_loss_scale
 from converter.numerics.common import sqnr_db
 from converter.numerics.options import CalibrationOptions
+from converter.numerics.ranges import FP16_MAX, TensorStats, tensor_stats
 from converter.numerics.redecide import PlaceSettings
-from converter.numerics.stats import FP16_MAX, NodeStats, TensorStats, collect_statistics, tensor_stats
+from converter.numerics.stats import NodeStats, collect_statistics
 from converter.passes.capture import capture
 from converter.passes.decide import decide
 from converter.passes.place.stage import place

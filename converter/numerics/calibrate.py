@@ -50,9 +50,10 @@ from converter.ir.meta import (
 )
 from converter.numerics.common import json_float
 from converter.numerics.options import CalibrationOptions
+from converter.numerics.ranges import FP16_MAX
 from converter.numerics.redecide import PlaceSettings, fresh_decisions, replace_decisions, setting_source
 from converter.numerics.search import ToleranceNotMet, accuracy_search
-from converter.numerics.stats import FP16_MAX, Calibration, NodeStats, collect_statistics
+from converter.numerics.stats import Calibration, NodeStats, collect_statistics
 from converter.passes.place.stage import castable_inputs
 from converter.rules.loader import Rules
 from converter.rules.precedence import OVERRIDE_LEVEL, rank

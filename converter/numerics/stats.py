@@ -31,27 +31,13 @@ from converter.ir.graphmodule import resolve_attr
 from converter.ir.meta import META_INFO, META_STATS, META_VALUE, TensorSpec
 from converter.numerics.common import copy_graph, floating_outputs, preserved_state, progress_bar
 from converter.numerics.ranges import (
-    FP16_MAX,
-    FP16_MIN_NORMAL,
-    FP16_MIN_SUBNORMAL,
-    LOG2_MIN,
     RangeAccumulator,
     TensorStats,
     merge_stats,
-    tensor_stats,
 )
 from converter.passes.capture.values import normalize_inputs
 
 __all__ = [
-    # range statistics of tensors (defined in converter.numerics.ranges)
-    "FP16_MAX",
-    "FP16_MIN_NORMAL",
-    "FP16_MIN_SUBNORMAL",
-    "LOG2_MIN",
-    "TensorStats",
-    "tensor_stats",
-    "merge_stats",
-    # calibration
     "NodeStats",
     "Calibration",
     "collect_statistics",
