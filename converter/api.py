@@ -392,11 +392,20 @@ class Conversion:
         """Export to ONNX and verify it (:func:`converter.export.onnx.export_onnx`).
 
         ``precision``: None exports this conversion's dtype, except that a bf16 conversion exports
-        its fp16 :meth:`variant` (onnxruntime's CPU provider has no bf16 kernels), with a notice.
+        its fp16 :meth:`variant` (onnxruntime's CPU provider has no bf16 kernels), with a notice. An fp8
+        conversion exports itself: bf16 with its fp8 linears as float8 Q/DQ (:mod:`converter.export.onnx_fp8`,
+        verified with onnx's reference evaluator); what that cannot write is refused (``Fp8OnnxRefused``, exit 2)
+        before anything is written.
         """
         from converter.export.onnx import choose_precision, export_onnx, variant_notes
+        from converter.export.onnx_fp8 import check_fp8_export
 
-        target, notes = choose_precision(self.precision, None if precision is None else normalize_precision(precision))
+        requested = None if precision is None else normalize_precision(precision)
+        if self.options.fp8_recipe is not None:
+            check_fp8_export(self.module, fp8=True, precision=requested, **{k: v for k, v in kwargs.items()
+                                                                             if k in ("exporter", "opset")})
+            return export_onnx(self, Path(path), **kwargs)
+        target, notes = choose_precision(self.precision, requested)
         source = self.variant(target)
         if source is not self:
             notes += variant_notes(self.decisions, source.decisions, self.precision, target,

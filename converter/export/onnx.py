@@ -70,6 +70,14 @@ import torch
 import torch.fx
 
 from converter.export.onnx_exporter import OnnxExportError, export_copy, export_model, fp32_export, save_model
+from converter.export.onnx_fp8 import (
+    Fp8OnnxRefused,
+    check_fp8_export,
+    fp8_checks,
+    name_fp8_nodes,
+    prepare_fp8,
+    translation_table,
+)
 from converter.export.onnx_fx_casts import cast_difference, cast_explanation, expected_casts, match_casts
 from converter.export.onnx_graph import (
     all_graphs,
@@ -86,10 +94,12 @@ from converter.export.onnx_graph import (
 from converter.export.onnx_verify import (
     BF16_CPU_REASON,
     MANTISSA_BITS,
+    REFERENCE_MIN_SQNR_DB,
     TOLERANCE_ULPS,
     Verified,
     tolerance_for,
     verify_with_ort,
+    verify_with_reference,
 )
 from converter.ir.meta import GM_PARAM_DTYPES
 from converter.numerics.common import to_json
@@ -98,6 +108,7 @@ __all__ = [
     "DEFAULT_OPSET",
     "OnnxResult",
     "OnnxExportError",
+    "Fp8OnnxRefused",
     "export_onnx",
     "expected_casts",
     "onnx_casts",
@@ -113,9 +124,10 @@ __all__ = [
 #: the opset written by default (see the module docstring for why)
 DEFAULT_OPSET = 20
 
-#: the checks that decide ``OnnxResult.ok``: a valid file whose onnxruntime outputs match
-#: ``conv.module``; every other check is information (see the module docstring)
-VERDICT_CHECKS = ("checker", "ort_match")
+#: the checks that decide ``OnnxResult.ok``: a valid file whose onnxruntime outputs (the reference
+#: evaluator's, for an fp8 conversion) match ``conv.module``, and for an fp8 conversion exactly the float8
+#: Q/DQ nodes of its fp8 linears; every other check is information (see the module docstring)
+VERDICT_CHECKS = ("checker", "ort_match", "reference_match", "fp8_qdq")
 
 
 @dataclass
@@ -150,6 +162,8 @@ class OnnxResult:
     checks: dict = field(default_factory=dict)
     fp32_cast_count: Optional[int] = None
     differences: list[str] = field(default_factory=list)
+    fp8: dict = field(default_factory=dict)
+    sqnr_db: Optional[float] = None
 
     @property
     def summary(self) -> str:
@@ -161,7 +175,13 @@ class OnnxResult:
             parts.append(f"{self.cast_count} Casts (expected {self.expected_casts}; information, not a failure: "
                          + " ".join(d for d in self.differences if d.startswith("Cast count")) + ")")
         parts.append(f"{len(self.cast_pairs)} Cast pairs")
-        if self.max_abs_error is not None:
+        if self.fp8:
+            parts.append(f"fp8 {self.fp8['recipe']}: {self.fp8['layers']} linear(s) as float8e4m3fn Q/DQ "
+                         f"({self.fp8['QuantizeLinear']} QuantizeLinear, {self.fp8['DequantizeLinear']} DequantizeLinear)")
+        if "reference_match" in self.checks and self.sqnr_db is not None:
+            parts.append(f"onnx.reference vs conv.module: SQNR {self.sqnr_db:.1f} dB (at least {REFERENCE_MIN_SQNR_DB:g}), "
+                         f"max abs error {self.max_abs_error:.3g}")
+        elif self.max_abs_error is not None:
             parts.append(f"max abs error {self.max_abs_error:.3g} (tol {self.tolerance:.3g})")
         elif self.precision == "bf16":
             parts.append("CPU verification skipped: onnxruntime's CPU provider has no bf16 kernels (use a GPU provider)")
@@ -259,16 +279,26 @@ def export_onnx(
     path = Path(path)
     notes = list(notes)
     gm = source.module
+    fp8 = source.options.fp8_recipe is not None
+    check_fp8_export(gm, fp8=fp8, precision=None, exporter=exporter, opset=opset)  # before anything is written
     args, kwargs = source.example_inputs  # (args, kwargs), normalised by capture
-    model, used = export_model(export_copy(gm, gm.meta.get(GM_PARAM_DTYPES, {})), args, kwargs, opset=opset,
-                          exporter=exporter, notes=notes)
+    module = export_copy(gm, gm.meta.get(GM_PARAM_DTYPES, {}))
+    layers = prepare_fp8(module) if fp8 else []
+    model, used = export_model(module, args, kwargs, opset=opset, exporter="dynamo" if layers else exporter, notes=notes,
+                               translations=translation_table() if layers else None)
+    roles = name_fp8_nodes(model, layers)
     written = _postprocess(model, gm, target=target, conversion_precision=conv.precision,
-                           keep_debug_metadata=keep_debug_metadata)
+                           keep_debug_metadata=keep_debug_metadata, fp8=layers[0].recipe if layers else None)
     size = save_model(model, path)
     checks, differences = _static_checks(model, path, written, notes)
-    run = verify_with_ort(path, gm, args, kwargs, target, notes) if verify else Verified()
+    fp8_info = fp8_checks(model, layers, roles, checks, notes) if layers else {}
     if not verify:
+        run = Verified()
         notes.append("verification with onnxruntime not requested (verify=False)")
+    elif fp8:
+        run = verify_with_reference(path, gm, args, kwargs, target, notes)
+    else:
+        run = verify_with_ort(path, gm, args, kwargs, target, notes)
     checks.update(run.checks)
     fp32_size = fp32_casts = ratio = None
     if compare_size:
@@ -285,7 +315,7 @@ def export_onnx(
         expected_casts=expected["expected"], cast_pairs=written.pairs, max_abs_error=run.max_err, fp32_size=fp32_size,
         size=size, size_ratio=ratio, ok=all(checks[k] for k in VERDICT_CHECKS if k in checks), notes=notes,
         verified=run.verified, conversion_precision=conv.precision, tolerance=run.tol, cast_breakdown=breakdown,
-        checks=checks, fp32_cast_count=fp32_casts, differences=differences,
+        checks=checks, fp32_cast_count=fp32_casts, differences=differences, fp8=fp8_info, sqnr_db=run.sqnr_db,
     )
 
 
@@ -306,8 +336,12 @@ class _Written:
 
 
 def _postprocess(model, gm: torch.fx.GraphModule, *, target: str, conversion_precision: str,
-                 keep_debug_metadata: bool) -> _Written:
-    """Fold weight casts, drop identity casts, name the Casts after the FX casts, set the metadata."""
+                 keep_debug_metadata: bool, fp8: Optional[str] = None) -> _Written:
+    """Fold weight casts, drop identity casts, name the Casts after the FX casts, set the metadata.
+
+    ``fp8``: the recipe of the model's fp8 linears (None: none). A Cast pair with an fp8 linear's own Cast
+    is not a round trip: its input Cast to fp32 reads the bf16 Cast placement put before it (the kernel
+    quantises the bf16-rounded input), and a Cast after it reads its output, which the kernel rounds to bf16."""
     folded = fold_initializer_casts(model)
     identity = drop_identity_casts(model)
     expected = expected_casts(gm)
@@ -319,10 +353,13 @@ def _postprocess(model, gm: torch.fx.GraphModule, *, target: str, conversion_pre
         "mpconvert.precision": target,
         "mpconvert.conversion_precision": conversion_precision,
         "mpconvert.expected_casts": str(expected["expected"]),
+        **({"mpconvert.fp8_recipe": fp8} if fp8 else {}),
     })
     n_half, n_fp32, _ = half_initializers(model)
+    pairs = [p for p in cast_pairs(model) if not (fp8 and (p[1].endswith("/x_to_fp32") or p[0].endswith("/to_half"))
+                                                   and (p[0] + p[1]).count("fp8/") == 1)]
     return _Written(expected=expected, matched=matched, folded=folded, identity=identity, renamed=renamed,
-                    cast_count=len(onnx_casts(model)), pairs=cast_pairs(model), n_half=n_half, n_fp32=n_fp32,
+                    cast_count=len(onnx_casts(model)), pairs=pairs, n_half=n_half, n_fp32=n_fp32,
                     target=target)
 
 

@@ -68,8 +68,12 @@ def _input_names(module: torch.nn.Module, args: tuple, kwargs: dict) -> list[str
     return names + [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
 
 
-def export_model(module: torch.nn.Module, args: tuple, kwargs: dict, *, opset: int, exporter: str, notes: list[str]):
-    """Export to an in-memory ModelProto; returns (model, exporter used)."""
+def export_model(module: torch.nn.Module, args: tuple, kwargs: dict, *, opset: int, exporter: str, notes: list[str],
+                 translations: Optional[dict] = None):
+    """Export to an in-memory ModelProto; returns (model, exporter used).
+
+    ``translations``: the dynamo exporter's ``custom_translation_table`` (custom op -> its ONNX function);
+    a module that needs one is exported with ``exporter="dynamo"`` (TorchScript cannot use it)."""
     import onnx
 
     errors: dict[str, str] = {}
@@ -80,7 +84,7 @@ def export_model(module: torch.nn.Module, args: tuple, kwargs: dict, *, opset: i
                 warnings.simplefilter("ignore")
                 if which == "dynamo":
                     program = torch.onnx.export(module, args, kwargs=kwargs or None, dynamo=True, opset_version=opset,
-                                                verbose=False, optimize=True)
+                                                verbose=False, optimize=True, custom_translation_table=translations)
                     model = program.model_proto
                 else:
                     with tempfile.TemporaryDirectory() as tmp:

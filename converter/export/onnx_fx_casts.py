@@ -16,6 +16,7 @@ import torch
 import torch.fx
 
 from converter.export.onnx_graph import cast_to, onnx_type, type_name, value_types
+from converter.fp8.kernels import fp8_linear
 from converter.ir.meta import DTYPES, META_CAST, META_DECISION, META_INFO, META_VALUE, TensorSpec, name_of
 from converter.ir.ops import CAST_OPS
 
@@ -26,7 +27,7 @@ class _FxCast(NamedTuple):
     """One cast of the FX graph that the ONNX export should contain as a Cast."""
 
     name: str
-    kind: str  # inserted | model | implicit | model-nonfloat | weight
+    kind: str  # inserted | model | implicit | model-nonfloat | weight | fp8
     src: torch.dtype
     dst: torch.dtype
     constant: bool  # the value cast depends on no graph input: an exporter may constant-fold it
@@ -55,19 +56,32 @@ def _cast_nodes_in_order(gm: torch.fx.GraphModule) -> list[_FxCast]:
     * ``model-nonfloat``: the model's own cast of an integer/bool tensor or to one (the fp32 model
       has it too);
     * ``weight``: a cast of a parameter/buffer: the weight is stored in the target dtype (folded
-      into a half initializer), so it is not an ONNX Cast.
+      into a half initializer), so it is not an ONNX Cast;
+    * ``fp8``: the Casts of an fp8 linear's export (:mod:`converter.export.onnx_fp8`): its input to fp32
+      before it is quantised (one per distinct input: linears reading one tensor share it), the fp32
+      MatMul back to the input's dtype.
     """
     from converter.passes.rewrite import runtime_dtype
 
     cache: dict = {}
     dependent = _input_dependent(gm)
     out: list[_FxCast] = []
+    fp8_inputs: set = set()
     for node in gm.graph.nodes:
         rec = node.meta.get(META_CAST)
         if rec is not None:
             kind = "weight" if rec.on_weight else ("inserted" if rec.inserted else "model")
             source = node.args[0] if node.args else None
             out.append(_FxCast(node.name, kind, DTYPES[rec.src_dtype], DTYPES[rec.dtype], source not in dependent))
+            continue
+        if node.op == "call_function" and node.target is fp8_linear:
+            have = runtime_dtype(node.args[0], cache)
+            if have is not None and have != torch.float32:
+                constant = node not in dependent
+                if node.args[0] not in fp8_inputs:  # linears reading one tensor share its quantisation (onnx_fp8)
+                    out.append(_FxCast(f"{node.name}/x_to_fp32", "fp8", have, torch.float32, constant))
+                out.append(_FxCast(f"{node.name}/to_half", "fp8", torch.float32, have, constant))
+            fp8_inputs.add(node.args[0])
             continue
         info = node.meta.get(META_INFO)
         decision = node.meta.get(META_DECISION)
@@ -107,13 +121,14 @@ def _cast_nodes_in_order(gm: torch.fx.GraphModule) -> list[_FxCast]:
 def expected_casts(gm: torch.fx.GraphModule) -> dict:
     """The number of ONNX Casts the export of ``gm`` must contain, and its breakdown by kind."""
     nodes = _cast_nodes_in_order(gm)
-    counts = {"inserted": 0, "model": 0, "implicit": 0, "model-nonfloat": 0, "weight": 0}
+    counts = {"inserted": 0, "model": 0, "implicit": 0, "model-nonfloat": 0, "weight": 0, "fp8": 0}
     for entry in nodes:
         counts[entry.kind] += 1
     counts["recorded"] = sum(
         1 for n in gm.graph.nodes if META_CAST in n.meta and not n.meta[META_CAST].on_weight
     )
-    counts["expected"] = counts["inserted"] + counts["model"] + counts["implicit"] + counts["model-nonfloat"]
+    counts["expected"] = (counts["inserted"] + counts["model"] + counts["implicit"] + counts["model-nonfloat"]
+                          + counts["fp8"])
     counts["order"] = [entry for entry in nodes if entry.kind != "weight"]
     return counts
 
@@ -133,7 +148,7 @@ def match_casts(model, fx_order: list) -> dict:
     dtypes_match = collections.Counter(got) == collections.Counter(want)
     in_order = len(got) == len(want) and all(g == w for g, w in zip(got, want))
     if in_order:
-        prefix = {"inserted": "mp/", "implicit": "mp_promote/", "model": "model/", "model-nonfloat": "model/"}
+        prefix = {"inserted": "mp/", "implicit": "mp_promote/", "model": "model/", "model-nonfloat": "model/", "fp8": "fp8/"}
         for c, entry in zip(casts, fx_order):
             c.name = prefix[entry.kind] + entry.name
     return {"dtypes_match": dtypes_match, "in_order": in_order, "onnx": got, "fx": want}
@@ -175,7 +190,9 @@ def cast_explanation(count: int, expected: dict, folded: int, n_half: int, n_fp3
             f" + {expected['model']} of the model's own that change float dtype"
             f" + {expected['implicit']} implicit promotion(s) (a promote op such as a residual add with an fp32 and a "
             f"half input: the rewrite inserts no cast because torch promotes natively, ONNX needs one)"
-            f" + {expected['model-nonfloat']} of the model's own on integer/bool tensors (in the fp32 model too); "
+            f" + {expected['model-nonfloat']} of the model's own on integer/bool tensors (in the fp32 model too)"
+            + (f" + {expected['fp8']} around the fp8 GEMMs (each fp8 linear's input to fp32 before QuantizeLinear, its "
+               f"fp32 MatMul back)" if expected.get("fp8") else "") + "; "
             f"the {expected['weight']} weight cast(s) of the FX graph are not Casts: the weights are stored as "
             f"{n_half} {target} initializer(s) ({n_fp32} stay fp32: norms, embeddings and other fp32 consumers)")
     if folded:
