@@ -217,6 +217,10 @@ def _write_conversion(ui: Terminal, conv, source: ModelSource, artifacts: Artifa
     out = artifacts.out
     notes: list = []
     onnx_result: dict = {}
+    if artifacts.onnx:  # an ONNX export of an fp8 conversion that cannot be written is refused before anything is (exit 2)
+        from converter.export.onnx_fp8 import check_fp8_export
+
+        check_fp8_export(conv.module, fp8=conv.options.fp8_recipe is not None, precision=artifacts.onnx_precision)
 
     def export_into(directory: Path) -> None:
         if not artifacts.onnx:

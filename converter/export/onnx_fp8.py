@@ -122,9 +122,10 @@ def check_fp8_export(gm: torch.fx.GraphModule, *, fp8: bool, precision: Optional
     if recipe is None:
         return  # every linear was gated to bf16: a plain bf16 export
     if recipe not in ONNX_RECIPES:
-        raise Fp8OnnxRefused(f"fp8 recipe {recipe!r} cannot be exported to ONNX (its 128x128 weight tiles have no "
-                             f"float8 Q/DQ form before opset 21's block_size, which this export does not write); "
-                             f"convert with --fp8-recipe tensorwise or rowwise, or export the bf16 conversion "
+        raise Fp8OnnxRefused(f"fp8 recipe {recipe!r} cannot be exported to ONNX: its 1x128 and 128x128 tile scales have "
+                             "no QuantizeLinear/DequantizeLinear form in this export (per-tensor and per-axis scales; "
+                             "opset 21's block_size is not written); use fp8_recipe = \"tensorwise\" or \"rowwise\" (a "
+                             "rule file's [settings], or convert(fp8_recipe=...)), or export the bf16 conversion "
                              "(--precision bf16) instead")
     if exporter == "torchscript":
         raise Fp8OnnxRefused("the TorchScript exporter cannot write the fp8 GEMMs as float8 Q/DQ; use exporter='auto' "
@@ -250,12 +251,17 @@ def _translate(x, weight_fp8, weight_scale, bias, recipe: str):
     if rec.power_of_2:
         scale = _floor_power_of_2(op, scale)
     inverse = op.Reciprocal(scale)
-    if row:  # a per-axis zero point has the scale's shape: zeros, cast to float8
-        zero = op.Cast(op.ConstantOfShape(op.Shape(inverse)), to=_FLOAT8E4M3FN)
+    float8 = ir.DataType.FLOAT8E4M3FN.numpy()
+    if row:  # a per-axis zero point has the scale's shape: float8 zeros, one per row
+        rows = [d for d in x.shape[:-1]] if x.shape is not None else [None]
+        if all(isinstance(d, int) for d in rows):  # a static export (the default): a constant
+            zero = op.Constant(value=ir.tensor(np.zeros((math.prod(rows),), dtype=float8)))
+        else:
+            zero = op.Cast(op.ConstantOfShape(op.Shape(inverse)), to=_FLOAT8E4M3FN)
         quantised = op.QuantizeLinear(operand, inverse, zero, axis=0, saturate=1)
         dequantised = op.Reshape(op.DequantizeLinear(quantised, inverse, axis=0), op.Shape(xf))
     else:  # QuantizeLinear divides by its scale where the kernel multiplies: multiply first, quantise with scale 1
-        zero = op.Constant(value=ir.tensor(np.zeros((), dtype=ir.DataType.FLOAT8E4M3FN.numpy())))
+        zero = op.Constant(value=ir.tensor(np.zeros((), dtype=float8)))
         quantised = op.QuantizeLinear(op.Mul(operand, scale), op.Constant(value_float=1.0), zero, saturate=1)
         dequantised = op.DequantizeLinear(quantised, inverse)
     weight = op.DequantizeLinear(weight_fp8, weight_scale, axis=1) if row else op.DequantizeLinear(weight_fp8, weight_scale)
