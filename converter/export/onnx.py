@@ -53,6 +53,16 @@ bf16
     anything itself. ``precision="bf16"`` exports bf16 for GPU providers: the static checks run,
     CPU verification is skipped and the notes say why (``verified=False``).
 
+fp8
+    An fp8 conversion (``options.fp8_recipe`` set) exports itself, bf16, with each fp8 linear as float8e4m3fn
+    QuantizeLinear/DequantizeLinear around an fp32 MatMul (:mod:`~converter.export.onnx_fp8`; dynamo
+    exporter only). onnxruntime's CPU provider cannot run its bf16 ops, so it is verified with
+    ``onnx.reference.ReferenceEvaluator`` (:func:`~converter.export.onnx_verify.verify_with_reference`:
+    verdict check ``reference_match``, an SQNR floor), and ``fp8_qdq`` (a verdict check too) asks for the
+    Q/DQ chain of every fp8 linear and no other Q/DQ. What it cannot write (``blockwise``, an fp16 export,
+    TorchScript, opset < 20) is refused with :class:`~converter.export.onnx_fp8.Fp8OnnxRefused` (exit 2)
+    before anything is written.
+
 Modules
     This module is the entry point (:func:`export_onnx`, :class:`OnnxResult`) and runs the steps;
     :mod:`~converter.export.onnx_exporter` calls ``torch.onnx.export`` (with the fallback) and writes
@@ -139,7 +149,9 @@ class OnnxResult:
     count, Cast dtypes, round trips, fp32 I/O, half initializers) are in ``checks`` too, and a
     difference there is listed in ``differences`` with its cause, as information. ``verified`` is
     True when onnxruntime ran the model and its outputs matched ``conv.module``; it is False for a
-    bf16 export (CPU has no bf16 kernels) or when ``verify=False``.
+    bf16 export (CPU has no bf16 kernels) or when ``verify=False``. For an fp8 conversion the
+    reference evaluator runs it instead (``verified`` as for onnxruntime); ``fp8`` holds its recipe,
+    layers and Q/DQ counts, ``sqnr_db`` the reference evaluator's SQNR against ``conv.module``.
     """
 
     path: Path
@@ -268,7 +280,8 @@ def export_onnx(
     static checks always run). ``exporter``: ``auto`` (dynamo, then TorchScript), ``dynamo`` or
     ``torchscript``. ``compare_size``: also export the fp32 original and report the size ratio.
     ``keep_debug_metadata``: keep the exporter's per-node debug metadata (dropped by default, from
-    both exports, so that the size comparison measures the weights).
+    both exports, so that the size comparison measures the weights). An fp8 ``source`` is written with
+    float8 Q/DQ GEMMs and verified with the reference evaluator (module docstring, "fp8").
     """
     if exporter not in ("auto", "dynamo", "torchscript"):
         raise ValueError(f"exporter must be 'auto', 'dynamo' or 'torchscript', got {exporter!r}")

@@ -2,38 +2,42 @@
 
 An fp8 conversion (``precision="fp8"``) runs the linears the rules selected through
 :func:`converter.fp8.kernels.fp8_linear`; everything else is its bf16 conversion. For inference the
-export writes each such linear as the kernel's forward GEMM, in standard ONNX (opset >= 19):
+export writes each such linear as the kernel's forward GEMM, in standard ONNX (float8 QuantizeLinear is
+opset 19; the export writes :data:`FP8_MIN_OPSET` = 20 or later):
 
 ::
 
-    x (bf16) ─ Cast(fp32) ─┬─ Abs ─ ReduceMax ─ Max(EPS) ─ Div(448 / ·) [─ power-of-2 floor] ─ Reciprocal ─ s_x
-                           └──────── QuantizeLinear(·, s_x, zp: float8e4m3fn, saturate=1) ─ DequantizeLinear(·, s_x) ─┐
-    W8ᵀ (float8e4m3fn initializer, K x N) ─ DequantizeLinear(·, s_w) ──────────────────────────────────────── MatMul (fp32)
-                                                                                           ─ Cast(bf16) ─ Add(bias, bf16)
+    x (bf16) ─ Cast(fp32) ─ Abs ─ ReduceMax ─ Max(EPS) ─ Div(448 / ·) = s   [rowwise: per row, power-of-2 floor]
+      tensorwise: Mul(x, s) ─ QuantizeLinear(1, zp float8e4m3fn, saturate=1) ─ DequantizeLinear(1/s) ─┐
+      rowwise:    Reshape(rows, K) ─ QuantizeLinear(1/s, axis=0, saturate=1) ─ DequantizeLinear(1/s) ─ Reshape ─┤
+    W8ᵀ (float8e4m3fn initializer, K x N) ─ DequantizeLinear(s_w) ─────────────────────────────────── MatMul (fp32)
+                                                                                  ─ Cast(bf16) ─ Add(bias, bf16)
 
-* the input is quantised with a dynamic scale computed in the graph, exactly as the kernel does
-  (``scale = 448 / max(amax, EPS)``, the QuantizeLinear scale is its reciprocal): ``tensorwise`` one scale
-  per tensor; ``rowwise`` and ``rowwise_gw_hp`` (the same forward) one per row, rounded down to a power of
-  two, as a per-axis QuantizeLinear (``axis=0``) on the input reshaped to (rows, K);
+* the input is quantised with a dynamic scale computed in the graph, as the kernel computes it
+  (``s = 448 / max(amax, EPS)``): ``tensorwise`` one scale per tensor; ``rowwise`` and ``rowwise_gw_hp``
+  (the same forward) one per row, rounded down to a power of two, as a per-axis QuantizeLinear
+  (``axis=0``) on the input reshaped to (rows, K). QuantizeLinear divides by its scale where the kernel
+  multiplies by ``s``: with power-of-2 scales ``x / (1/s)`` is ``x * s`` exactly, but with tensorwise's
+  ``448 / amax`` and bf16 inputs ``x * s`` lands exactly on a float8 rounding tie for about 1 % of the
+  elements (``x`` and ``amax`` share few mantissa bits) and ``x / (1/s)``, one fp32 ulp off, rounds the
+  other way. So tensorwise multiplies first and quantises with scale 1; its DequantizeLinear has ``1/s``;
 * the weight is quantised once, at export, by the kernel's own code: it is stored as a float8e4m3fn
-  initializer (transposed, K x N) with its scale (a scalar, or one per output feature: ``axis=1``), so
-  the file holds fp8 weights, and only its DequantizeLinear runs;
+  initializer (transposed, K x N) with its inverse scale (a scalar, or one per output feature:
+  ``axis=1``), so the file holds fp8 weights, and only its DequantizeLinear runs;
 * the GEMM is an fp32 MatMul of the two dequantised operands (the kernel's fp32 accumulation), cast to
   the input's dtype, then the bias is added in that dtype, as the kernel adds it.
 
-So every fp8 linear has one QuantizeLinear and two DequantizeLinear nodes (:data:`QDQ_PER_LAYER`),
-named ``fp8/<node>/...`` after the FX node (:func:`name_fp8_nodes`), except that linears reading the
-same tensor (q, k, v) share its quantisation (the exporter's optimizer merges identical subgraphs); no
-other node of the graph reads a float8 value (:func:`fp8_checks`). Differences from the kernel: QuantizeLinear divides by the
-reciprocal scale where the kernel multiplies by the scale; for power-of-2 scales (rowwise) that is exact,
-for tensorwise an element can round to the neighbouring float8 value when ``x * s`` falls within one fp32
-ulp of a rounding tie.
+So the file computes what the kernel computes, bit for bit where no bf16 op precedes a quantisation
+(tests/test_fp8_onnx.py). Every fp8 linear has one QuantizeLinear and two DequantizeLinear nodes
+(:data:`QDQ_PER_LAYER`), named ``fp8/<node>/...`` after the FX node (:func:`name_fp8_nodes`), except that
+linears reading the same tensor (q, k, v) share its quantisation (the exporter's optimizer merges
+identical subgraphs); no other node of the graph is a Q/DQ (:func:`fp8_checks`).
 
 How: before ``torch.onnx.export`` (dynamo only: the TorchScript exporter cannot translate it), each
 ``fp8_linear`` call of the export copy becomes a call of the custom op ``mpconvert::fp8_linear_qdq`` on
 the weight's float8 buffers (:func:`prepare_fp8`), and :func:`translation_table` tells the exporter how to
 write that op in ONNX. What cannot be exported this way (the ``blockwise`` recipe, an fp16 export of an
-fp8 conversion, the TorchScript exporter, an opset below 19) is refused in one line by
+fp8 conversion, the TorchScript exporter, an opset below 20) is refused in one line by
 :func:`check_fp8_export` before anything is written (:class:`Fp8OnnxRefused`, exit 2).
 
 onnxruntime's CPU provider cannot run the file (no bf16 MatMul/Add kernels, the same as any bf16 export;
@@ -69,8 +73,9 @@ __all__ = [
     "fp8_checks",
 ]
 
-#: QuantizeLinear with float8 outputs (and ``saturate``) exists from opset 19
-FP8_MIN_OPSET = 19
+#: QuantizeLinear with float8 outputs (and ``saturate``) exists from opset 19, but torch's dynamo exporter
+#: builds at opset 20 and converts only upwards ("downstream version conversion not currently handled")
+FP8_MIN_OPSET = 20
 #: the recipes whose forward GEMM the export writes as Q/DQ; ``rowwise_gw_hp`` differs from ``rowwise``
 #: only in its weight-gradient GEMM, which inference does not run
 ONNX_RECIPES = ("tensorwise", "rowwise", "rowwise_gw_hp")
@@ -131,8 +136,9 @@ def check_fp8_export(gm: torch.fx.GraphModule, *, fp8: bool, precision: Optional
         raise Fp8OnnxRefused("the TorchScript exporter cannot write the fp8 GEMMs as float8 Q/DQ; use exporter='auto' "
                              "or 'dynamo'")
     if opset < FP8_MIN_OPSET:
-        raise Fp8OnnxRefused(f"float8 QuantizeLinear needs opset >= {FP8_MIN_OPSET}, got opset {opset}; "
-                             f"export with opset {FP8_MIN_OPSET} or later")
+        raise Fp8OnnxRefused(f"the fp8 export needs opset >= {FP8_MIN_OPSET} (float8 QuantizeLinear exists from 19, and "
+                             f"torch's exporter converts only up from its opset {FP8_MIN_OPSET}), got opset {opset}; export "
+                             f"with opset {FP8_MIN_OPSET} or later")
 
 
 # ---------------------------------------------------------------------------------------------
