@@ -221,15 +221,24 @@ def prepare_fp8(gm: torch.fx.GraphModule) -> list[Fp8Layer]:
         layer = Fp8Layer(node.name, _WEIGHT + node.name, _SCALE + node.name, recipe, weight.shape[1], weight.shape[0])
         gm.register_buffer(layer.weight, w8.contiguous())
         gm.register_buffer(layer.scale, w_inv.reshape(-1) if rec.granularity == "row" else w_inv.reshape(()))
-        x, bias = node.args[0], node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        x, old, bias = node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
         with gm.graph.inserting_before(node):
             w_node, s_node = gm.graph.get_attr(layer.weight), gm.graph.get_attr(layer.scale)
         node.target, node.args, node.kwargs = op, (x, w_node, s_node, bias, recipe), {}
+        _erase_unused(gm.graph, old)
         layers.append(layer)
-    gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()
     return layers
+
+
+def _erase_unused(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
+    """Erase the weight's old chain (its casts and ``get_attr``) where nothing else reads it, so that the
+    export does not carry the high-precision weight beside the float8 one."""
+    while isinstance(node, torch.fx.Node) and not node.users and node.op in ("get_attr", "call_method", "call_function"):
+        inputs = node.all_input_nodes
+        graph.erase_node(node)
+        node = inputs[0] if len(inputs) == 1 else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,7 +281,9 @@ def _translate(x, weight_fp8, weight_scale, bias, recipe: str):
         dequantised = op.DequantizeLinear(quantised, inverse)
     weight = op.DequantizeLinear(weight_fp8, weight_scale, axis=1) if row else op.DequantizeLinear(weight_fp8, weight_scale)
     y = op.Cast(op.MatMul(dequantised, weight), to=int(x.dtype))
-    return y if bias is None else op.Add(y, bias)
+    if bias is None:
+        return y
+    return op.Add(y, bias if bias.dtype == x.dtype else op.Cast(bias, to=int(x.dtype)))  # the kernel: bias.to(y.dtype)
 
 
 def _floor_power_of_2(op, scale):
