@@ -138,6 +138,10 @@ def tuned_for(report: ReportView, escape: Callable[[str], str]) -> str:
     kept_fused = [c for c in report.extra.get("lowering") or [] if isinstance(c, dict) and c.get("lowering") == "lower_attention"]
     if kept_fused:
         what += f" · {len(kept_fused)} attention call(s) kept fused: their score matrices are over the size bound"
+    upcast = [c for c in report.extra.get("lowering") or [] if isinstance(c, dict) and c.get("lowering") == "upcast_gemm"]
+    for choice in upcast:  # converter.passes.cpu_gemm: the half GEMMs' kernels, measured on this CPU
+        how = "run as fp32 GEMMs on upcast operands" if choice.get("chosen") else "native"
+        what += escape(f" · GEMM kernels ({choice.get('node')}): {how}: {choice.get('why')}")
     return f"{escape(str(device))} · lowered: {what}"
 
 
