@@ -191,7 +191,8 @@ CONTRACT: tuple[MetaKey, ...] = (
     MetaKey(GM_GRAPH, "graph", "GraphMeta", ("api", "lower", "ir"), ("report",),
             "graph-level facts, declared fields of a frozen record: tracer, precision, capture errors, rule files; "
             "lower's list and its cost model's choices (lower sets lowering), simplify's folds, the fp32_math "
-            "setting and region count, the checkpoint summary (set_graph_facts replaces them)"),
+            "setting and region count, the checkpoint summary, the fp8 recipe, layers, SQNR floors, per-layer numerics and "
+            "fallback (set_graph_facts replaces them)"),
     MetaKey(GM_PARAM_DTYPES, "graph", "dict[str, torch.dtype]", ("rewrite", "api"), ("report", "export", "train", "api", "lightning"),
             "fqn -> the dtype each parameter may be stored in (O2); the emitted model.py sets it too"),
     MetaKey(GM_PARAM_STORAGE, "graph", "dict[str, str]", ("rewrite",), ("report",),
