@@ -34,7 +34,7 @@ both); the kernels always pass that layout.
 Alignment: CUDA ``_scaled_mm`` checks that the first operand's columns (the contraction dimension) and both
 dimensions of the second operand are multiples of 16, and nothing about the first operand's rows (torch's
 ``aten/src/ATen/native/cuda/ScaledBlas.cpp``, ``_scaled_mm_out_cuda``: ``mat1.sizes()[1] % 16 == 0`` and
-``mat2.sizes()[0] % 16 == 0 && mat2.sizes()[1] % 16 == 0``; ``Blas.cpp`` before torch 2.9; the CUTLASS rowwise
+``mat2.sizes()[0] % 16 == 0 && mat2.sizes()[1] % 16 == 0``, in ``Blas.cpp`` in older releases; the CUTLASS rowwise
 kernel pads its row scales for any M itself). So K and N (in_features, out_features) must be multiples of
 ``ALIGN`` and are never padded: ``check_dims`` raises a ValueError naming them, and a rule layer asks
 ``misaligned_dims`` first (a list of the offending dimensions, no exception) and keeps such GEMMs in bf16. The
