@@ -35,7 +35,7 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 TENSORWISE = [(E4M3, E4M3), (E5M2, E4M3), (E5M2, E4M3)]  # forward, grad_input, grad_weight
 #: torchao's floors (its float8 tests): output 18 dB, weight gradient 17 dB
 OUT_DB, GW_DB = 18.0, 17.0
-VOCAB, DIM, BATCH, SEQ = 128, 64, 2, 16  # tokens M = 32: a multiple of 16, as the grad_weight GEMM needs
+VOCAB, DIM, BATCH, SEQ = 128, 64, 2, 16
 
 
 class ScaledMMCalls(TorchDispatchMode):

@@ -25,8 +25,9 @@ ignorant of recipes. It runs before simplify, which then sees an ordinary call.
 ``file:[settings].key``, its reason names the size and the fp8 rule it overrode): ``fp8_keep_first`` and
 ``fp8_keep_last`` (the first and the last linear of the graph, in graph order: the layer that reads the
 embeddings and the output layer), ``fp8_align`` (in_features and out_features multiples of it; CUDA
-``_scaled_mm`` needs 16 and the kernels never pad), ``fp8_min_flops_per_token`` (2·K·N below it: the casts
-cost more than the faster GEMM saves). A gated node keeps its bf16 linear and has ``requested`` bf16.
+``_scaled_mm`` needs 16 and the kernels never pad K or N; the token count is free: the grad_weight GEMM
+zero-pads it), ``fp8_min_flops_per_token`` (2·K·N below it: the casts cost more than the faster GEMM
+saves). A gated node keeps its bf16 linear and has ``requested`` bf16.
 
 **Fallback** (with calibration, :mod:`converter.numerics.fp8_layers`): a layer whose measured SQNR of
 a GEMM is under its floor (:func:`sqnr_floors`: the settings ``fp8_min_sqnr_output``, ``fp8_min_sqnr_grad_input``,
@@ -173,10 +174,10 @@ def _gate(node: torch.fx.Node, gm: torch.fx.GraphModule, rules: Rules, recipe: s
         return "", "its weight is not a 2-D parameter the stage can see"
     n, k = weight.shape
     align = int(rules.setting("fp8_align", 16))
-    bad = [(name, size) for name, size in (("K", k), ("N", n)) if size % align] or misaligned_dims(None, k, n, recipe)
+    bad = [(name, size) for name, size in (("K", k), ("N", n)) if size % align] or misaligned_dims(k, n, recipe)
     if bad:
         dims = ", ".join(f"{name}={size}" for name, size in bad)
-        return "fp8_align", f"{dims} not a multiple of {align} (scaled GEMMs are never padded)"
+        return "fp8_align", f"{dims} not a multiple of {align} (scaled GEMMs never pad in_features or out_features)"
     floor = int(rules.setting("fp8_min_flops_per_token", 0))
     if 2 * k * n < floor:
         return "fp8_min_flops_per_token", f"2·K·N = {2 * k * n} FLOPs per token (K={k}, N={n}) is below {floor}"
