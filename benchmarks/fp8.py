@@ -183,7 +183,7 @@ def torchao_linear(ao: dict, linear: nn.Linear, recipe: str) -> nn.Module:
 def select_linears(model: nn.Module, recipe: str) -> list[str]:
     """FQNs of the Linears to run in FP8: all but the first and the last, with K and N multiples of 16."""
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    return [name for name, m in linears[1:-1] if not misaligned_dims(None, m.in_features, m.out_features, recipe)]
+    return [name for name, m in linears[1:-1] if not misaligned_dims(m.in_features, m.out_features, recipe)]
 
 
 def swap_ours(model: nn.Module, fqns: list[str], recipe: str) -> nn.Module:

@@ -88,6 +88,7 @@ ABLATIONS = {
     "O2-keep": "no lowered attention recomputed (probabilities kept for backward)",
     "O2-portable": "no device lowering (converted without naming the device)",
     "O2-raw": "without the simplify pass",
+    "O2-native-gemm": "half GEMMs on the native half kernels (no upcast to fp32 GEMMs; converter.passes.cpu_gemm)",
 }
 #: variants only some runs have (``O2g``: CUDA graphs, on CUDA only; the --ablate ones), in table order after VARIANTS
 EXTRA_VARIANTS = ("O2g", *ABLATIONS)
@@ -365,6 +366,14 @@ def ablation_variants(model: nn.Module, args: tuple, kwargs: dict, *, precision:
     options = ConvertOptions(precision=precision, opt_level="O2", device=device.type)
     captured, *_ = pipeline(copy.deepcopy(model), (args, kwargs), options, rules=rules, simplify_graph=False)
     out["O2-raw"] = o2("O2-raw", captured.gm)
+    if device.type == "cpu":  # the GEMM kernels' choice (measured on this CPU) flipped to native half GEMMs
+        from converter.passes import cpu_gemm
+
+        cpu_gemm.UPCAST_HALF_GEMMS = False
+        try:
+            out["O2-native-gemm"] = o2("O2-native-gemm", convert(device=device.type))
+        finally:
+            cpu_gemm.UPCAST_HALF_GEMMS = None
     return out
 
 

@@ -6,6 +6,7 @@
 
     trainer = lightning.pytorch.Trainer(plugins=[MixedPrecision("bf16-mixed")], ...)          # bf16, O1
     trainer = lightning.pytorch.Trainer(plugins=[MixedPrecision("16-mixed", opt_level="O2")], ...)  # fp16, O2
+    trainer = lightning.pytorch.Trainer(plugins=[MixedPrecision("fp8", rules=[...])], ...)     # fp8 GEMMs
 
 At setup (``convert_module``) the plugin converts the LightningModule in place with
 :func:`converter.apply`, on ``example_inputs`` or the module's ``example_input_array`` (Lightning's own
@@ -19,6 +20,10 @@ that owns the backward and the step: fp16 losses are scaled by a :class:`~conver
 half and steps fp32 masters, and Lightning's ``gradient_clip_val`` (norm) clips the unscaled
 gradients. The plugin's ``state_dict`` (saved in every Lightning checkpoint) holds each trainer's
 scaler, fp32 masters and counters, so ``Trainer.fit(ckpt_path=...)`` resumes exactly.
+
+``"fp8"`` (or ``fp8_recipe=...`` with bf16) converts with precision fp8: the GEMMs the rules mark ``fp8`` run in
+float8, everything else as bf16. FP8 is compute only, so the plugin trains it as bf16 (no loss scaling; Lightning
+sees ``"bf16-mixed"``) and checkpoints hold the stored dtypes (fp32, or bf16 under O2 with fp32 masters).
 
 Needs ``lightning`` or ``pytorch-lightning`` (``pip install 'mpconvert[lightning]'``).
 """
@@ -57,7 +62,7 @@ class MixedPrecision(_Precision):
     """Lightning ``Precision`` plugin that trains the mpconvert-converted module (see the module docstring).
 
     Args:
-        precision: ``"bf16-mixed"`` / ``"16-mixed"`` (or ``bf16``/``fp16``).
+        precision: ``"bf16-mixed"`` / ``"16-mixed"`` (or ``bf16``/``fp16``), or ``"fp8"`` (bf16 with fp8 GEMMs).
         example_inputs: what :func:`converter.convert` takes; default: the module's ``example_input_array``.
         submodule: convert this attribute of the LightningModule instead of the module itself.
         opt_level: ``"O1"`` (fp32 parameters, casts in the graph) or ``"O2"`` (weights stored in half, fp32
@@ -90,7 +95,7 @@ class MixedPrecision(_Precision):
 
     @property
     def half(self) -> str:
-        """The half dtype, ``bf16`` or ``fp16`` (``options.precision``)."""
+        """The half dtype, ``bf16`` or ``fp16`` (``options.precision``; ``bf16`` for ``"fp8"``)."""
         return self.options.precision
 
     @property

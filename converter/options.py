@@ -23,7 +23,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional
 
 from converter.ir.errors import MpconvertError
-from converter.ir.precision_names import half_name
+from converter.ir.precision_names import precision_message, target_name
 
 __all__ = ["ConvertOptions", "OptionsError", "build_options", "TRACERS", "PLACEMENTS", "OPT_LEVELS", "DEVICES",
            "FP8_RECIPES"]
@@ -117,11 +117,17 @@ class ConvertOptions:
 
 def _half(precision: Any) -> str:
     """``fp16``/``bf16`` for any spelling or torch dtype (the one table, :mod:`converter.ir.precision_names`)."""
-    if isinstance(precision, str):
-        return half_name(precision)
-    from converter.ir.precision import half_precision  # a torch dtype: torch is loaded already
+    if isinstance(precision, str):  # a conversion target: an unknown name's message lists fp8 too
+        return target_name(precision)
+    from converter.ir.precision import PrecisionError, canonical  # a torch dtype: torch is loaded already
 
-    return half_precision(precision)
+    try:  # the same one line as for a name, fp8 among the choices
+        name = canonical(precision)
+    except PrecisionError:
+        raise PrecisionError(precision_message(precision, known=False, targets=True)) from None
+    if name == "fp32":
+        raise PrecisionError(precision_message(precision, known=True, targets=True))
+    return name
 
 
 def _choice(name: str, value: Any, allowed: tuple, *, or_none: bool = False) -> None:

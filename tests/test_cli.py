@@ -308,7 +308,8 @@ def test_existing_output_directory_without_force(work, capfd):
 
 
 def test_unknown_precision(work, capfd):
-    assert_bad_input(*run(capfd, MLP, "--precision", "fp4"), "unknown precision 'fp4'", "fp16 or bf16")
+    assert_bad_input(*run(capfd, MLP, "--precision", "fp4"), "unknown precision 'fp4'", "fp16, bf16 or fp8")
+    assert_bad_input(*run(capfd, MLP, "--precision", "fp9"), "unknown precision 'fp9'", "did you mean 'fp8'?")
     assert_bad_input(*run(capfd, MLP, "--tracer", "jit"), "--tracer", "invalid choice")
     assert_bad_input(*run(capfd, MLP, "--onnx-precision", "fp16"), "--onnx-precision needs --onnx")
     assert_bad_input(*run(capfd, MLP, "--tolerance", "loose"), "--tolerance 'loose' is not understood")

@@ -21,6 +21,7 @@ import converter.report.explain as explain_module
 from converter.ir import meta as ir_meta
 from converter.ir.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, EXIT_INTERNAL, MpconvertError
 from converter.ir.precision import ALIASES, PrecisionError, canonical, half_precision
+from converter.ir.precision_names import precision_message
 from converter.report.common import node_reason as _reason
 from converter.report.explain import explain
 from converter.rules import precedence
@@ -91,8 +92,10 @@ def _stage(rel: str) -> str:
     if parts[0] in ("passes", "numerics"):
         # the calibrate stage is split over numerics/calibrate.py, stats.py (the statistics pass)
         # and redecide.py (re-deciding and re-placing); the search stage over search.py and
-        # sensitivity.py (its ranking)
-        return {"stats": "calibrate", "redecide": "calibrate", "sensitivity": "search"}.get(parts[1], parts[1])
+        # sensitivity.py (its ranking); the lower stage's CPU GEMM kernels run after rewrite (cpu_gemm.py);
+        # the fp8 stage is split over passes/fp8.py and numerics/fp8_layers.py (its numerics)
+        return {"stats": "calibrate", "redecide": "calibrate", "sensitivity": "search",
+                "cpu_gemm": "lower", "fp8_layers": "fp8"}.get(parts[1], parts[1])
     return parts[0]
 
 
@@ -284,7 +287,11 @@ def test_one_message_for_a_bad_precision_everywhere(bad, hint, tmp_path):
     model = _Tiny()
     with pytest.raises(PrecisionError) as via_trainer:
         MixedPrecisionTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), precision=bad)
-    assert str(via_convert.value) == str(via_trainer.value) == message
+    assert str(via_trainer.value) == message
+    # a conversion target also takes the compute mode fp8 (issue 34): same message, fp8 listed among the choices
+    target_message = precision_message(bad, known=bad in ("fp32", torch.float32), targets=True)
+    assert "one of fp16, bf16 or fp8 (aliases:" in target_message, target_message
+    assert str(via_convert.value) == target_message, (str(via_convert.value), target_message)
     assert isinstance(direct.value, ValueError) and direct.value.exit_code == EXIT_BAD_INPUT
 
 

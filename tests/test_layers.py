@@ -5,8 +5,8 @@ Layers, lowest first (docs/architecture.md)::
     _version < ir < rules < passes < numerics < options < report < export < api < inplace < lightning < cli
 
 ``train`` stands beside the stack: it may import ``converter.ir`` and nothing else from the package, so the
-training wrapper never drags in the converter. ``fp8`` (the FP8 kernels) stands beside it too and imports
-nothing of the package at all: model.py carries its source verbatim. ``converter/__init__.py`` and ``__main__`` sit on top.
+training wrapper never drags in the converter. ``fp8`` (the FP8 kernels) and ``kernels`` (the
+upcast GEMMs) stand beside it too and import nothing of the package at all: model.py carries their source verbatim. ``converter/__init__.py`` and ``__main__`` sit on top.
 Every import counts, also those inside functions: a lazy import is still a dependency.
 """
 from __future__ import annotations
@@ -19,6 +19,8 @@ import networkx as nx
 PACKAGE = Path(__file__).resolve().parent.parent / "converter"
 LAYERS = ["_version", "ir", "rules", "passes", "numerics", "options", "report", "export", "api", "inplace", "lightning", "cli"]
 RANK = {name: i for i, name in enumerate(LAYERS)}
+#: torch-only kernel packages that model.py carries verbatim: they import nothing of the package
+STANDALONE = ("fp8", "kernels")
 
 
 def _module_name(path: Path) -> str:
@@ -92,14 +94,14 @@ def test_no_upward_imports():
             if b is None and a is not None:
                 upward.append(f"{src} -> {dst}")
             continue
-        if a == "fp8":
-            upward.append(f"{src} -> {dst} (fp8/ imports nothing of the package: model.py carries it)")
+        if a in STANDALONE:
+            upward.append(f"{src} -> {dst} ({a}/ imports nothing of the package: model.py carries it)")
             continue
         if a == "train":
             if b not in ("train", "ir", "_version"):
                 upward.append(f"{src} -> {dst} (train/ may import only converter.ir)")
             continue
-        if b in ("train", "fp8"):
+        if b == "train" or b in STANDALONE:
             continue  # anyone may use the training wrapper's public pieces
         if RANK[b] > RANK[a]:
             upward.append(f"{src} ({a}) -> {dst} ({b})")

@@ -32,8 +32,9 @@ from typing import Optional
 
 from converter.export.errors import EmitError
 from converter.fp8 import kernels as fp8_kernels
+from converter.kernels import upcast as upcast_kernels
 
-__all__ = ["function_lines", "fp8_kernel_lines"]
+__all__ = ["function_lines", "fp8_kernel_lines", "upcast_kernel_lines", "kernel_lines"]
 
 #: names model.py's template imports itself (``import math``, ``import torch``, ``from torch import nn``...)
 _TEMPLATE_MODULES = {"json": "json", "math": "math", "os": "os", "torch": "torch", "nn": "torch.nn"}
@@ -65,10 +66,20 @@ def function_lines(classes: list[type], warnings: list[str]) -> list[str]:
 
 
 def fp8_kernel_lines() -> list[str]:
-    """converter/fp8/kernels.py for model.py, verbatim but for two statements: its ``from __future__`` import
-    (legal only at the top of a file; the code runs the same without it) and its ``__all__`` (model.py's
-    names are its own). The module imports only torch and the standard library (tests/test_fp8_kernels.py)."""
-    text = Path(fp8_kernels.__file__).read_text(encoding="utf-8")
+    """converter/fp8/kernels.py for model.py (:func:`kernel_lines`): the fp8_linear calls."""
+    return kernel_lines(fp8_kernels, "mpconvert's FP8 GEMMs, torch only): the fp8_linear calls below")
+
+
+def upcast_kernel_lines() -> list[str]:
+    """converter/kernels/upcast.py for model.py (:func:`kernel_lines`): the CPU lowering's upcast GEMM calls."""
+    return kernel_lines(upcast_kernels, "half GEMMs as fp32 GEMMs, torch only): the upcast_linear/upcast_matmul calls below")
+
+
+def kernel_lines(module, what: str) -> list[str]:
+    """A torch-only kernels module's source for model.py, verbatim but for two statements: its ``from __future__``
+    import (legal only at the top of a file; the code runs the same without it) and its ``__all__`` (model.py's
+    names are its own). Such a module imports only torch and the standard library (its tests check)."""
+    text = Path(module.__file__).read_text(encoding="utf-8")
     drop: set[int] = set()
     for stmt in ast.parse(text).body:
         future = isinstance(stmt, ast.ImportFrom) and stmt.module == "__future__"
@@ -77,10 +88,10 @@ def fp8_kernel_lines() -> list[str]:
             drop.update(range(stmt.lineno, stmt.end_lineno + 1))
     kept = [line for number, line in enumerate(text.splitlines(), 1) if number not in drop]
     taken = sorted(_template_names() & _top_level_names("\n".join(kept)))
+    path = "converter/" + "/".join(module.__name__.split(".")[1:]) + ".py"
     if taken:
-        raise EmitError(f"internal error: the fp8 kernels define {taken[0]!r}, a name model.py itself defines; please report it")
-    return ["", "", "# ---- converter/fp8/kernels.py (mpconvert's FP8 GEMMs, torch only): the fp8_linear calls below ----",
-            *kept, "# ---- end of converter/fp8/kernels.py ----", ""]
+        raise EmitError(f"internal error: {path} defines {taken[0]!r}, a name model.py itself defines; please report it")
+    return ["", "", f"# ---- {path} ({what} ----", *kept, f"# ---- end of {path} ----", ""]
 
 
 def _top_level_names(source: str) -> set[str]:

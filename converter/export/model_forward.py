@@ -25,17 +25,21 @@ from torch.fx.graph import _custom_builtins
 from torch.fx.node import map_aggregate
 
 from converter.export.errors import EmitError
-from converter.export.functions import fp8_kernel_lines, function_lines
+from converter.export.functions import fp8_kernel_lines, function_lines, upcast_kernel_lines
 from converter.export.model_signature import EmitCodeGen, export_codegen
 from converter.export.source_text import check_attribute_path, comment_text
 from converter.fp8.kernels import fp8_linear
 from converter.ir.graphmodule import TwoModeGraphModule
 from converter.ir.meta import META_CAST, META_DECISION, META_INFO
 from converter.ir.ops import library_op
+from converter.kernels.upcast import upcast_linear, upcast_matmul
 from converter.passes.checkpoint import with_checkpoints
 from converter.passes.fp32_math import RUNTIME_HELPERS, runtime_source
 
 __all__ = ["PreparedGraph", "prepare_graph", "is_guard_path", "forwards", "library_imports", "check_defaults"]
+
+#: functions the converted graph may call whose torch-only modules model.py carries verbatim
+_CARRIED_KERNELS = (fp8_linear, upcast_linear, upcast_matmul)
 
 def _is_guard_module(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     if node.op != "call_module":
@@ -126,7 +130,7 @@ def _forward_source(gm: torch.fx.GraphModule, prepared: PreparedGraph, original:
         body = body.replace("def forward(", f"def {name}(", 1)
     used = {key: obj for key, obj in python.globals.items() if re.search(rf"\b{re.escape(key)}\b", body)}
     # the fp32 math scope calls and the fp8 stage's fp8_linear: model.py carries their (torch-only) source
-    runtime = {key: obj for key, obj in used.items() if obj in RUNTIME_HELPERS or obj is fp8_linear}
+    runtime = {key: obj for key, obj in used.items() if obj in RUNTIME_HELPERS or obj in _CARRIED_KERNELS}
     for key, obj in runtime.items():
         body = re.sub(rf"\b{re.escape(key)}\b", obj.__name__, body)
     # custom autograd Functions (passes.autograd_fns): model.py defines or imports the class, calls Fn.apply
@@ -176,6 +180,8 @@ def forwards(gm: torch.fx.GraphModule, original: Optional[nn.Module], warnings: 
                     *runtime_source().splitlines(), ""]
     if any(obj is fp8_linear for obj in runtime.values()):  # the fp8 stage's GEMMs (converter.passes.fp8)
         imports += fp8_kernel_lines()
+    if any(obj in (upcast_linear, upcast_matmul) for obj in runtime.values()):  # the CPU GEMM lowering (passes.cpu_gemm)
+        imports += upcast_kernel_lines()
     if functions:  # their classes, backward included (converter.export.functions)
         imports += function_lines(functions, warnings)
     return "\n\n".join(methods), imports, prepared_graphs, io_note

@@ -1,8 +1,10 @@
 """Generate train.py, and pick the safe name under which the model file is copied next to it.
 
-train.py is ``templates/train.py.tmpl`` with four literals filled in: the precision, the name of
+train.py is ``templates/train.py.tmpl`` with five literals filled in: the precision, the name of
 the model file's copy in the output directory (:data:`USER_MODEL_FILE`), the model file's original
-base name (for messages), and a description of the example inputs for synthetic data. It reads
+base name (for messages), a description of the example inputs for synthetic data, and the fp8
+summary (``report.extra["fp8"]``'s recipe and layer count, or None): an fp8 conversion trains as bf16
+(the trainer's precision; fp8 is compute only, in model.py's ``fp8_linear`` calls) and says so. It reads
 nothing outside its own directory: no absolute path recorded at conversion time, no repository
 path. Each value enters as a ``repr`` literal, so no file name can inject code.
 """
@@ -60,4 +62,11 @@ def render_train_py(conv, *, model_file: Optional[str] = None) -> str:
         user_model=repr(USER_MODEL_FILE if copied is not None else None),
         model_file_name=repr(Path(model_file).name if model_file else None),
         example_inputs=repr(spec),
+        fp8=repr(_fp8_summary(conv)),
     )
+
+
+def _fp8_summary(conv) -> Optional[dict]:
+    """``{"recipe": ..., "count": ...}`` of an fp8 conversion (the linears whose GEMMs run in fp8), else None."""
+    fp8 = conv.report.extra.get("fp8")
+    return {"recipe": str(fp8["recipe"]), "count": int(fp8["count"])} if fp8 else None

@@ -29,13 +29,24 @@ Recipes (``RECIPES``):
   *emulated*: dequantise each operand to float32, then an fp32 matmul. It runs no ``_scaled_mm`` at all.
 
 Layout: ``_scaled_mm`` wants its first operand row-major and its second column-major on CUDA (CPU accepts
-both); the kernels always pass that layout. CUDA also wants the contraction dimension and both dimensions of
-the second operand to be multiples of 16. The kernels never pad: a GEMM whose K or N (or, when grad_weight
-runs scaled, the token count M) is not a multiple of 16 raises a ValueError naming the dimension. A rule
-layer asks ``misaligned_dims`` first (a list of the offending dimensions, no exception) and keeps such GEMMs
-in bf16. The gate applies to every recipe, also the emulated one, so that one shape gate serves all of them.
-The module defines no exception class of its own: it stands outside the converter's error hierarchy
-(``MpconvertError``), which it may not import.
+both); the kernels always pass that layout.
+
+Alignment: CUDA ``_scaled_mm`` checks that the first operand's columns (the contraction dimension) and both
+dimensions of the second operand are multiples of 16, and nothing about the first operand's rows (torch's
+``aten/src/ATen/native/cuda/ScaledBlas.cpp``, ``_scaled_mm_out_cuda``: ``mat1.sizes()[1] % 16 == 0`` and
+``mat2.sizes()[0] % 16 == 0 && mat2.sizes()[1] % 16 == 0``, in ``Blas.cpp`` in older releases; the CUTLASS rowwise
+kernel pads its row scales for any M itself). So K and N (in_features, out_features) must be multiples of
+``ALIGN`` and are never padded: ``check_dims`` raises a ValueError naming them, and a rule layer asks
+``misaligned_dims`` first (a list of the offending dimensions, no exception) and keeps such GEMMs in bf16. The
+gate applies to every recipe, also the emulated one, so that one shape gate serves all of them. The token
+count M is free: in the output and grad_input GEMMs it is the first operand's rows, and the grad_weight GEMM,
+which contracts over it, zero-pads M to a multiple of ``ALIGN`` on its float8 operands after they are
+quantised. That is exact: the scales come from the unpadded tensors (a tensorwise amax, or rowwise scales per
+row of ``dy^T`` and per column of ``x``, none of them along M), and zero terms add nothing to the sums. So
+padded and odd batches (M = batch x seq of any size) train. The padding runs on every device and in the
+emulation too, so that CPU results stay bit-equal to ``emulate_linear``; the emulated ``blockwise`` recipe
+calls no ``_scaled_mm`` and pads nothing. The module defines no exception class of its own: it stands outside
+the converter's error hierarchy (``MpconvertError``), which it may not import.
 
 Bias is added after the GEMM in the output dtype, as torchao does (CUDA ``_scaled_mm`` refuses a bias when the
 output is float32: "Bias is not supported when out_dtype is set to Float32"). The output has the input's dtype;
@@ -71,6 +82,7 @@ __all__ = [
     "emulate_linear",
     "fp8_linear",
     "misaligned_dims",
+    "operand_scale",
     "quantize_operand",
     "resolve_recipe",
     "round_down_to_power_of_2",
@@ -217,48 +229,63 @@ def quantize_operand(
     inverse scale is what ``torch._scaled_mm`` takes: 0-dim (tensor), (m, 1) or (1, n) (row), or ``t``'s full
     shape (block: tiles 1 x block along the contraction dimension, block x block for a weight).
     """
-    if recipe.granularity == "tensor":
-        scale = tensorwise_scale(t, dtype, recipe.power_of_2)
-    elif recipe.granularity == "row":
-        scale = rowwise_scale(t, dtype, contract_dim, recipe.power_of_2)
-    else:
-        tile = [1, 1]
-        tile[contract_dim] = recipe.block
-        if is_weight:
-            tile = [recipe.block, recipe.block]
-        scale = blockwise_scale(t, dtype, tuple(tile), recipe.power_of_2)
+    scale = operand_scale(t, dtype, recipe, contract_dim, is_weight)
     return cast_to_fp8(t, scale, dtype), scale.reciprocal()
+
+
+def operand_scale(
+    t: torch.Tensor, dtype: torch.dtype, recipe: Fp8Recipe, contract_dim: int, is_weight: bool = False
+) -> torch.Tensor:
+    """The quantising multiplier ``quantize_operand`` casts ``t`` with (float32; shapes as its inverse scale)."""
+    if recipe.granularity == "tensor":
+        return tensorwise_scale(t, dtype, recipe.power_of_2)
+    if recipe.granularity == "row":
+        return rowwise_scale(t, dtype, contract_dim, recipe.power_of_2)
+    tile = [1, 1]
+    tile[contract_dim] = recipe.block
+    if is_weight:
+        tile = [recipe.block, recipe.block]
+    return blockwise_scale(t, dtype, tuple(tile), recipe.power_of_2)
 
 
 # ---------------------------------------------------------------------------------------------- GEMMs
 
 
-def misaligned_dims(m: Optional[int], k: int, n: int, recipe: Union[str, Fp8Recipe]) -> list:
+def misaligned_dims(k: int, n: int, recipe: Union[str, Fp8Recipe]) -> list:
     """The dimensions of a Linear that a scaled GEMM cannot take, as ``[(name, size), ...]`` (empty: fits).
 
-    ``k`` (in_features, name ``"K"``) and ``n`` (out_features, ``"N"``) must be multiples of ``ALIGN``; ``m``
-    (the token count ``"M"``, the contraction dimension of grad_weight) too when ``recipe`` scales grad_weight.
-    Pass ``m=None`` to check only the weight's dimensions (what a rule knows before any batch is seen).
+    ``k`` (in_features, name ``"K"``) and ``n`` (out_features, ``"N"``) must be multiples of ``ALIGN``, for every
+    recipe (``recipe`` is resolved, so an unknown name raises). The token count M is not a constraint: the
+    grad_weight GEMM zero-pads it (module docstring, "Alignment").
     """
-    recipe = resolve_recipe(recipe)
-    bad = [(name, size) for name, size in (("K", k), ("N", n)) if size % ALIGN]
-    if m is not None and "grad_weight" in recipe.scaled_gemms and m % ALIGN:
-        bad.append(("M", m))
-    return bad
+    resolve_recipe(recipe)
+    return [(name, size) for name, size in (("K", k), ("N", n)) if size % ALIGN]
 
 
-_DIM_LABELS = {"K": "in_features K", "N": "out_features N", "M": "tokens M (the grad_weight GEMM's contraction)"}
+_DIM_LABELS = {"K": "in_features K", "N": "out_features N"}
 
 
-def check_dims(m: Optional[int], k: int, n: int, recipe: Union[str, Fp8Recipe]) -> None:
-    """Raise a ValueError naming each dimension that ``misaligned_dims`` reports (nothing is padded)."""
-    bad = misaligned_dims(m, k, n, recipe)
+def check_dims(k: int, n: int, recipe: Union[str, Fp8Recipe]) -> None:
+    """Raise a ValueError naming each dimension that ``misaligned_dims`` reports (K and N are never padded)."""
+    bad = misaligned_dims(k, n, recipe)
     if bad:
         what = ", ".join(f"{_DIM_LABELS[name]}={size}" for name, size in bad)
         raise ValueError(
             f"fp8 recipe {resolve_recipe(recipe).name!r}: {what} not a multiple of {ALIGN}; scaled GEMMs need "
-            f"multiples of {ALIGN} and nothing is padded: keep this GEMM in high precision"
+            f"in_features and out_features multiples of {ALIGN}: keep this GEMM in high precision"
         )
+
+
+def _zero_pad(t8: torch.Tensor, dim: int, extra: int) -> torch.Tensor:
+    """``t8`` (float8, 2-D) with ``extra`` zeros appended along ``dim``; the result is contiguous.
+
+    Works on the bytes (``view(torch.uint8)``): float8's +0.0 is the all-zero byte, and ``cat`` of uint8 runs on
+    every device, where float8 fills and pads may not.
+    """
+    shape = list(t8.shape)
+    shape[dim] = extra
+    zeros = torch.zeros(shape, dtype=torch.uint8, device=t8.device)
+    return torch.cat([t8.view(torch.uint8), zeros], dim=dim).view(t8.dtype)
 
 
 def _dequantize(t8: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
@@ -305,12 +332,17 @@ def _grad_input(g2: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype, 
 
 
 def _grad_weight(g2: torch.Tensor, x2: torch.Tensor, out_dtype: torch.dtype, recipe: Fp8Recipe, native: bool):
-    """Backward GEMM ``g2^T @ x2`` (N x K): the gradient of the weight."""
+    """Backward GEMM ``g2^T @ x2`` (N x K): the gradient of the weight; M (its contraction) zero-padded to ``ALIGN``
+    when the recipe runs ``_scaled_mm`` (in the emulation too, so that both sum the same terms)."""
     if "grad_weight" not in recipe.scaled_gemms:
         return torch.mm(g2.t(), x2.to(g2.dtype)).to(out_dtype)
-    a = quantize_operand(g2.t(), recipe.grad_output_dtype, recipe, contract_dim=1)
-    b = quantize_operand(x2, recipe.input_dtype, recipe, contract_dim=0)
-    return _scaled_gemm(a, b, out_dtype, native)
+    a8, a_inv = quantize_operand(g2.t(), recipe.grad_output_dtype, recipe, contract_dim=1)
+    b8, b_inv = quantize_operand(x2, recipe.input_dtype, recipe, contract_dim=0)
+    extra = (-x2.shape[0]) % ALIGN if recipe.native else 0
+    if extra:  # M is this GEMM's contraction: zero-pad it after quantising (scales unchanged, sums exact)
+        a8 = _zero_pad(a8, 1, extra)  # (N, M + extra), row-major
+        b8 = _zero_pad(b8.t(), 1, extra).t()  # (M + extra, K), column-major
+    return _scaled_gemm((a8, a_inv), (b8, b_inv), out_dtype, native)
 
 
 class Fp8Linear(torch.autograd.Function):
@@ -326,7 +358,7 @@ class Fp8Linear(torch.autograd.Function):
     def forward(x: torch.Tensor, weight: torch.Tensor, recipe: Union[str, Fp8Recipe]) -> torch.Tensor:
         """The output GEMM on ``x`` flattened to (M, K)."""
         rec = resolve_recipe(recipe)
-        check_dims(None, weight.shape[1], weight.shape[0], rec)
+        check_dims(weight.shape[1], weight.shape[0], rec)
         y = _output(x.reshape(-1, x.shape[-1]), weight, rec, rec.native)
         return y.reshape(x.shape[:-1] + (weight.shape[0],))
 
@@ -347,9 +379,7 @@ class Fp8Linear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = _grad_input(g2, weight, x.dtype, rec, rec.native).reshape(x.shape)
         if ctx.needs_input_grad[1]:
-            x2 = x.reshape(-1, x.shape[-1])
-            check_dims(x2.shape[0], weight.shape[1], weight.shape[0], rec)
-            grad_w = _grad_weight(g2, x2, weight.dtype, rec, rec.native)
+            grad_w = _grad_weight(g2, x.reshape(-1, x.shape[-1]), weight.dtype, rec, rec.native)
         return grad_x, grad_w, None
 
 
@@ -361,12 +391,11 @@ def fp8_linear(
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` through ``Fp8Linear``; the bias is added after the GEMM in ``x``'s dtype.
 
-    Raises a ValueError (``check_dims``) before any work when a dimension does not fit (the token count is checked only
-    when the weight's gradient will be computed and the recipe scales that GEMM).
+    Raises a ValueError (``check_dims``) before any work when in_features or out_features is not a multiple of
+    ``ALIGN``; any token count (batch x sequence) is accepted.
     """
     rec = resolve_recipe(recipe)
-    m = x.shape[:-1].numel() if (torch.is_grad_enabled() and weight.requires_grad) else None
-    check_dims(m, weight.shape[1], weight.shape[0], rec)
+    check_dims(weight.shape[1], weight.shape[0], rec)
     y = Fp8Linear.apply(x, weight, rec.name if RECIPES.get(rec.name) == rec else rec)
     return y if bias is None else y + bias.to(y.dtype)
 

@@ -38,13 +38,19 @@ class PrecisionError(MpconvertError, ValueError):
     """An unknown precision name, or fp32 where a half precision is needed."""
 
 
-def precision_message(precision: object, known: bool) -> str:
-    """The one message for an unknown name (``known=False``) or a known one that is not half."""
+def precision_message(precision: object, known: bool, targets: bool = False) -> str:
+    """The one message for an unknown name (``known=False``) or a known one that is not half.
+
+    ``targets``: the name was a conversion target, where the compute modes (``fp8``) are accepted too, so
+    the message lists them and suggests them.
+    """
     shown = repr(precision)
-    close = [] if known else difflib.get_close_matches(str(precision).lower(), list(ALIASES), n=1, cutoff=0.6)
+    names = list(ALIASES) + (list(COMPUTE_MODES) if targets else [])
+    close = [] if known else difflib.get_close_matches(str(precision).lower(), names, n=1, cutoff=0.6)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     what = f"precision {shown} is not a half precision" if known else f"unknown precision {shown}"
-    return f"{what}; precision must be one of fp16 or bf16 (aliases: {_HALF_ALIASES}){hint}"
+    choices = f"fp16, bf16 or {', '.join(COMPUTE_MODES)}" if targets else "fp16 or bf16"
+    return f"{what}; precision must be one of {choices} (aliases: {_HALF_ALIASES}){hint}"
 
 
 def canonical_name(name: str) -> Optional[Literal["fp32", "fp16", "bf16"]]:
@@ -62,9 +68,12 @@ def half_name(name: str) -> Literal["fp16", "bf16"]:
 
 def target_name(name: str) -> Literal["fp16", "bf16", "fp8"]:
     """A conversion target: a compute mode of :data:`COMPUTE_MODES` (``fp8``, any case) or :func:`half_name`."""
-    if isinstance(name, str) and name.lower() in COMPUTE_MODES:
-        return name.lower()  # type: ignore[return-value]
-    return half_name(name)
+    if isinstance(name, str) and name.strip().lower() in COMPUTE_MODES:
+        return name.strip().lower()  # type: ignore[return-value]
+    found = canonical_name(name)
+    if found is None or found not in HALF_NAMES:
+        raise PrecisionError(precision_message(name, known=found is not None, targets=True))
+    return found  # type: ignore[return-value]
 
 
 def run_half(target: str) -> Literal["fp16", "bf16"]:

@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["half_speed_advice", "cpu_matmul_seconds", "measure_matmul_seconds", "cache_path", "SLOW_FACTOR"]
+__all__ = ["half_speed_advice", "half_gemm_slowdown", "cpu_matmul_seconds", "measure_matmul_seconds", "cache_path", "SLOW_FACTOR"]
 
 #: a half dtype this many times slower than fp32 on a matmul counts as "no fast math"
 SLOW_FACTOR = 2.0
@@ -146,3 +146,12 @@ def half_speed_advice(precision: str, device: Optional[str]) -> Optional[str]:
                 f"math), {other} runs at {theirs / fp32:.1f}x: convert with precision='{other}' (CLI --precision {other}) "
                 f"to train on this CPU")
     return f"{precision} matmuls on this CPU are {ratio:.0f}x slower than fp32 (measured: it has no fast {precision} math)"
+
+
+def half_gemm_slowdown(precision: str) -> Optional[float]:
+    """This CPU's ``precision`` (fp16/bf16) matmul time over its fp32 matmul time (cached per machine, see
+    :func:`cpu_matmul_seconds`); None when measuring is off (``MPCONVERT_NO_DEVICE_ADVICE=1``). Read by
+    ``convert(device="cpu")`` to choose the GEMM kernels (:mod:`converter.passes.cpu_gemm`)."""
+    if precision not in _NAMES or os.environ.get("MPCONVERT_NO_DEVICE_ADVICE") == "1":
+        return None
+    return cpu_matmul_seconds(_NAMES[precision]) / cpu_matmul_seconds(torch.float32)

@@ -1,0 +1,107 @@
+"""CPU GEMM kernels: half GEMMs through fp32 kernels where this CPU's half GEMM is the slower one.
+
+A lowering of ``convert(device="cpu")``, run after *rewrite* (and the fp8 stage), before *simplify*. On a
+CPU without AMX, oneDNN's bf16 GEMM is slower than its fp32 GEMM (this project's 2-core Xeon with
+AVX512-BF16: 1.6-1.8x on the benchmark encoders' shapes, 4.5x on a 128x128 probe), so a bf16 model runs
+its GEMMs slower than fp32 does, and so does torch.autocast. Each linear and matmul the conversion runs in
+that half dtype becomes a call of :func:`converter.kernels.upcast.upcast_linear` /
+:func:`~converter.kernels.upcast.upcast_matmul`: the same half operands in, the same half result out
+(the product of two half numbers is exact in fp32, so an fp32 GEMM with fp32 accumulation computes what
+the half GEMM computes, up to summation order), the half operands saved for backward, an fp32 GEMM in
+between. On the large benchmark encoder (d512, B8xT128, O2 bf16) the step goes from 0.91x to about 0.75x
+autocast's (``benchmarks/run.py --ablate``: ``O2-native-gemm``).
+
+**The choice** is measured, not guessed: :func:`converter.numerics.device.half_gemm_slowdown` times a
+128x128 matmul in the half dtype and in fp32 on this machine (cached per CPU model, flags, core count and
+torch version). The stage applies when the half GEMM is at least :data:`MIN_SLOWDOWN` times slower.
+:data:`UPCAST_HALF_GEMMS` forces it either way (tests, benchmarks), and a build machine converting for
+another CPU can set ``MPCONVERT_NO_DEVICE_ADVICE=1`` (no measurement: the stage does not apply). The
+choice, with the measured factor, is one entry of ``report.json["lowering"]`` per graph
+(``lowering: "upcast_gemm"``), and each rewritten node's decision gains a ``lower`` note saying why.
+
+The kernels are torch-only; model.py carries their source (``converter.export.functions``), so the emitted
+model runs where only torch is installed.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from converter.ir.meta import META_DECISION, Decision
+from converter.kernels.upcast import upcast_linear, upcast_matmul
+
+__all__ = ["MIN_SLOWDOWN", "UPCAST_HALF_GEMMS", "UPCAST_TARGETS", "upcast_wanted", "upcast_gemms"]
+
+#: the half GEMM must be at least this many times slower than fp32's (measured) for the stage to apply
+MIN_SLOWDOWN = 1.25
+#: None (default): the measurement decides (:func:`upcast_wanted`); True/False: forced (tests, benchmarks)
+UPCAST_HALF_GEMMS: Optional[bool] = None
+_aten = torch.ops.aten
+#: the call targets the stage replaces, and by what
+UPCAST_TARGETS = {
+    F.linear: upcast_linear,
+    _aten.linear.default: upcast_linear,
+    torch.matmul: upcast_matmul,
+    _aten.matmul.default: upcast_matmul,
+    torch.bmm: upcast_matmul,
+    _aten.bmm.default: upcast_matmul,
+    torch.mm: upcast_matmul,
+    _aten.mm.default: upcast_matmul,
+}
+_HALF = ("fp16", "bf16")
+
+
+def upcast_wanted(slowdown: Optional[float]) -> tuple[bool, str]:
+    """Whether to apply the stage, and why in words, from the measured half/fp32 GEMM time ratio
+    (None: not measured) and :data:`UPCAST_HALF_GEMMS`."""
+    if UPCAST_HALF_GEMMS is not None:
+        return UPCAST_HALF_GEMMS, f"forced {'on' if UPCAST_HALF_GEMMS else 'off'} (converter.passes.cpu_gemm.UPCAST_HALF_GEMMS)"
+    if slowdown is None:
+        return False, "not measured (MPCONVERT_NO_DEVICE_ADVICE=1): the half GEMMs stay native"
+    if slowdown >= MIN_SLOWDOWN:
+        return True, (f"this CPU's half GEMM measured {slowdown:.1f}x the fp32 GEMM's time (>= {MIN_SLOWDOWN}): the "
+                      "half GEMMs run as fp32 GEMMs on upcast operands, half results, half operands saved")
+    return False, f"this CPU's half GEMM measured {slowdown:.2f}x the fp32 GEMM's time (< {MIN_SLOWDOWN}): native half GEMMs"
+
+
+def _operands(node: torch.fx.Node, kernel) -> Optional[tuple]:
+    """The call's operands by position, ``(input, weight, bias)`` or ``(input, other)``; None when it passes
+    anything else (``out=``) or too few."""
+    names = ("input", "weight", "bias") if kernel is upcast_linear else ("input", "other", "mat2")
+    if set(node.kwargs) - set(names):
+        return None
+    args = list(node.args)
+    found = [node.kwargs.get(name, args[i] if i < len(args) else None) for i, name in enumerate(names[:2])]
+    if kernel is upcast_linear:
+        found.append(node.kwargs.get("bias", args[2] if len(args) > 2 else None))
+    elif found[1] is None:
+        found[1] = node.kwargs.get("mat2")
+    return None if found[0] is None or found[1] is None else tuple(found)
+
+
+def upcast_gemms(gm: torch.fx.GraphModule, precision: str, why: str) -> list[str]:
+    """Replace each linear/matmul call decided ``precision`` (fp16 or bf16) by its upcast kernel; returns the
+    names of the nodes replaced. ``why``: the measured reason (:func:`upcast_wanted`), for each node's note."""
+    if precision not in _HALF:
+        raise ValueError(f"upcast_gemms: precision must be fp16 or bf16, got {precision!r}")
+    done: list[str] = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in UPCAST_TARGETS:
+            continue
+        decision: Optional[Decision] = node.meta.get(META_DECISION)
+        if decision is None or decision.precision != precision:
+            continue
+        kernel = UPCAST_TARGETS[node.target]
+        args = _operands(node, kernel)
+        if args is None:
+            continue
+        node.target, node.args, node.kwargs = kernel, tuple(args), {}
+        node.meta[META_DECISION] = decision.noted("lower", f"runs {kernel.__name__} ({why})")
+        done.append(node.name)
+    if done:
+        gm.graph.lint()
+        gm.recompile()
+    return done

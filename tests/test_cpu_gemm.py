@@ -1,0 +1,266 @@
+"""The CPU GEMM kernels (issue 32): half GEMMs as fp32 GEMMs on upcast operands where this CPU's half GEMM is
+slower (converter/kernels/upcast.py, converter/passes/cpu_gemm.py).
+
+What is checked: the kernels compute exactly "fp32 GEMM of the upcast operands, rounded once" (bit-equal to that
+definition), their gradients match the fp32 reference as closely as the native half kernels do, they save only
+half tensors for backward, a conversion for the CPU retargets exactly its half linear/matmul calls (FX and
+torch.export graphs, an HF model with the library's defaults) with the choice in the report, its outputs and
+gradients agree with the native conversion's, and model.py carries the kernels and runs with torch only.
+"""
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import converter
+from converter.export.model_py import generate_model_source
+from converter.export.weights import write_weights
+from converter.ir.meta import META_DECISION
+from converter.kernels import upcast
+from converter.kernels.upcast import UpcastLinear, upcast_linear, upcast_matmul
+from converter.passes import cpu_gemm
+from tests.helpers import sqnr
+
+
+def _saved_dtypes(fn) -> list:
+    """The dtypes autograd saves while ``fn()`` runs its forward."""
+    seen: list = []
+
+    def pack(t):
+        seen.append(t.dtype)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return seen
+
+
+def test_the_kernels_module_imports_only_torch_and_the_standard_library():
+    tree = ast.parse(open(upcast.__file__, encoding="utf-8").read())
+    roots = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    roots |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 0}
+    assert roots <= {"__future__", "typing", "torch"}, roots
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_upcast_linear_is_the_fp32_gemm_rounded_once_and_saves_half(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 7, 64, generator=g).to(dtype).requires_grad_()
+    w = (torch.randn(48, 64, generator=g) / 8).to(dtype).requires_grad_()
+    b = torch.randn(48, generator=g).to(dtype).requires_grad_()
+    saved = _saved_dtypes(lambda: upcast_linear(x, w, b))
+    assert saved == [dtype, dtype], saved  # x and W, in their own dtype: no fp32 copy is kept
+    y = upcast_linear(x, w, b)
+    want = F.linear(x.detach().float(), w.detach().float(), b.detach().float()).to(dtype)
+    assert y.dtype == dtype and torch.equal(y, want), (y.float() - want.float()).abs().max()
+    gy = torch.randn(y.shape, generator=g).to(dtype)
+    y.backward(gy)
+    grads = [t.grad for t in (x, w, b)]
+    assert torch.equal(grads[0], (gy.float() @ w.detach().float()).to(dtype))
+    assert torch.equal(grads[1], (gy.float().reshape(-1, 48).t() @ x.detach().float().reshape(-1, 64)).to(dtype))
+    assert torch.equal(grads[2], gy.float().reshape(-1, 48).sum(0).to(dtype))
+    # against fp32 math, the upcast kernel is as close as the native half kernel (both round once from fp32 sums)
+    ref = [t.detach().float().requires_grad_() for t in (x, w, b)]
+    F.linear(*ref).backward(gy.float())
+    native = [t.detach().clone().requires_grad_() for t in (x, w, b)]
+    F.linear(*native).backward(gy)
+    for name, got, nat, r in zip(("grad_input", "grad_weight", "grad_bias"), grads, (t.grad for t in native), (t.grad for t in ref)):
+        mine, theirs = sqnr(r, got.float()), sqnr(r, nat.float())
+        assert got.dtype == dtype and mine >= theirs - 0.5 and mine >= 40, (name, mine, theirs)
+
+
+def test_upcast_matmul_broadcasts_and_sums_the_gradients_back():
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(2, 4, 16, 8, generator=g).bfloat16().requires_grad_()
+    b = torch.randn(4, 8, 16, generator=g).bfloat16().requires_grad_()  # broadcast over a's first dimension
+    out = upcast_matmul(a, b)
+    assert torch.equal(out, torch.matmul(a.detach().float(), b.detach().float()).bfloat16())
+    gy = torch.randn(out.shape, generator=g).bfloat16()
+    out.backward(gy)
+    a32, b32 = (t.detach().float().requires_grad_() for t in (a, b))
+    torch.matmul(a32, b32).backward(gy.float())
+    assert a.grad.shape == a.shape and b.grad.shape == b.shape and a.grad.dtype == b.grad.dtype == torch.bfloat16
+    for name, got, want in (("a", a.grad, a32.grad), ("b", b.grad, b32.grad)):
+        assert sqnr(want, got.float()) >= 45, (name, sqnr(want, got.float()))
+    assert _saved_dtypes(lambda: upcast_matmul(a, b)) == [torch.bfloat16] * 2
+
+
+def test_anything_but_two_operands_of_one_half_dtype_runs_the_plain_op():
+    x, w = torch.randn(4, 8), torch.randn(3, 8)
+    assert torch.equal(upcast_linear(x, w), F.linear(x, w))  # fp32: plain, bit for bit
+    with pytest.raises(RuntimeError, match="same dtype"):  # mixed dtypes: F.linear's own error, not a silent upcast
+        upcast_linear(x.bfloat16(), w)
+    v = torch.randn(8).bfloat16()
+    assert torch.equal(upcast_matmul(w.bfloat16(), v), torch.matmul(w.bfloat16(), v))  # a 1-D operand: plain
+    assert upcast_linear(x.bfloat16(), w.bfloat16().requires_grad_()).grad_fn.name().startswith(UpcastLinear.__name__)
+
+
+def test_the_choice_follows_the_measurement(monkeypatch):
+    monkeypatch.setattr(cpu_gemm, "UPCAST_HALF_GEMMS", None)
+    assert cpu_gemm.upcast_wanted(4.5)[0] is True and "4.5x" in cpu_gemm.upcast_wanted(4.5)[1]
+    assert cpu_gemm.upcast_wanted(1.1)[0] is False and cpu_gemm.upcast_wanted(None)[0] is False
+    monkeypatch.setattr(cpu_gemm, "UPCAST_HALF_GEMMS", True)
+    assert cpu_gemm.upcast_wanted(None) == (True, "forced on (converter.passes.cpu_gemm.UPCAST_HALF_GEMMS)")
+
+
+class Block(nn.Module):
+    """Pre-norm attention block (SDPA, lowered to matmul · softmax · matmul on the CPU) and an MLP."""
+
+    def __init__(self, d: int = 64, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, d)
+        x = x + self.out(a)
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+def _convert(model, x, upcast: bool, monkeypatch, **options):
+    monkeypatch.setattr(cpu_gemm, "UPCAST_HALF_GEMMS", upcast)
+    return converter.convert(model, (x,), precision="bf16", device="cpu", **options)
+
+
+def _targets(gm) -> list:
+    return [getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def _grads(module, x) -> dict:
+    module.zero_grad()
+    module(x).float().pow(2).mean().backward()
+    return {name: p.grad.float().clone() for name, p in module.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_cpu_conversion_runs_every_half_gemm_upcast_with_the_choice_in_the_report(tracer, monkeypatch):
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block())
+    x = torch.randn(3, 10, 64)
+    conv = _convert(model, x, True, monkeypatch, tracer=tracer)
+    native = _convert(model, x, False, monkeypatch, tracer=tracer)
+    targets = _targets(conv.module)
+    # 4 linears and the lowered attention's 2 matmuls per block; nothing else is a GEMM
+    assert targets.count("upcast_linear") == 8 and targets.count("upcast_matmul") == 4, targets
+    assert not {"linear", "linear.default", "matmul", "matmul.default"} & set(targets), targets
+    assert _targets(native.module).count("upcast_linear") == 0
+    [choice] = [c for c in conv.report.to_dict()["lowering"] if c["lowering"] == "upcast_gemm"]
+    assert choice["chosen"] and choice["node"] == "12 bf16 GEMM call(s)" and "forced on" in choice["why"], choice
+    [off] = [c for c in native.report.to_dict()["lowering"] if c["lowering"] == "upcast_gemm"]
+    assert not off["chosen"], off
+    noted = [n for n in conv.module.graph.nodes if n.op == "call_function" and "upcast" in _targets_name(n)]
+    assert all(any(stage == "lower" and "upcast" in text for stage, text in n.meta[META_DECISION].notes) for n in noted)
+    assert len(noted) == 12, len(noted)
+    with torch.no_grad():
+        out, want = conv.module(x), native.module(x)
+    assert out.dtype == want.dtype and sqnr(want.float(), out.float()) >= 45, sqnr(want.float(), out.float())
+    mine, theirs = _grads(conv.module, x), _grads(native.module, x)
+    assert mine.keys() == theirs.keys() and len(mine) == 2 * 12
+    worst = min(sqnr(theirs[k], mine[k]) for k in mine)  # a sign flip or a dropped term is far under this
+    assert worst >= 30, {k: round(sqnr(theirs[k], mine[k]), 1) for k in mine}
+
+
+def _targets_name(node) -> str:
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def test_the_upcast_conversion_saves_no_more_than_the_native_one(monkeypatch):
+    torch.manual_seed(0)
+    model, x = Block(), torch.randn(2, 16, 64)
+    modules = [_convert(model, x, flag, monkeypatch, opt_level="O2").module for flag in (True, False)]
+    sizes = []
+    for module in modules:
+        saved: list = []
+
+        def pack(t, saved=saved):
+            saved.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            module(x)
+        sizes.append(sum(saved))
+    assert sizes[0] <= sizes[1], sizes
+
+
+def test_an_hf_model_with_library_defaults_on_a_padded_batch(monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)  # SDPA attention and use_cache: the library's defaults
+    ids = torch.randint(0, 128, (3, 12))
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[1, 8:] = 0
+    mask[2, 5:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    example = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    monkeypatch.setattr(cpu_gemm, "UPCAST_HALF_GEMMS", True)
+    conv = converter.convert(model, example, precision="bf16", device="cpu")
+    monkeypatch.setattr(cpu_gemm, "UPCAST_HALF_GEMMS", False)
+    native = converter.convert(model, example, precision="bf16", device="cpu")
+    assert _targets(conv.module).count("upcast_linear") >= 2 * 7, _targets(conv.module)
+    grads = []
+    for module in (conv.module, native.module):
+        module.zero_grad()
+        out = module(input_ids=ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        grads.append({n: p.grad.float().clone() for n, p in module.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    worst = min(sqnr(grads[1][k], grads[0][k]) for k in grads[0] if grads[1][k].abs().sum() > 0)
+    assert worst >= 25, worst
+
+
+_STANDALONE = textwrap.dedent(
+    """
+    import importlib.util, sys
+    if importlib.util.find_spec("converter") is not None:
+        sys.modules["converter"] = None
+    sys.modules["safetensors"] = None
+    import torch
+    spec = importlib.util.spec_from_file_location("emitted_upcast", sys.argv[1])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = module.load()
+    x = torch.load(sys.argv[2], weights_only=True)
+    out = model(x)
+    out.float().pow(2).mean().backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    torch.save({"out": out.detach(), "grads": len(grads),
+                "modules": sorted(m for m in sys.modules if m.startswith("converter") and sys.modules[m] is not None)},
+               sys.argv[3])
+    """
+)
+
+
+def test_model_py_carries_the_kernels_and_runs_with_only_torch(monkeypatch, tmp_path):
+    torch.manual_seed(0)
+    model, x = Block(), torch.randn(2, 16, 64)
+    conv = _convert(model, x, True, monkeypatch)
+    source = generate_model_source(conv)
+    assert "class UpcastLinear(torch.autograd.Function):" in source.code and "from converter" not in source.code
+    assert source.code.count("upcast_linear(") >= 4
+    (tmp_path / "model.py").write_text(source.code, encoding="utf-8")
+    write_weights(source.own, tmp_path, dtypes=source.dtypes)
+    torch.save(x, tmp_path / "x.pt")
+    (tmp_path / "run.py").write_text(_STANDALONE, encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")}
+    proc = subprocess.run([sys.executable, "-I", str(tmp_path / "run.py"), str(tmp_path / "model.py"), str(tmp_path / "x.pt"),
+                           str(tmp_path / "out.pt")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert got["modules"] == [] and got["grads"] == len(list(model.parameters())), got
+    with torch.no_grad():
+        want = conv.module(x)
+    assert torch.equal(got["out"], want), (got["out"] - want).abs().max()
