@@ -29,6 +29,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -106,6 +107,24 @@ class CastEvent:
     dst: str
     shape: tuple
     bytes: int
+    kernel: bool = False  #: inside a GEMM kernel's own operand conversion (converter/kernels/upcast.py)
+
+
+#: the kernels whose operand conversions are part of a GEMM, counted apart from the graph's casts
+_KERNEL_FILES = (os.path.join("converter", "kernels", "upcast.py"),)
+
+
+def _in_gemm_kernel() -> bool:
+    """Whether the current call comes from a GEMM kernel of :data:`_KERNEL_FILES` (its upcasts of the
+    operands are the price of the fp32 GEMM it runs, not casts the conversion placed)."""
+    frame = sys._getframe(2)
+    for _ in range(16):
+        if frame is None:
+            return False
+        if frame.f_code.co_filename.endswith(_KERNEL_FILES):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -150,13 +169,16 @@ class CastCounter(TorchDispatchMode):
             return
         self.events.append(
             CastEvent(self.phase, op, _dtype_name(src.dtype), _dtype_name(dst.dtype), tuple(dst.shape),
-                      tensor_bytes(src) + tensor_bytes(dst))
+                      tensor_bytes(src) + tensor_bytes(dst), kernel=_in_gemm_kernel())
         )
 
-    def totals(self, *, op: str = "_to_copy", phases: Iterable[str] | None = None) -> tuple[int, int]:
-        """(count, bytes) of the events of ``op`` (``"_to_copy"`` or ``"copy"``) in ``phases`` (all if None)."""
+    def totals(self, *, op: str = "_to_copy", phases: Iterable[str] | None = None,
+               kernel: bool | None = False) -> tuple[int, int]:
+        """(count, bytes) of the events of ``op`` (``"_to_copy"`` or ``"copy"``) in ``phases`` (all if None);
+        ``kernel``: False (default) the graph's casts only, True the GEMM kernels' operand upcasts only, None both."""
         wanted = None if phases is None else set(phases)
-        events = [e for e in self.events if e.op == op and (wanted is None or e.phase in wanted)]
+        events = [e for e in self.events if e.op == op and (wanted is None or e.phase in wanted)
+                  and (kernel is None or e.kernel == kernel)]
         return len(events), sum(e.bytes for e in events)
 
     def by_signature(self, *, op: str = "_to_copy") -> list[dict]:

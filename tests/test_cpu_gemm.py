@@ -264,3 +264,19 @@ def test_model_py_carries_the_kernels_and_runs_with_only_torch(monkeypatch, tmp_
     with torch.no_grad():
         want = conv.module(x)
     assert torch.equal(got["out"], want), (got["out"] - want).abs().max()
+
+
+def test_the_benchmark_counts_the_kernels_upcasts_apart_from_the_graphs_casts(monkeypatch):
+    from benchmarks.common import CastCounter
+
+    torch.manual_seed(0)
+    model, x = Block(), torch.randn(2, 16, 64)
+    counts = {}
+    for flag in (True, False):
+        module = _convert(model, x, flag, monkeypatch).module
+        with CastCounter() as counter:
+            module(x).float().sum().backward()
+        counts[flag] = (counter.totals(kernel=False), counter.totals(kernel=True))
+    assert counts[True][0] == counts[False][0], counts  # the graph's own casts are the same
+    # forward: 4 linears upcast x and W, 2 matmuls both operands, one rounding each; backward: more of the same
+    assert counts[False][1] == (0, 0) and counts[True][1][0] >= 6 * 3, counts
