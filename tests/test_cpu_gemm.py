@@ -280,3 +280,14 @@ def test_the_benchmark_counts_the_kernels_upcasts_apart_from_the_graphs_casts(mo
     assert counts[True][0] == counts[False][0], counts  # the graph's own casts are the same
     # forward: 4 linears upcast x and W, 2 matmuls both operands, one rounding each; backward: more of the same
     assert counts[False][1] == (0, 0) and counts[True][1][0] >= 6 * 3, counts
+
+
+def test_the_onnx_export_writes_plain_half_matmuls(monkeypatch, tmp_path):
+    pytest.importorskip("onnxruntime")
+    torch.manual_seed(0)
+    model, x = Block(), torch.randn(2, 16, 64)
+    conv = _convert(model, x, True, monkeypatch)
+    result = conv.export_onnx(tmp_path / "m.onnx")
+    # the kernels' fp32 upcasts are not traced into the file: the casts are the conversion's own, no round trips
+    assert result.ok and result.cast_count == result.expected_casts == 4 and result.cast_pairs == [], result.notes
+    assert _targets(conv.module).count("upcast_linear") == 4  # the conversion itself is untouched

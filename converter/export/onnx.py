@@ -113,6 +113,7 @@ from converter.export.onnx_verify import (
 )
 from converter.ir.meta import GM_PARAM_DTYPES
 from converter.numerics.common import to_json
+from converter.passes.cpu_gemm import native_gemms
 
 __all__ = [
     "DEFAULT_OPSET",
@@ -296,6 +297,7 @@ def export_onnx(
     check_fp8_export(gm, fp8=fp8, precision=None, exporter=exporter, opset=opset)  # before anything is written
     args, kwargs = source.example_inputs  # (args, kwargs), normalised by capture
     module = export_copy(gm, gm.meta.get(GM_PARAM_DTYPES, {}))
+    native_gemms(module)  # a CPU conversion's upcast GEMM kernels: plain half MatMuls in the file
     layers = prepare_fp8(module) if fp8 else []
     model, used = export_model(module, args, kwargs, opset=opset, exporter="dynamo" if layers else exporter, notes=notes,
                                translations=translation_table() if layers else None)

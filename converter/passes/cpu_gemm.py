@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from converter.ir.meta import META_DECISION, Decision
 from converter.kernels.upcast import upcast_linear, upcast_matmul
 
-__all__ = ["MIN_SLOWDOWN", "UPCAST_HALF_GEMMS", "UPCAST_TARGETS", "upcast_wanted", "upcast_gemms"]
+__all__ = ["MIN_SLOWDOWN", "UPCAST_HALF_GEMMS", "UPCAST_TARGETS", "upcast_wanted", "upcast_gemms", "native_gemms"]
 
 #: the half GEMM must be at least this many times slower than fp32's (measured) for the stage to apply
 MIN_SLOWDOWN = 1.25
@@ -105,3 +105,18 @@ def upcast_gemms(gm: torch.fx.GraphModule, precision: str, why: str) -> list[str
         gm.graph.lint()
         gm.recompile()
     return done
+
+
+def native_gemms(gm: torch.fx.GraphModule) -> int:
+    """The reverse, on an export copy: each upcast kernel call back to ``F.linear``/``torch.matmul`` (the same
+    math up to summation order); returns how many. The ONNX export writes plain half MatMuls (an ONNX runtime
+    picks its own kernels) instead of tracing the kernels' fp32 upcasts into Casts."""
+    plain = {upcast_linear: F.linear, upcast_matmul: torch.matmul}
+    count = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in plain:
+            node.target = plain[node.target]
+            count += 1
+    if count:
+        gm.recompile()
+    return count
