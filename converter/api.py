@@ -476,7 +476,7 @@ def pipeline(model: torch.nn.Module, example_inputs: Any, options: ConvertOption
 
 def _convert_graph(gm: torch.fx.GraphModule, done: list[str], rule_set: Rules, options: ConvertOptions, *,
                    calibration: Optional[list], simplify_graph: bool) -> None:
-    """decide → lower → place → (calibrate) → rewrite → simplify → fp32_math on one captured graph."""
+    """decide → lower → place → (calibrate) → rewrite → (fp8 → fp8 search) → simplify → fp32_math on one captured graph."""
     settings = place_settings(options)
     _run_stage("decide", done, decide, gm, rule_set, precision=options.precision)
     recipe = None
@@ -486,14 +486,22 @@ def _convert_graph(gm: torch.fx.GraphModule, done: list[str], rule_set: Rules, o
     lowered = _run_stage("lower", done, lower, gm, device=options.device, opt_level=options.opt_level)
     set_graph_facts(gm, device=options.device, lowered=tuple(lowered))
     _run_stage("place", done, settings.run, gm)
+    fp8_search = None
     if calibration is not None:
         from converter.numerics.calibrate import calibrate_and_redecide
+        from converter.numerics.fp8_search import prepare_fp8_search
 
+        cal_options = options.calibration_options or CalibrationOptions()
         _run_stage("calibrate", done, calibrate_and_redecide, gm, calibration, rules=rule_set, settings=settings,
-                   options=options.calibration_options or CalibrationOptions())
+                   options=cal_options)
+        if recipe is not None:  # with a tolerance: the fp32 outputs, before rewrite, for the fp8 accuracy search
+            fp8_search = _run_stage("fp8_reference", done, prepare_fp8_search, gm, calibration, cal_options)
     _run_stage("rewrite", done, rewrite, gm, keep_io_types=options.keep_io_types)
     if recipe is not None:
-        set_graph_facts(gm, fp8_recipe=recipe, fp8_layers=tuple(_run_stage("fp8", done, apply_fp8, gm, recipe)))
+        layers = _run_stage("fp8", done, apply_fp8, gm, recipe)
+        if fp8_search is not None:  # the fewest fp8 layers back in bf16 for the tolerance (numerics/fp8_search.py)
+            layers = _run_stage("fp8_search", done, fp8_search.run, gm, layers)
+        set_graph_facts(gm, fp8_recipe=recipe, fp8_layers=tuple(layers))
     if simplify_graph:
         set_graph_facts(gm, simplified=_run_stage("simplify", done, simplify, gm))
     math_setting = rule_set.setting("fp32_math", DEFAULT_FP32_MATH)
