@@ -71,6 +71,7 @@ __all__ = [
     "emulate_linear",
     "fp8_linear",
     "misaligned_dims",
+    "operand_scale",
     "quantize_operand",
     "resolve_recipe",
     "round_down_to_power_of_2",
@@ -217,17 +218,23 @@ def quantize_operand(
     inverse scale is what ``torch._scaled_mm`` takes: 0-dim (tensor), (m, 1) or (1, n) (row), or ``t``'s full
     shape (block: tiles 1 x block along the contraction dimension, block x block for a weight).
     """
-    if recipe.granularity == "tensor":
-        scale = tensorwise_scale(t, dtype, recipe.power_of_2)
-    elif recipe.granularity == "row":
-        scale = rowwise_scale(t, dtype, contract_dim, recipe.power_of_2)
-    else:
-        tile = [1, 1]
-        tile[contract_dim] = recipe.block
-        if is_weight:
-            tile = [recipe.block, recipe.block]
-        scale = blockwise_scale(t, dtype, tuple(tile), recipe.power_of_2)
+    scale = operand_scale(t, dtype, recipe, contract_dim, is_weight)
     return cast_to_fp8(t, scale, dtype), scale.reciprocal()
+
+
+def operand_scale(
+    t: torch.Tensor, dtype: torch.dtype, recipe: Fp8Recipe, contract_dim: int, is_weight: bool = False
+) -> torch.Tensor:
+    """The quantising multiplier ``quantize_operand`` casts ``t`` with (float32; shapes as its inverse scale)."""
+    if recipe.granularity == "tensor":
+        return tensorwise_scale(t, dtype, recipe.power_of_2)
+    if recipe.granularity == "row":
+        return rowwise_scale(t, dtype, contract_dim, recipe.power_of_2)
+    tile = [1, 1]
+    tile[contract_dim] = recipe.block
+    if is_weight:
+        tile = [recipe.block, recipe.block]
+    return blockwise_scale(t, dtype, tuple(tile), recipe.power_of_2)
 
 
 # ---------------------------------------------------------------------------------------------- GEMMs

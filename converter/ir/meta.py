@@ -163,7 +163,7 @@ CONTRACT: tuple[MetaKey, ...] = (
             ("measure", "report", "export", "train", "api", "simplify", "checkpoint"),
             "on every cast node: what it converts and which rule made it necessary"),
     MetaKey(META_VALUE, "node", "TensorSpec | tuple | torch.dtype | str", ("capture", "lower", "rewrite"),
-            ("ir", "decide", "place", "calibrate", "report", "export", "simplify"),
+            ("ir", "decide", "place", "calibrate", "report", "export", "simplify", "fp8"),
             "shape propagation: a TensorSpec per tensor (tuples for containers), a dtype, or a type name"),
     MetaKey(META_STATS, "node", "converter.numerics.stats.NodeStats", ("calibrate",), (),
             "forward (and gradient) statistics over the calibration inputs"),
