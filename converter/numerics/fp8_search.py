@@ -57,7 +57,8 @@ import torch.nn.functional as F
 
 from converter.fp8.kernels import fp8_linear
 from converter.ir.meta import GM_CALIBRATION, META_DECISION, Decision, Match, RuleRef
-from converter.numerics.common import copy_graph, floating_outputs, json_float, preserved_state, progress_bar, sqnr_db
+from converter.numerics.common import copy_graph, floating_outputs, json_float, preserved_state, progress_bar
+from converter.numerics.fp8_layers import Fp8LayerNumerics, fp8_nodes, measure_fp8_layers
 from converter.numerics.search import (
     Outcome,
     SearchOptions,
@@ -76,7 +77,6 @@ __all__ = [
     "Fp8Evaluator",
     "Fp8Sensitivity",
     "Fp8SearchPlan",
-    "fp8_call_nodes",
     "fp32_references",
     "rank_fp8_layers",
     "fp8_accuracy_search",
@@ -88,11 +88,6 @@ FP8_SEARCH_REF = RuleRef(file="<accuracy-search>", table="calibration", pattern=
 
 #: a ranking: the evaluator in, (layer names most sensitive first, its cost in evaluations, report rows) out
 Ranking = Callable[["Fp8Evaluator"], tuple[list[str], int, list[dict]]]
-
-
-def fp8_call_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
-    """The ``fp8_linear`` calls of a graph after the fp8 stage, in graph order."""
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is fp8_linear]
 
 
 def _operands(node: torch.fx.Node) -> tuple[Any, Any, Any, Any]:
@@ -135,7 +130,7 @@ class Fp8Evaluator:
             raise ValueError(f"fp8 search: {len(self.references)} reference outputs for {len(self.batches)} batches")
         self.tolerance = Tolerance.parse(tolerance)
         self.seed = seed
-        calls = {n.name: n for n in fp8_call_nodes(gm)}
+        calls = {n.name: n for n in fp8_nodes(gm)}
         self.layers = list(calls) if layers is None else [name for name in layers if name in calls]
         self.index = {name: i for i, name in enumerate(self.layers)}
         self.runs = 0
@@ -275,6 +270,26 @@ def propagated_ranking(projections: int = 1, seed: int = 0) -> Ranking:
     return ranking
 
 
+#: what :func:`~converter.numerics.fp8_layers.measure_fp8_layers` costs in evaluations: a forward and a backward
+#: of the graph (1 + 2), and each layer's GEMMs again in fp8 and in bf16, forward and backward (about 3 more)
+LAYER_SQNR_COST = 6
+
+
+def layer_sqnr_ranking(numerics: Optional[Mapping[str, Fp8LayerNumerics]] = None) -> Ranking:
+    """Lowest per-layer output SQNR first (:func:`~converter.numerics.fp8_layers.measure_fp8_layers`: each layer's
+    fp8 output against its bf16 linear on the same operands). ``numerics`` already measured cost nothing; else
+    they are measured on the evaluator's batches and charged :data:`LAYER_SQNR_COST` evaluations."""
+    def ranking(ev: Fp8Evaluator) -> tuple[list[str], int, list[dict]]:
+        found, cost = numerics, 0
+        if found is None:
+            recipes = {_operands(n)[3] for n in fp8_nodes(ev.gm) if n.name in ev.index}
+            found, cost = measure_fp8_layers(ev.gm, ev.batches, recipes.pop() if recipes else "tensorwise", seed=ev.seed), LAYER_SQNR_COST
+        ranked = sorted(ev.layers, key=lambda name: found[name].sqnr_output if name in found else math.inf)
+        rows = [{"name": name, "local_sqnr_db": json_float(found[name].sqnr_output)} for name in ranked[:10] if name in found]
+        return ranked, cost, rows
+    return ranking
+
+
 # ---------------------------------------------------------------------------------------------
 # the search
 
@@ -310,7 +325,7 @@ def keep_in_bf16(gm: torch.fx.GraphModule, reasons: Mapping[str, str], targets: 
     if not reasons:
         return
     default = _linear_target(gm)
-    for node in fp8_call_nodes(gm):
+    for node in fp8_nodes(gm):
         reason = reasons.get(node.name)
         if reason is None:
             continue
@@ -377,7 +392,7 @@ def fp8_accuracy_search(gm: torch.fx.GraphModule, batches: Sequence[tuple[tuple,
                 raise _not_met(ev, budget, first, limit, exc, cost) from None
     final = ev.evaluate_keep(keep)  # the last passing set: from the memo
     by_name = {row["name"]: row for row in rows}
-    decisions = {n.name: n.meta[META_DECISION] for n in fp8_call_nodes(gm)}
+    decisions = {n.name: n.meta[META_DECISION] for n in fp8_nodes(gm)}
     reasons = {name: _kept_reason(name, keep, ev, first, final, by_name, ranked, decisions[name]) for name in keep}
     keep_in_bf16(gm, reasons, targets)
     report.update({
