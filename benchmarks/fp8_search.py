@@ -23,8 +23,9 @@ ranking counts what it is charged):
 * ``bisection``: onnxconverter-common's graph-order segment bisection (``bisect_graph_order``, its final
   validation included).
 
-The ranked searches end by pruning, so no kept layer can go back to fp8 alone; the script checks that by
-evaluation (``minimal``). It also times the ranking passes against one evaluation (CPU time, medians).
+The ranked searches end by pruning to a fixed point (what ``fp8_accuracy_search`` does), so no kept layer can
+go back to fp8 alone; the script checks that by evaluation (``minimal``, not counted). Bisection's set is not
+pruned (onnxconverter-common's algorithm). It also times the ranking passes against one evaluation (CPU time, medians).
 
 Run: ``PYTHONPATH=. python benchmarks/fp8_search.py [--layers 2 4] [--out benchmarks/results/fp8_search.json]``
 """
@@ -53,6 +54,7 @@ from converter.numerics.fp8_search import (  # noqa: E402
     Fp8Evaluator,
     layer_sqnr_ranking,
     propagated_ranking,
+    prune_to_minimal,
 )
 from converter.numerics.search import bisect_graph_order, search_ranked  # noqa: E402
 
@@ -109,7 +111,8 @@ def fp32_outputs(model: torch.nn.Module, items: list) -> list[list[torch.Tensor]
 def _ranked_search(module, items, refs, tolerance, ranked: list[str], cost: int) -> dict:
     ev = Fp8Evaluator(module, items, refs, tolerance=tolerance)
     first = ev.evaluate_keep(())
-    keep: list[str] = [] if first.ok else search_ranked(ev.evaluate_keep, ranked)
+    keep: list[str] = [] if first.ok else prune_to_minimal(ev.evaluate_keep, search_ranked(ev.evaluate_keep, ranked,
+                                                                                           max_prune=len(ranked)))
     evaluations = 1 + ev.runs + (0 if first.ok else cost)
     minimal = all(not ev.evaluate_keep([x for x in keep if x != name]).ok for name in keep)  # checked, not counted
     return {"kept": keep, "evaluations": evaluations, "minimal": minimal, "sqnr_db": json_float(ev.evaluate_keep(keep).sqnr_db)}

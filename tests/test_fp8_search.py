@@ -22,7 +22,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import converter
 from benchmarks.fp8_search import batches, fp32_outputs, planted_llama, rules_file
-from converter.ir.meta import META_DECISION
 from converter.numerics.common import floating_outputs, sqnr_db
 from converter.numerics.fp8_layers import fp8_nodes
 from converter.numerics.fp8_search import (

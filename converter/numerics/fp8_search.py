@@ -29,14 +29,22 @@ for random ops). Repeated sets are looked up, not counted.
 layer's local fp8 error ``δᵢ = fp8_linear(x) − linear(x)`` on its own bf16 input and, by backward passes
 along random output directions ``v``, ``gᵢ = Jᵢᵀv``; ``(gᵢ·δᵢ)²`` estimates ``‖Jᵢδᵢ‖²``, the output error
 energy that layer ``i`` adds alone in fp8 (as :mod:`converter.numerics.sensitivity` does for half rounding).
-It also reports each layer's local output SQNR. Charged ``2 + 2·projections`` evaluations. Any other ranking
-(a list of names, most sensitive first, and its cost) can be passed in instead.
+It also reports each layer's local output SQNR. Charged ``2 + 2·projections`` evaluations (measured: about
+2.6 evaluations of CPU time). :func:`layer_sqnr_ranking` orders by the local output SQNR of
+:func:`~converter.numerics.fp8_layers.measure_fp8_layers` instead (lowest first); it finds the same layers
+when a few are broken, but it cannot tell a layer whose error the model amplifies from one whose error it
+averages away, and took more evaluations at every tolerance of ``benchmarks/fp8_search.py``. Any ranking
+(layer names, most sensitive first, and its cost) can be passed in.
 
 **The search** is :func:`~converter.numerics.search.search_ranked` over the ranked layers (galloping, then
-bisection on the prefix length, then pruning each kept layer whose removal still passes): with ``m``
-sensitive layers first, about ``2·log2(m) + m`` evaluations, against O(m·log n) for the graph-order
-bisection (:func:`~converter.numerics.search.bisect_graph_order`, the benchmark baseline). After pruning no
-single kept layer can go back to fp8 (each was tried).
+bisection on the prefix length, then pruning: each kept layer, least sensitive first, goes back to fp8 when
+the rest still passes). With ``m`` sensitive layers first, about ``2·log2(m) + m`` evaluations, against
+O(m·log n) for the graph-order bisection of onnxconverter-common
+(:func:`~converter.numerics.search.bisect_graph_order`, the benchmark baseline). Every kept layer is pruned
+(the half search stops at 16): the fewest bf16 layers is the goal, so after the search no single kept layer
+can go back to fp8 alone (each was tried against the final set: :func:`prune_to_minimal`). ``SearchOptions`` apply as to the half search: ``max_evaluations``
+(candidate runs, its own budget), ``max_keep`` (layers kept in bf16 at most), ``prune``, ``max_batches``,
+``projections``, ``seed``.
 
 **The result**: each kept layer's ``fp8_linear`` call becomes its linear again, and its decision is requested
 ``bf16`` by :data:`FP8_SEARCH_REF` with the measured end-to-end SQNRs in the reason; report.json's
@@ -79,6 +87,9 @@ __all__ = [
     "Fp8SearchPlan",
     "fp32_references",
     "rank_fp8_layers",
+    "propagated_ranking",
+    "layer_sqnr_ranking",
+    "prune_to_minimal",
     "fp8_accuracy_search",
     "prepare_fp8_search",
 ]
@@ -341,6 +352,25 @@ def keep_in_bf16(gm: torch.fx.GraphModule, reasons: Mapping[str, str], targets: 
     gm.recompile()
 
 
+def prune_to_minimal(evaluate_keep: Callable[[Sequence[str]], Outcome], keep: Sequence[str]) -> list[str]:
+    """``keep`` pruned to a fixed point: no single layer of the result can go back to fp8 and still pass.
+
+    :func:`~converter.numerics.search.search_ranked`'s pruning tries each layer once, against the kept set of
+    that moment; fp8 errors are not additive (they partly cancel), so a layer needed beside a larger set may
+    not be needed beside the final one. Sets tried before come from the memo: when one pass removed nothing,
+    as usual, this costs no evaluation.
+    """
+    keep = list(keep)
+    changed = True
+    while changed:
+        changed = False
+        for name in reversed(list(keep)):
+            trial = [x for x in keep if x != name]
+            if evaluate_keep(trial).ok:
+                keep, changed = trial, True
+    return keep
+
+
 def _not_met(ev: Fp8Evaluator, budget: _Budget, first: Outcome, limit: int, exc: Exception, cost: int) -> ToleranceNotMet:
     """The error of a search that found no passing set (``exc``: what stopped it)."""
     best_sqnr, best_set = budget.best if budget.best else (first.sqnr_db, ())
@@ -387,7 +417,9 @@ def fp8_accuracy_search(gm: torch.fx.GraphModule, batches: Sequence[tuple[tuple,
             try:
                 if limit <= 0:
                     raise LookupError("no fp8 layer to keep in bf16")
-                keep = search_ranked(budget, ranked, max_keep=limit, prune=options.prune)
+                # prune every kept layer (search_ranked's default stops at 16): the fewest bf16 layers is the goal
+                keep = search_ranked(budget, ranked, max_keep=limit, prune=options.prune, max_prune=len(ranked))
+                keep = prune_to_minimal(budget, keep) if options.prune else keep
             except (LookupError, _OutOfBudget) as exc:
                 raise _not_met(ev, budget, first, limit, exc, cost) from None
     final = ev.evaluate_keep(keep)  # the last passing set: from the memo
