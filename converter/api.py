@@ -494,7 +494,7 @@ def _convert_graph(gm: torch.fx.GraphModule, done: list[str], rule_set: Rules, o
         cal_options = options.calibration_options or CalibrationOptions()
         _run_stage("calibrate", done, calibrate_and_redecide, gm, calibration, rules=rule_set, settings=settings,
                    options=cal_options)
-        if recipe is not None:  # with a tolerance: the fp32 outputs, before rewrite, for the fp8 accuracy search
+        if recipe is not None and cal_options.tolerance is not None:  # the fp32 outputs, before rewrite, for the fp8 search
             fp8_search = _run_stage("fp8_reference", done, prepare_fp8_search, gm, calibration, cal_options)
     _run_stage("rewrite", done, rewrite, gm, keep_io_types=options.keep_io_types)
     if recipe is not None:

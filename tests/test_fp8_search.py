@@ -118,6 +118,8 @@ def test_kept_layers_are_decisions_with_their_rule_and_run_no_scaled_gemm(llama,
     assert all("runs fp8_linear" in rows[n]["reason"] for n in others)
     report = json.loads(searched.report.to_json())
     assert set(report["calibration"]["fp8_search"]["kept_bf16"]) == llama.planted
+    markdown = searched.report.to_markdown()
+    assert f"| fp8 accuracy search | SQNR &gt;= {TOL:g} dB: " in markdown, markdown[markdown.find("## Calibration"):][:1500]
     # torch.export captured it: the kept layers call aten.linear again; a training step runs 3 scaled GEMMs per fp8 layer
     linears = {n.name: n for n in searched.module.graph.nodes if n.name in llama.planted}
     assert {n.target for n in linears.values()} == {torch.ops.aten.linear.default}, linears
