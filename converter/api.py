@@ -50,7 +50,7 @@ from converter.options import FIELDS, ConvertOptions, build_options
 from converter.passes.capture import Captured, capture, guard_cache_calls, guard_cache_calls_keeping
 from converter.passes.checkpoint import checkpoint_regions, regions_in
 from converter.passes.decide import decide
-from converter.passes.fp8 import apply_fp8, check_patterns, fp8_rule_set, gate_fp8, resolved_recipe
+from converter.passes.fp8 import apply_fp8, check_patterns, fp8_rule_set, gate_fp8, resolved_recipe, sqnr_floors
 from converter.passes.fp32_math import DEFAULT_FP32_MATH, fp32_math
 from converter.passes.lower import lower
 from converter.passes.rewrite import rewrite
@@ -498,10 +498,10 @@ def _convert_graph(gm: torch.fx.GraphModule, done: list[str], rule_set: Rules, o
             fp8_search = _run_stage("fp8_reference", done, prepare_fp8_search, gm, calibration, cal_options)
     _run_stage("rewrite", done, rewrite, gm, keep_io_types=options.keep_io_types)
     if recipe is not None:
-        layers = _run_stage("fp8", done, apply_fp8, gm, recipe)
+        _fp8_stages(gm, done, rule_set, options, recipe, calibration)
         if fp8_search is not None:  # the fewest fp8 layers back in bf16 for the tolerance (numerics/fp8_search.py)
-            layers = _run_stage("fp8_search", done, fp8_search.run, gm, layers)
-        set_graph_facts(gm, fp8_recipe=recipe, fp8_layers=tuple(layers))
+            set_graph_facts(gm, fp8_layers=tuple(_run_stage("fp8_search", done, fp8_search.run, gm,
+                                                            gm.meta[GM_GRAPH].fp8_layers)))
     if simplify_graph:
         set_graph_facts(gm, simplified=_run_stage("simplify", done, simplify, gm))
     math_setting = rule_set.setting("fp32_math", DEFAULT_FP32_MATH)
@@ -509,6 +509,21 @@ def _convert_graph(gm: torch.fx.GraphModule, done: list[str], rule_set: Rules, o
     set_graph_facts(gm, fp32_math=math_setting, fp32_math_regions=regions)
     # torch.utils.checkpoint regions run under checkpoint in the generated code (conv.module, model.py)
     set_graph_facts(gm, checkpoint=_run_stage("checkpoint", done, checkpoint_regions, gm))
+
+
+def _fp8_stages(gm: torch.fx.GraphModule, done: list[str], rule_set: Rules, options: ConvertOptions, recipe: str,
+                calibration: Optional[list]) -> None:
+    """The fp8 stage, then with calibration the per-layer numerics and the SQNR fallback (graph facts fp8_*)."""
+    layers = tuple(_run_stage("fp8", done, apply_fp8, gm, recipe))
+    floors = {gemm: {"min_db": db, "rule": str(ref)} for gemm, (db, ref) in sqnr_floors(rule_set).items()}
+    set_graph_facts(gm, fp8_recipe=recipe, fp8_layers=layers, fp8_thresholds=floors,
+                    fp8_numerics=None if calibration is None else ())
+    if calibration is not None and layers:
+        from converter.numerics.fp8_layers import measure_and_fall_back
+
+        loss_fn = (options.calibration_options or CalibrationOptions()).loss_fn
+        set_graph_facts(gm, **_run_stage("fp8_numerics", done, measure_and_fall_back, gm, calibration, recipe, rule_set,
+                                         loss_fn=loss_fn, aten=gm.meta[GM_GRAPH].tracer == "export"))
 
 
 def _two_modes(model: torch.nn.Module, train_gm: torch.fx.GraphModule, eval_gm: torch.fx.GraphModule) -> TwoModeGraphModule:
@@ -559,15 +574,7 @@ def _report(captured: Captured, rule_set: Rules, timings: dict, options: Convert
                                "narrowed_dims": captured.narrowed_dims, "dynamic_ranges": captured.dynamic_ranges,
                                "modes": str(captured.modes or ""), "cache": captured.cache, "library_ops": _library_ops(gm),
                                "checkpoint": _checkpoint_extra(gm),
-                               "simplified": fold_counts(gm.meta[GM_GRAPH].simplified), "fp8": _fp8_extra(gm)})
-
-
-def _fp8_extra(gm: torch.fx.GraphModule) -> Optional[dict]:
-    """report.extra["fp8"]: the recipe and the linear nodes that run their GEMMs in fp8 (None: no fp8)."""
-    graph_meta = gm.meta[GM_GRAPH]
-    if graph_meta.fp8_recipe is None:
-        return None
-    return {"recipe": graph_meta.fp8_recipe, "layers": list(graph_meta.fp8_layers), "count": len(graph_meta.fp8_layers)}
+                               "simplified": fold_counts(gm.meta[GM_GRAPH].simplified)})
 
 
 def convert(model: torch.nn.Module, example_inputs: Any, *, rules: Union[None, str, Path, Iterable, Rules] = None,

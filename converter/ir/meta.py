@@ -191,7 +191,8 @@ CONTRACT: tuple[MetaKey, ...] = (
     MetaKey(GM_GRAPH, "graph", "GraphMeta", ("api", "lower", "ir"), ("report",),
             "graph-level facts, declared fields of a frozen record: tracer, precision, capture errors, rule files; "
             "lower's list and its cost model's choices (lower sets lowering), simplify's folds, the fp32_math "
-            "setting and region count, the checkpoint summary (set_graph_facts replaces them)"),
+            "setting and region count, the checkpoint summary, the fp8 recipe, layers, SQNR floors, per-layer numerics and "
+            "fallback (set_graph_facts replaces them)"),
     MetaKey(GM_PARAM_DTYPES, "graph", "dict[str, torch.dtype]", ("rewrite", "api"), ("report", "export", "train", "api", "lightning"),
             "fqn -> the dtype each parameter may be stored in (O2); the emitted model.py sets it too"),
     MetaKey(GM_PARAM_STORAGE, "graph", "dict[str, str]", ("rewrite",), ("report",),
@@ -439,7 +440,10 @@ class GraphMeta:
     rule files' fp32_math setting and ``fp32_math_regions`` how many bracketed regions enforce it;
     ``checkpoint``: what the checkpoint stage kept (``checkpoint_regions``' summary), None before it ran;
     ``fp8_recipe``: the FP8 recipe of a conversion with fp8 GEMMs (None: none), ``fp8_layers`` the linear
-    nodes the fp8 stage turned into fp8 GEMM calls.
+    nodes that run their GEMMs in fp8 (after the fallback), ``fp8_thresholds`` the SQNR floors of the fallback
+    (GEMM -> ``{"min_db", "rule"}``, from the rules), ``fp8_numerics`` the per-layer measurements with
+    calibration (``converter.numerics.fp8_layers.Fp8LayerNumerics``, one per layer the fp8 stage made, fallbacks
+    included; None: not measured) and ``fp8_fallback`` the rows of the layers the fallback kept bf16.
     """
 
     tracer: str
@@ -455,6 +459,9 @@ class GraphMeta:
     checkpoint: Optional[Mapping[str, Any]] = None
     fp8_recipe: Optional[str] = None
     fp8_layers: tuple[str, ...] = ()
+    fp8_thresholds: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    fp8_numerics: Optional[tuple[Any, ...]] = None
+    fp8_fallback: tuple[Mapping[str, Any], ...] = ()
 
 
 def set_graph_facts(gm: torch.fx.GraphModule, **facts: Any) -> None:

@@ -27,6 +27,14 @@ for a fixed-seed random projection ``v`` of the floating outputs: a sum of the o
 all-ones gradient at the last layer, no test of the e5m2 cast. ``torch.autograd.grad`` gives each tap's
 output gradient (the layer's grad_output); nothing is left in ``.grad``, and buffers and the RNG state are
 restored. Random ops draw the same numbers per batch (``torch.manual_seed(seed + batch)``).
+
+**Fallback** (:func:`fall_back_to_bf16`, issue 34 item 4): a layer with a GEMM whose SQNR is under its floor
+(:func:`converter.passes.fp8.sqnr_floors`: rule settings ``fp8_min_sqnr_output`` 18 dB,
+``fp8_min_sqnr_grad_input`` 17 dB, ``fp8_min_sqnr_grad_weight`` 17 dB by default, torchao's float8 test floors)
+is kept bf16: its call goes back to a bf16 linear on the same (already bf16) operands and its decision names
+the setting of the GEMM furthest under its floor, every failing GEMM's dB in the reason. A NaN SQNR fails;
+an unmeasured gradient (None) never does. The pipeline runs :func:`measure_and_fall_back` right after the
+fp8 stage when the conversion has calibration batches.
 """
 from __future__ import annotations
 
@@ -40,11 +48,14 @@ import torch.fx
 import torch.nn.functional as F
 
 from converter.fp8.kernels import Fp8Recipe, cast_to_fp8, fp8_linear, operand_scale, resolve_recipe
-from converter.ir.meta import META_INFO, META_VALUE, TensorSpec
+from converter.ir.meta import META_DECISION, META_INFO, META_VALUE, RuleRef, TensorSpec
 from converter.numerics.common import copy_graph, floating_outputs, json_float, preserved_state
 from converter.passes.capture.values import normalize_inputs
+from converter.passes.fp8 import MIN_SQNR_SETTINGS, keep_bf16, sqnr_floors
+from converter.rules.loader import Rules
 
-__all__ = ["GEMMS", "TENSORS", "Fp8LayerNumerics", "fp8_nodes", "measure_fp8_layers"]
+__all__ = ["GEMMS", "TENSORS", "Fp8LayerNumerics", "fp8_nodes", "measure_fp8_layers", "fall_back_to_bf16",
+           "measure_and_fall_back"]
 
 #: the three GEMMs of a layer's training step, the keys of :attr:`Fp8LayerNumerics.sqnr`
 GEMMS = ("output", "grad_input", "grad_weight")
@@ -300,3 +311,60 @@ def measure_fp8_layers(gm: torch.fx.GraphModule, batches: Iterable, recipe: Unio
             slots[:] = [None] * len(nodes)
     return {node.name: acc.result(node, rec) for node, acc in zip(nodes, layers) if acc.batches}
 
+
+
+# --------------------------------------------------------------------------------------------- fallback
+
+
+def _shortfall(db: float, floor: float) -> float:
+    return math.inf if math.isnan(db) else floor - db
+
+
+def fall_back_to_bf16(gm: torch.fx.GraphModule, numerics: Mapping[str, Fp8LayerNumerics], rules: Rules, *,
+                      aten: bool = False) -> list[dict]:
+    """Keep bf16 every measured layer of ``gm`` with a GEMM under its SQNR floor (module docstring); returns one
+    row per such layer: node, module, gemm (the furthest under), sqnr_db, min_db, rule, failed (gemm -> dB),
+    reason. ``aten``: the graph is a torch.export capture (its linear calls are ``aten.linear``)."""
+    floors = sqnr_floors(rules)
+    by_name = {n.name: n for n in gm.graph.nodes}
+    kept: dict[str, tuple[RuleRef, str]] = {}
+    rows = []
+    for name, layer in numerics.items():
+        failed = {g: db for g, db in layer.sqnr.items() if db is not None and not db >= floors[g][0]}
+        if not failed or name not in by_name:
+            continue
+        gemm = max(failed, key=lambda g: _shortfall(failed[g], floors[g][0]))
+        floor, rule = floors[gemm]
+        was = by_name[name].meta[META_DECISION].rule
+        what = "; ".join(f"{g} SQNR {db:.2f} dB < {MIN_SQNR_SETTINGS[g]} = {floors[g][0]:g} dB" for g, db in failed.items())
+        reason = (f"fp8 numerics: {what} (recipe {layer.recipe}, {layer.batches} calibration batch(es), against bf16 "
+                  f"F.linear on the same operands): kept bf16 (the fp8 rule was {was})")
+        kept[name] = (rule, reason)
+        rows.append({"node": name, "module": layer.module, "gemm": gemm, "sqnr_db": json_float(failed[gemm]),
+                     "min_db": json_float(floor), "rule": str(rule),
+                     "failed": {g: json_float(db) for g, db in failed.items()}, "reason": reason})
+    keep_bf16(gm, kept, aten=aten)
+    return rows
+
+
+def measure_and_fall_back(gm: torch.fx.GraphModule, batches: Iterable, recipe: Union[str, Fp8Recipe], rules: Rules, *,
+                          loss_fn: Optional[Callable] = None, aten: bool = False) -> dict:
+    """The pipeline's step after the fp8 stage with calibration: :func:`measure_fp8_layers`, then
+    :func:`fall_back_to_bf16`, again on the layers left after a fallback (to a fixed point), so that the numbers
+    of the layers still fp8 describe the final conversion (a broken layer upstream distorts its neighbours'
+    gradients); a dropped layer keeps the numbers it was dropped on. Returns the graph facts ``fp8_numerics``
+    (every measured layer, in graph order), ``fp8_fallback`` (the dropped layers' rows) and ``fp8_layers``
+    (the layers still fp8)."""
+    items = list(batches)
+    numerics = measure_fp8_layers(gm, items, recipe, loss_fn=loss_fn)
+    final, rows = dict(numerics), []
+    for _ in range(len(numerics)):
+        dropped = fall_back_to_bf16(gm, numerics, rules, aten=aten)
+        rows += dropped
+        if not dropped or not fp8_nodes(gm):
+            break
+        # the layers left ran beside the dropped ones in fp8: measure them again in the conversion as it now is
+        numerics = measure_fp8_layers(gm, items, recipe, loss_fn=loss_fn)
+        final.update(numerics)
+    return {"fp8_numerics": tuple(final.values()), "fp8_fallback": tuple(rows),
+            "fp8_layers": tuple(n.name for n in fp8_nodes(gm))}

@@ -64,7 +64,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from converter.fp8.kernels import fp8_linear
-from converter.ir.meta import GM_CALIBRATION, META_DECISION, Decision, Match, RuleRef
+from converter.ir.meta import GM_CALIBRATION, META_DECISION, Decision, RuleRef
 from converter.numerics.common import copy_graph, floating_outputs, json_float, preserved_state, progress_bar
 from converter.numerics.fp8_layers import Fp8LayerNumerics, fp8_nodes, measure_fp8_layers
 from converter.numerics.search import (
@@ -78,7 +78,7 @@ from converter.numerics.search import (
     search_ranked,
 )
 from converter.passes.capture.values import normalize_inputs
-from converter.rules.precedence import OVERRIDE_LEVEL, rank
+from converter.passes.fp8 import keep_bf16
 
 __all__ = [
     "FP8_SEARCH_REF",
@@ -305,12 +305,6 @@ def layer_sqnr_ranking(numerics: Optional[Mapping[str, Fp8LayerNumerics]] = None
 # the search
 
 
-def _linear_target(gm: torch.fx.GraphModule) -> Any:
-    """The linear call of ``gm``'s tracer, for a kept layer with no recorded target (aten under torch.export)."""
-    aten = any(isinstance(n.target, torch._ops.OpOverload) for n in gm.graph.nodes if n.op == "call_function")
-    return torch.ops.aten.linear.default if aten else F.linear
-
-
 def _kept_reason(name: str, keep: Sequence[str], ev: Fp8Evaluator, first: Outcome, final: Outcome,
                  rows: Mapping[str, dict], ranked: Sequence[str], old: Decision) -> str:
     """Why ``name`` stays bf16: the target, the end-to-end SQNRs measured, what dropping it gave, its rank."""
@@ -327,29 +321,6 @@ def _kept_reason(name: str, keep: Sequence[str], ev: Fp8Evaluator, first: Outcom
             f", alone in fp8 ~{alone:.1f} dB" if isinstance(alone, float) and math.isfinite(alone) else ""))
     return (f"fp8 accuracy search: kept bf16 to meet {tol} against fp32 end to end ({'; '.join(parts)}) "
             f"(was fp8 by {old.rule})")
-
-
-def keep_in_bf16(gm: torch.fx.GraphModule, reasons: Mapping[str, str], targets: Optional[Mapping[str, Any]] = None) -> None:
-    """Turn the ``fp8_linear`` calls named in ``reasons`` back into their linear calls (same bf16 operands) and
-    re-decide them ``bf16`` by :data:`FP8_SEARCH_REF` with the given reasons. ``targets``: each layer's linear
-    call before the fp8 stage (default: by the graph's tracer)."""
-    if not reasons:
-        return
-    default = _linear_target(gm)
-    for node in fp8_nodes(gm):
-        reason = reasons.get(node.name)
-        if reason is None:
-            continue
-        x, weight, bias, _recipe = _operands(node)
-        node.target = (targets or {}).get(node.name, default)
-        node.args, node.kwargs = (x, weight, bias), {}
-        old: Decision = node.meta[META_DECISION]
-        match = Match(rule=FP8_SEARCH_REF, precision="bf16", level=rank(OVERRIDE_LEVEL), level_name=OVERRIDE_LEVEL,
-                      reason=reason)
-        node.meta[META_DECISION] = old.replace(requested="bf16", rule=FP8_SEARCH_REF, reason=reason,
-                                               matches=(match,) + tuple(old.matches), unmatched=False, notes=())
-    gm.graph.lint()
-    gm.recompile()
 
 
 def prune_to_minimal(evaluate_keep: Callable[[Sequence[str]], Outcome], keep: Sequence[str]) -> list[str]:
@@ -388,13 +359,14 @@ def _not_met(ev: Fp8Evaluator, budget: _Budget, first: Outcome, limit: int, exc:
 def fp8_accuracy_search(gm: torch.fx.GraphModule, batches: Sequence[tuple[tuple, dict]],
                         references: Sequence[Sequence[torch.Tensor]], *, tolerance: Any,
                         options: Optional[SearchOptions] = None, ranking: Optional[Ranking] = None,
-                        targets: Optional[Mapping[str, Any]] = None, progress: bool = False) -> tuple[dict, list[str]]:
+                        aten: bool = False, progress: bool = False) -> tuple[dict, list[str]]:
     """Keep the fewest fp8 layers of ``gm`` (after the fp8 stage) in bf16 so that its outputs meet ``tolerance``
     against ``references`` (:func:`fp32_references` of ``batches``, taken before rewrite).
 
     ``ranking`` (default :func:`propagated_ranking`) orders the layers; ``options`` bound the evaluations
-    (``max_evaluations``), the kept layers (``max_keep``) and say whether to ``prune``. Changes ``gm`` (see
-    :func:`keep_in_bf16`) and returns (the report dict, the layers still in fp8). Raises
+    (``max_evaluations``), the kept layers (``max_keep``) and say whether to ``prune``. Changes ``gm``: each kept
+    layer becomes its bf16 linear again (:func:`converter.passes.fp8.keep_bf16`; ``aten``: a torch.export graph)
+    requested bf16 by :data:`FP8_SEARCH_REF`. Returns (the report dict, the layers still in fp8). Raises
     :class:`~converter.numerics.search.ToleranceNotMet` when the tolerance cannot be met.
     """
     t0 = time.perf_counter()
@@ -425,8 +397,8 @@ def fp8_accuracy_search(gm: torch.fx.GraphModule, batches: Sequence[tuple[tuple,
     final = ev.evaluate_keep(keep)  # the last passing set: from the memo
     by_name = {row["name"]: row for row in rows}
     decisions = {n.name: n.meta[META_DECISION] for n in fp8_nodes(gm)}
-    reasons = {name: _kept_reason(name, keep, ev, first, final, by_name, ranked, decisions[name]) for name in keep}
-    keep_in_bf16(gm, reasons, targets)
+    keep_bf16(gm, {name: (FP8_SEARCH_REF, _kept_reason(name, keep, ev, first, final, by_name, ranked, decisions[name]))
+                   for name in keep}, aten=aten)
     report.update({
         "met": True,
         "kept_bf16": list(keep),
@@ -451,7 +423,7 @@ class Fp8SearchPlan:
 
     batches: list
     references: list
-    targets: dict
+    aten: bool  # a torch.export graph: a kept layer calls aten.linear again
     tolerance: Tolerance
     options: SearchOptions
     progress: bool = False
@@ -463,7 +435,7 @@ class Fp8SearchPlan:
         calibration = gm.meta.setdefault(GM_CALIBRATION, {})
         try:
             report, remaining = fp8_accuracy_search(gm, self.batches, self.references, tolerance=self.tolerance,
-                                                    options=self.options, targets=self.targets, progress=self.progress)
+                                                    options=self.options, aten=self.aten, progress=self.progress)
         except ToleranceNotMet as exc:
             calibration["fp8_search"] = exc.to_dict()
             raise
@@ -484,8 +456,6 @@ def prepare_fp8_search(gm: torch.fx.GraphModule, calibration: Sequence, options:
     batches = [normalize_inputs(item) for item in items]
     if not batches:
         raise ValueError("fp8 accuracy search: no calibration batches to evaluate on")
-    targets = {n.name: n.target for n in gm.graph.nodes
-               if n.op == "call_function" and getattr(n.meta.get(META_DECISION), "requested", None) == "fp8"}
+    aten = any(n.op == "call_function" and n.target is torch.ops.aten.linear.default for n in gm.graph.nodes)
     return Fp8SearchPlan(batches=batches, references=fp32_references(gm, batches, seed=options.search.seed),
-                         targets=targets, tolerance=options.tolerance, options=options.search,
-                         progress=options.progress)
+                         aten=aten, tolerance=options.tolerance, options=options.search, progress=options.progress)

@@ -28,6 +28,11 @@ embeddings and the output layer), ``fp8_align`` (in_features and out_features mu
 ``_scaled_mm`` needs 16 and the kernels never pad), ``fp8_min_flops_per_token`` (2·K·N below it: the casts
 cost more than the faster GEMM saves). A gated node keeps its bf16 linear and has ``requested`` bf16.
 
+**Fallback** (with calibration, :mod:`converter.numerics.fp8_layers`): a layer whose measured SQNR of
+a GEMM is under its floor (:func:`sqnr_floors`: the settings ``fp8_min_sqnr_output``, ``fp8_min_sqnr_grad_input``,
+``fp8_min_sqnr_grad_weight``) goes back to a plain bf16 linear call (:func:`keep_bf16`) with that setting as
+its rule and the measured dB in its reason.
+
 **Patterns that match nothing** are an error (:class:`Fp8PatternError`, exit 2): every ``node``,
 ``module`` and ``module_type`` pattern of a user's rule file (not a built-in one, whose patterns are generic)
 must match at least one node of the graph. An exclusion that matches nothing silently leaves the layer in
@@ -49,8 +54,8 @@ from converter.ir.meta import BUILTIN, META_DECISION, META_INFO, Decision, RuleR
 from converter.rules.loader import GEMM_PRECISIONS, Rule, Rules, RulesError, default_rules_path, load_rules, rules_dir
 from converter.rules.precedence import MATCH_TABLES
 
-__all__ = ["FP8_RULES", "DEFAULT_RECIPE", "UNSUPPORTED_RULE", "Fp8PatternError", "fp8_rule_set", "check_patterns",
-           "gate_fp8", "apply_fp8", "resolved_recipe"]
+__all__ = ["FP8_RULES", "DEFAULT_RECIPE", "UNSUPPORTED_RULE", "MIN_SQNR_SETTINGS", "DEFAULT_MIN_SQNR", "Fp8PatternError",
+           "fp8_rule_set", "check_patterns", "gate_fp8", "apply_fp8", "resolved_recipe", "sqnr_floors", "keep_bf16"]
 
 #: the built-in rule file that precision fp8 layers over default.toml, under the user's files
 FP8_RULES = "fp8"
@@ -63,6 +68,11 @@ UNSUPPORTED_RULE = RuleRef(BUILTIN, "builtin", "fp8-unsupported")
 #: the rule tables whose patterns must match a node of the model
 _NAMED_LEVELS = tuple(level for level in MATCH_TABLES if level != "op")
 _WHAT = dict(zip(_NAMED_LEVELS, ("node name", "module path", "module class")))
+#: the ``[settings]`` key of each GEMM's SQNR floor (the fp8 fallback with calibration)
+MIN_SQNR_SETTINGS = {"output": "fp8_min_sqnr_output", "grad_input": "fp8_min_sqnr_grad_input",
+                     "grad_weight": "fp8_min_sqnr_grad_weight"}
+#: the floors (dB) when no rule file sets them: torchao's float8 test floors (rules/fp8.toml says why)
+DEFAULT_MIN_SQNR = {"output": 18.0, "grad_input": 17.0, "grad_weight": 17.0}
 
 
 class Fp8PatternError(RulesError):
@@ -222,6 +232,32 @@ def apply_fp8(gm: torch.fx.GraphModule, recipe: str) -> list[str]:
         node.meta[META_DECISION] = decision.replace(
             reason=f"{decision.reason}; runs fp8_linear (recipe {recipe}: {calls} torch._scaled_mm per training step), "
                    "bf16 in and out")
+        done.append(node.name)
+    if done:
+        gm.graph.lint()
+        gm.recompile()
+    return done
+
+
+def sqnr_floors(rules: Rules) -> dict[str, tuple[float, RuleRef]]:
+    """GEMM -> (SQNR floor in dB, the setting's provenance) for the fp8 fallback (:data:`MIN_SQNR_SETTINGS`)."""
+    return {gemm: (float(rules.setting(key, DEFAULT_MIN_SQNR[gemm])), rules.setting_ref(key))
+            for gemm, key in MIN_SQNR_SETTINGS.items()}
+
+
+def keep_bf16(gm: torch.fx.GraphModule, kept: dict[str, tuple[RuleRef, str]], *, aten: bool) -> list[str]:
+    """Turn the ``fp8_linear`` calls named in ``kept`` (node -> (rule, reason)) back into bf16 linear calls
+    (``aten.linear`` in a torch.export graph, ``aten=True``; else ``F.linear``) on the same bf16 operands, each
+    decision ``requested`` bf16 with that rule and reason; returns the names changed, in graph order."""
+    target = torch.ops.aten.linear.default if aten else F.linear
+    done: list[str] = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not fp8_linear or node.name not in kept:
+            continue
+        rule, reason = kept[node.name]
+        x, weight, bias = node.args[:3]
+        node.target, node.args, node.kwargs = target, (x, weight) if bias is None else (x, weight, bias), {}
+        node.meta[META_DECISION] = node.meta[META_DECISION].replace(requested="bf16", rule=rule, reason=reason)
         done.append(node.name)
     if done:
         gm.graph.lint()

@@ -38,6 +38,7 @@ from typing import Optional
 import torch
 import torch.fx
 
+from converter.fp8.kernels import fp8_linear
 from converter.ir.meta import (
     GM_CALIBRATION,
     GM_GRAPH,
@@ -58,6 +59,7 @@ from converter.ir.meta import (
 from converter.numerics.common import to_json
 from converter.passes.fp32_math import DEFAULT_FP32_MATH, global_math_settings, reduced_globals
 from converter.report.flops import node_flops
+from converter.report.fp8 import fp8_section
 from converter.report.html import to_html
 from converter.report.markdown import to_markdown
 from converter.rules.precedence import PRECEDENCE
@@ -242,6 +244,7 @@ def _node_row(index: int, node: torch.fx.Node, info: NodeInfo, decision: Decisio
         "unmatched": decision.unmatched,
         "matches": _match_rows(decision),
         "fp32_math": node.meta[META_MATH].mode if META_MATH in node.meta else None,
+        "gemm": "fp8" if node.target is fp8_linear else None,  # precision stays bf16: fp8 is the GEMMs' compute mode
     }
 
 
@@ -489,7 +492,7 @@ def build_report(gm: torch.fx.GraphModule, *, precision: str, tracer: str, rules
         nodes=nodes,
         casts=casts,
         rules=rules or {},
-        extra=dict(extra or {}),
+        extra={**(extra or {}), "fp8": fp8_section(gm, nodes)},
         model=model,
         ops=_op_table(nodes),
         modules=_module_tree(stacks, casts, cast_module),

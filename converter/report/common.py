@@ -19,7 +19,8 @@ __all__ = [
     "ReportView", "COLORS", "ORDER", "precision_class", "half_count", "fmt_bytes", "fmt_flops", "fmt_db", "db_sort_key",
     "fmt_pct", "fmt_err", "fmt_ratio", "short_rule", "node_reason", "tuned_for", "calibration_rows", "module_groups",
     "module_bytes", "split_casts", "fp32_math_facts", "FP32_MATH_NOTE", "frozen_mode",
-    "header_warnings", "HeaderWarning", "weight_cast_label", "narrowed_text", "ranges_text",
+    "header_warnings", "HeaderWarning", "weight_cast_label", "narrowed_text", "ranges_text", "fp8_facts", "fp8_layer_rows",
+    "FP8_NOTE",
 ]
 
 #: precision -> colour, shared by the HTML strip, the plots and the badges
@@ -293,3 +294,58 @@ def fp32_math_facts(report: ReportView) -> tuple[list[tuple[str, str]], list[str
             ("scoped regions", str(fm.get("regions", 0)))]
     rows += [(f"global {k}", str(v)) for k, v in (fm.get("global") or {}).items()]
     return rows, list(fm.get("warnings", [])), list(fm.get("notes", []))
+
+
+#: what the FP8 layer table measures (HTML and Markdown)
+FP8_NOTE = ("Each fp8 layer against bf16 F.linear on the same operands (its recorded input, weight and incoming "
+            "gradient) on the calibration batches: SQNR of output, grad_input and grad_weight; amax, underflow (nonzero "
+            "values that quantise to zero) and overflow (values the saturated cast clips) of x, weight and grad_output "
+            "under the recipe's scaling. A value under its floor is marked; such a layer is kept bf16.")
+_FP8_TENSORS = (("x", "x"), ("weight", "w"), ("grad_output", "g"))
+
+
+def fp8_facts(report: ReportView) -> list[tuple[str, str]]:
+    """The fp8 section's (fact, value) pairs; empty when the conversion has no fp8 (report.json ``"fp8"``)."""
+    fp8 = report.extra.get("fp8")
+    if not fp8:
+        return []
+    floors = fp8.get("thresholds") or {}
+    facts = [("recipe", str(fp8.get("recipe"))), ("layers in fp8", str(fp8.get("count", 0))),
+             ("GEMM FLOPs in fp8", f"{fmt_pct(fp8.get('flops_share'))} ({fmt_flops(fp8.get('flops'))} of "
+                                   f"{fmt_flops(fp8.get('gemm_flops'))})")]
+    if floors:
+        facts.append(("SQNR floors (fallback to bf16)", ", ".join(
+            f"{gemm} {fmt_db(floor.get('min_db'))}" for gemm, floor in floors.items())
+            + f" ({', '.join(sorted({f.get('rule', '').split(':[')[0] for f in floors.values()}))} [settings])"))
+    if fp8.get("numerics") is None:
+        facts.append(("per-layer numerics", "not measured: convert with calibration batches"))
+    else:
+        facts.append(("kept bf16 by a floor", ", ".join(r["node"] for r in fp8.get("fallback") or []) or "none"))
+    return facts
+
+
+def fp8_layer_rows(report: ReportView) -> list[dict]:
+    """One dict of display strings per measured fp8 layer: node, module, kernel (``fp8`` or ``bf16 (fallback)``),
+    ``sqnr`` (gemm -> (text, under its floor)), amax, underflow, overflow, flops."""
+    fp8 = report.extra.get("fp8") or {}
+    floors = fp8.get("thresholds") or {}
+    rows = []
+    for layer in fp8.get("numerics") or []:
+        below = set(layer.get("below") or ())
+        sqnr = {}
+        for gemm, value in (layer.get("sqnr") or {}).items():
+            text = "—" if value is None else fmt_db(value)
+            if gemm in below:
+                text += f" < {fmt_db((floors.get(gemm) or {}).get('min_db'))}"
+            sqnr[gemm] = (text, gemm in below)
+
+        def per_tensor(values: dict, fmt: Callable[[Any], str]) -> str:
+            return " · ".join(f"{short} {fmt(values[name])}" for name, short in _FP8_TENSORS if name in values)
+
+        rows.append({"node": layer["node"], "module": layer.get("module", ""),
+                     "kernel": "fp8" if layer.get("fp8") else "bf16 (fallback)", "sqnr": sqnr,
+                     "amax": per_tensor(layer.get("amax") or {}, lambda v: f"{from_json_float(v):.3g}"),
+                     "underflow": per_tensor(layer.get("underflow") or {}, fmt_pct),
+                     "overflow": per_tensor(layer.get("overflow") or {}, fmt_pct),
+                     "flops": fmt_flops(layer.get("flops"))})
+    return rows

@@ -37,7 +37,7 @@ import torch.fx
 
 from converter.ir.meta import META_VALUE, TensorSpec
 
-__all__ = ["node_flops", "FLOP_OPS", "NORM_FLOPS"]
+__all__ = ["node_flops", "FLOP_OPS", "NORM_FLOPS", "GEMM_OPS"]
 
 _MATMUL = ("matmul", "mm", "bmm", "mv", "grouped_mm")
 _ADDMM = ("addmm", "baddbmm", "addmv")
@@ -50,6 +50,8 @@ FLOP_OPS = frozenset(
 )
 #: FLOPs per output element of the norms
 NORM_FLOPS = {"layer_norm": 5, "group_norm": 5, "batch_norm": 5, "instance_norm": 5, "rms_norm": 4}
+#: the matrix products among them (all but the norms): report.json's fp8 ``gemm_flops`` counts these
+GEMM_OPS = FLOP_OPS - frozenset(NORM_FLOPS)
 
 
 def _first_spec(value: Any) -> Optional[TensorSpec]:

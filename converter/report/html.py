@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from converter.report.common import (
     COLORS,
+    FP8_NOTE,
     FP32_MATH_NOTE,
     ORDER,
     ReportView,
@@ -28,6 +29,8 @@ from converter.report.common import (
     fmt_flops,
     fmt_pct,
     fmt_ratio,
+    fp8_facts,
+    fp8_layer_rows,
     fp32_math_facts,
     half_count,
     header_warnings,
@@ -258,7 +261,9 @@ def _nodes_html(report: ReportView) -> str:
             f'<td class="mono">{_e(r["module"])}</td>',
             f'<td>{_e(r["module_type"])}</td>',
             f'<td data-v="{_e(r["precision"])}">{_badge(r["precision"])}{unmatched if r["unmatched"] else ""}'
-            + (f' <span class="mono" title="fp32 math">{_e(r["fp32_math"])}</span>' if r.get("fp32_math") else "") + "</td>",
+            + (f' <span class="mono" title="fp32 math">{_e(r["fp32_math"])}</span>' if r.get("fp32_math") else "")
+            + (' <span class="mono" title="its GEMMs run in float8 (storage and IO bf16)">fp8</span>'
+               if r.get("gemm") == "fp8" else "") + "</td>",
             f'<td class="mono nw" title="{_e(r["rule"])}">{_e(short_rule(r["rule"]))}</td>',
             f'<td class=n data-v="{r["flops"]}">{_e(fmt_flops(r["flops"]))}</td>',
             f'<td class=n data-v="{r["out_bytes"]}">{_e(fmt_bytes(r["out_bytes"]))}</td>',
@@ -375,6 +380,26 @@ def _calibration_html(report: ReportView) -> str:
     return "".join(out)
 
 
+def _fp8_html(report: ReportView) -> str:
+    facts = "".join(f"<tr><td>{_e(k)}</td><td>{_e(v)}</td></tr>" for k, v in fp8_facts(report))
+    out = [f"<table><tbody>{facts}</tbody></table>"]
+    rows = fp8_layer_rows(report)
+    if rows:
+        out.append(f"<p class=note>{_e(FP8_NOTE)}</p>")
+        out.append('<div class="tablewrap"><table id="fp8-table"><thead><tr><th>Node</th><th>Module</th><th>Kernel</th>'
+                   "<th class=n>Output</th><th class=n>grad_input</th><th class=n>grad_weight</th><th>amax</th>"
+                   "<th>underflow</th><th>overflow</th><th class=n>FLOPs</th></tr></thead><tbody>")
+        for r in rows:
+            dbs = "".join(f'<td class="n{" fp8-below" if below else ""}">'
+                          + (f'<span class=bad title="under the SQNR floor">{_e(text)}</span>' if below else _e(text)) + "</td>"
+                          for text, below in (r["sqnr"][g] for g in ("output", "grad_input", "grad_weight")))
+            out.append(f'<tr><td class="mono">{_e(r["node"])}</td><td class="mono">{_e(r["module"])}</td><td>{_e(r["kernel"])}</td>'
+                       f'{dbs}<td class="mono nw">{_e(r["amax"])}</td><td class="mono nw">{_e(r["underflow"])}</td>'
+                       f'<td class="mono nw">{_e(r["overflow"])}</td><td class=n>{_e(r["flops"])}</td></tr>')
+        out.append("</tbody></table></div>")
+    return "".join(out)
+
+
 def _unmatched_html(report: ReportView) -> str:
     ops = report.summary["unmatched_ops"]
     if not ops:
@@ -429,6 +454,7 @@ def _sections(report: ReportView) -> list[tuple[str, str, str]]:
         ("memory", "Memory", _memory_html(report)),
         *([("fp32math", "fp32 math", _fp32_math_html(report))] if report.fp32_math else []),
         *([("calibration", "Calibration", _calibration_html(report))] if report.calibration else []),
+        *([("fp8", "FP8", _fp8_html(report))] if report.extra.get("fp8") else []),
         ("ops", "Ops", _ops_html(report)),
         ("unmatched", f"Unmatched ops ({len(s['unmatched_ops'])})", _unmatched_html(report)),
         ("modules", "Modules", _tree_html(report)),

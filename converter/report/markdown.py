@@ -5,6 +5,7 @@ import re
 from typing import Any, Iterable
 
 from converter.report.common import (
+    FP8_NOTE,
     FP32_MATH_NOTE,
     ReportView,
     calibration_rows,
@@ -14,6 +15,8 @@ from converter.report.common import (
     fmt_flops,
     fmt_pct,
     fmt_ratio,
+    fp8_facts,
+    fp8_layer_rows,
     fp32_math_facts,
     header_warnings,
     node_reason,
@@ -43,7 +46,7 @@ def md_escape(value: Any) -> str:
 def to_markdown(report: ReportView) -> str:
     """report.md: the summary line, memory, numerics, ops, modules, casts and every node."""
     out: list[str] = []
-    for section in (_header, _summary, _user_intent, _fp32_math, _memory, _numerics, _calibration, _ops, _unmatched, _modules, _casts, _nodes):
+    for section in (_header, _summary, _user_intent, _fp32_math, _memory, _numerics, _calibration, _fp8, _ops, _unmatched, _modules, _casts, _nodes):
         out.extend(section(report))
     return "\n".join(out)
 
@@ -157,6 +160,24 @@ def _calibration(report: ReportView) -> list[str]:
     return out
 
 
+def _fp8(report: ReportView) -> list[str]:
+    facts = fp8_facts(report)
+    if not facts:
+        return []
+    out = ["## FP8", "", _table(["", "value"], ([md_escape(k), md_escape(v)] for k, v in facts)), ""]
+    rows = fp8_layer_rows(report)
+    if rows:
+        def db(cell: tuple) -> str:
+            return f"**{cell[0]}**" if cell[1] else cell[0]
+
+        out += [FP8_NOTE, "", _table(
+            ["Node", "Module", "Kernel", "Output", "grad_input", "grad_weight", "amax", "underflow", "overflow", "FLOPs"],
+            ([md_escape(r["node"]), md_escape(r["module"]), r["kernel"], *(db(r["sqnr"][g]) for g in
+              ("output", "grad_input", "grad_weight")), r["amax"], r["underflow"], r["overflow"], r["flops"]]
+             for r in rows)), ""]
+    return out
+
+
 def _user_intent(report: ReportView) -> list[str]:
     """The decisions the model's own code made (autocast regions, ``_keep_in_fp32_modules``): above every rule file."""
     found: dict[str, dict[str, int]] = {}
@@ -228,7 +249,8 @@ def _nodes(report: ReportView) -> list[str]:
 
     def row(r: dict) -> list:
         cells = [r["index"], md_escape(r["name"]), md_escape(r["op"]), md_escape(r["module"]), md_escape(r["module_type"]),
-                 r["precision"] + (f" ({r['fp32_math']} math)" if r.get("fp32_math") else "")
+                 r["precision"] + (" (fp8 GEMMs)" if r.get("gemm") == "fp8" else "")
+                 + (f" ({r['fp32_math']} math)" if r.get("fp32_math") else "")
                  + (" (unmatched)" if r["unmatched"] else ""), md_escape(r["rule"]), r["flops"], r["out_bytes"]]
         if measured:
             cells += [fmt_db(r.get("sqnr_db")), fmt_db(r.get("local_sqnr_db"))] if "sqnr_db" in r else ["—", "—"]

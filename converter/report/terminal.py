@@ -3,7 +3,18 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from converter.report.common import ReportView, fmt_bytes, fmt_db, fmt_err, fmt_flops, fmt_ratio, short_rule, split_casts
+from converter.report.common import (
+    ReportView,
+    fmt_bytes,
+    fmt_db,
+    fmt_err,
+    fmt_flops,
+    fmt_ratio,
+    fp8_facts,
+    fp8_layer_rows,
+    short_rule,
+    split_casts,
+)
 
 __all__ = ["print_report"]
 
@@ -28,7 +39,7 @@ def print_report(report: ReportView, console: Optional[Any] = None, *, nodes: bo
     if facts.row_count:
         console.print(facts)
     console.print(_ops_table(report))
-    for table in (_worst_table(report), _casts_table(report), _nodes_table(report) if nodes else None):
+    for table in (_fp8_table(report), _worst_table(report), _casts_table(report), _nodes_table(report) if nodes else None):
         if table is not None:
             console.print(table)
     if s["unmatched_ops"]:
@@ -93,6 +104,24 @@ def _worst_table(report: ReportView):
     return worst
 
 
+def _fp8_table(report: ReportView):
+    """The fp8 facts and, with calibration, each fp8 layer's SQNRs (red: under its floor); None without fp8."""
+    from rich.table import Table
+    from rich.text import Text
+
+    facts = fp8_facts(report)
+    if not facts:
+        return None
+    table = Table(title=Text("FP8: " + " · ".join(f"{k} {v}" for k, v in facts)), title_justify="left", header_style="bold")
+    for col in ("Node", "Kernel", "Output", "grad_input", "grad_weight", "underflow"):
+        table.add_column(col, justify="right" if col in ("Output", "grad_input", "grad_weight") else "left")
+    for r in fp8_layer_rows(report):
+        dbs = [Text(text, style="red" if below else "") for text, below in
+               (r["sqnr"][g] for g in ("output", "grad_input", "grad_weight"))]
+        table.add_row(Text(r["node"]), r["kernel"], *dbs, r["underflow"])
+    return table
+
+
 def _casts_table(report: ReportView):
     """The 12 largest activation casts, or None when there are none."""
     from rich.table import Table
@@ -119,5 +148,6 @@ def _nodes_table(report: ReportView):
         table.add_column(col)
     for r in report.nodes:
         table.add_row(str(r["index"]), Text(r["name"]), Text(r["op"]), Text(r["module"]),
-                      Text(r["precision"], style=_STYLES.get(r["precision"], "")), Text(r["rule"]), fmt_flops(r["flops"]))
+                      Text(r["precision"] + (" (fp8 GEMMs)" if r.get("gemm") == "fp8" else ""),
+                           style=_STYLES.get(r["precision"], "")), Text(r["rule"]), fmt_flops(r["flops"]))
     return table

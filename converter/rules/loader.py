@@ -39,7 +39,8 @@ input) and ``banned`` (an error carrying ``message``). See :mod:`converter.passe
 ``fp8`` is an error (here for op patterns, at decide time for node rules); a ``module``/``module_type`` rule
 ``fp8`` reaches only the GEMMs of its scope, the other ops of the scope fall through to the next rule.
 The fp8 shape gates are ``[settings]``: ``fp8_recipe``, ``fp8_align``, ``fp8_min_flops_per_token``,
-``fp8_keep_first``, ``fp8_keep_last`` (``rules/fp8.toml``).
+``fp8_keep_first``, ``fp8_keep_last`` (``rules/fp8.toml``); so are the SQNR floors of the fp8 fallback with
+calibration, ``fp8_min_sqnr_output``, ``fp8_min_sqnr_grad_input``, ``fp8_min_sqnr_grad_weight`` (dB).
 
 **Precedence**, highest first: ``node`` > ``module`` (path) > ``module_type`` > ``op`` > ``default``.
 A module rule may carry an ``ops`` table: per-op precisions for ops inside that module's scope;
@@ -126,6 +127,10 @@ _SETTINGS = {
     "fp8_min_flops_per_token": lambda value, where: _check_count(value, where, low=0),
     "fp8_keep_first": lambda value, where: _check_bool(value, where),
     "fp8_keep_last": lambda value, where: _check_bool(value, where),
+    # the fp8 fallback with calibration (converter.numerics.fp8_layers): per-GEMM SQNR floors in dB
+    "fp8_min_sqnr_output": lambda value, where: _check_db(value, where),
+    "fp8_min_sqnr_grad_input": lambda value, where: _check_db(value, where),
+    "fp8_min_sqnr_grad_weight": lambda value, where: _check_db(value, where),
 }
 #: the largest overflow margin: beyond fp16's largest finite value every nonzero value "overflows"
 _MAX_MARGIN = 65504.0
@@ -424,6 +429,12 @@ def _check_number(value: object, where: str) -> None:
         raise RulesError(f"{where}: must be a number, got {value!r}")
     if not math.isfinite(value) or not 0 < value <= _MAX_MARGIN:
         raise RulesError(f"{where}: must be a finite number above 0 and at most {_MAX_MARGIN:g}, got {value!r}; e.g. 2.0")
+
+
+def _check_db(value: object, where: str) -> None:
+    """An SQNR floor in dB: a finite number, or ``-inf`` (never falls back); NaN, +inf and booleans are refused."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value == math.inf:
+        raise RulesError(f"{where}: must be a number of dB (or -inf to never fall back), got {value!r}; e.g. 18.0")
 
 
 def _check_pattern(pattern: str, where: str) -> None:
