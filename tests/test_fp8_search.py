@@ -55,15 +55,18 @@ class ScaledMM(TorchDispatchMode):
 def llama(tmp_path_factory):
     model, example, planted = planted_llama(2)
     items = batches()
-    rules = rules_file(str(tmp_path_factory.mktemp("rules")))
+    where = str(tmp_path_factory.mktemp("rules"))
+    rules, no_floors = rules_file(where), rules_file(where, floors=False)
     plain = converter.convert(model, example, precision="fp8", rules=[rules])  # no search: the baseline's graph
-    return SimpleNamespace(model=model, example=example, planted=planted, items=items, rules=rules, plain=plain,
-                           refs=fp32_outputs(model, items))
+    return SimpleNamespace(model=model, example=example, planted=planted, items=items, rules=rules, no_floors=no_floors,
+                           plain=plain, refs=fp32_outputs(model, items))
 
 
 @pytest.fixture(scope="module")
 def searched(llama):
-    return converter.convert(llama.model, llama.example, precision="fp8", rules=[llama.rules], calibration=llama.items,
+    """The search alone: the per-layer SQNR floors of the calibration fallback are off (they would catch the
+    planted layers first; see the last test)."""
+    return converter.convert(llama.model, llama.example, precision="fp8", rules=[llama.no_floors], calibration=llama.items,
                              calibration_options=CalibrationOptions(tolerance=TOL, progress=False))
 
 
@@ -226,7 +229,13 @@ def test_cli_reports_the_kept_layers_and_exits_1_when_the_target_is_unreachable(
     model_file = tmp_path / "net.py"
     model_file.write_text(_MODEL_FILE, encoding="utf-8")
     gates = tmp_path / "gates.toml"
-    gates.write_text(textwrap.dedent("[settings]\nfp8_min_flops_per_token = 1024\n"), encoding="utf-8")
+    gates.write_text(textwrap.dedent("""\
+        [settings]
+        fp8_min_flops_per_token = 1024
+        fp8_min_sqnr_output = -1000.0  # the per-layer floors off: the search alone finds the planted layers
+        fp8_min_sqnr_grad_input = -1000.0
+        fp8_min_sqnr_grad_weight = -1000.0
+        """), encoding="utf-8")
     out = tmp_path / "out"
     base = [str(model_file), "--precision", "fp8", "--rules", str(gates), "--tolerance", "20", "-q", "--no-measure"]
     code = main(base + ["--out", str(out)])
@@ -251,3 +260,21 @@ def test_cli_reports_the_kept_layers_and_exits_1_when_the_target_is_unreachable(
     assert not (tmp_path / "bad").exists()
     counts = Counter(row["rule"] for row in report["nodes"])
     assert counts[RULE] == 2, counts
+
+
+def test_the_search_starts_where_the_per_layer_floors_leave_off(llama):
+    """Default floors: the fallback keeps the planted layers (0 dB alone) bf16 by its settings; 30 dB end to end
+    then needs one more layer, which the search keeps with its own rule, minimal by evaluation."""
+    conv = converter.convert(llama.model, llama.example, precision="fp8", rules=[llama.rules], calibration=llama.items,
+                             calibration_options=CalibrationOptions(tolerance=30, progress=False))
+    fp8 = conv.report.extra["fp8"]
+    fallback = {row["node"]: row["rule"] for row in fp8["fallback"]}
+    assert set(fallback) == llama.planted and set(fallback.values()) == {"fp8.toml:[settings].fp8_min_sqnr_output"}, fallback
+    search = conv.module.meta["mp_calibration"]["fp8_search"]
+    kept = set(search["kept_bf16"])
+    assert search["met"] and search["candidates"] == 11 and len(kept) == 1 and not kept & llama.planted, search
+    assert fp8["count"] == 10 and not (kept | llama.planted) & set(fp8["layers"]), fp8
+    rows = {row["name"]: row for row in conv.report.nodes}
+    assert all(rows[name]["rule"] == RULE for name in kept)
+    ev = _evaluator(llama, tolerance=30)
+    assert ev.evaluate_keep(llama.planted | kept).ok and not ev.evaluate_keep(llama.planted).ok, search

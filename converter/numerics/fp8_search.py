@@ -7,8 +7,9 @@ A conversion with ``precision="fp8"`` and ``CalibrationOptions(tolerance=...)`` 
    half node is bf16 (an fp8 linear counts as bf16 there: its operands and output are bf16). It keeps the
    fewest nodes in fp32 for the *bf16* conversion to meet the tolerance. When bf16 meets it, as it usually
    does, that costs the fp32 reference and one emulated pass and keeps nothing.
-2. **after the fp8 stage, this search**: the rewritten graph runs for real, every ``fp8_linear`` call a
-   candidate. It keeps the fewest of them in bf16 (``F.linear``/``aten.linear`` on the same bf16 operands:
+2. **after the fp8 stage and its SQNR-floor fallback** (:func:`converter.numerics.fp8_layers.measure_and_fall_back`:
+   per-layer floors, each layer on its own), **this search**: the rewritten graph runs for real, every
+   ``fp8_linear`` call still there a candidate. It keeps the fewest of them in bf16 (``F.linear``/``aten.linear`` on the same bf16 operands:
    no re-placement, no new casts) so that the whole conversion meets the tolerance.
 
 Why this order rather than fp8 first and fp32 nodes only when every fp8 layer in bf16 still misses: the half
