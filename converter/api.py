@@ -486,7 +486,7 @@ def pipeline(model: torch.nn.Module, example_inputs: Any, options: ConvertOption
 
 def _convert_graph(gm: torch.fx.GraphModule, done: list[str], rule_set: Rules, options: ConvertOptions, *,
                    calibration: Optional[list], simplify_graph: bool) -> None:
-    """decide → lower → place → (calibrate) → rewrite → simplify → fp32_math on one captured graph."""
+    """decide → lower → place → (calibrate) → rewrite → (fp8 → fp8 search) → simplify → fp32_math on one captured graph."""
     settings = place_settings(options)
     _run_stage("decide", done, decide, gm, rule_set, precision=options.precision)
     recipe = None
@@ -496,14 +496,22 @@ def _convert_graph(gm: torch.fx.GraphModule, done: list[str], rule_set: Rules, o
     lowered = _run_stage("lower", done, lower, gm, device=options.device, opt_level=options.opt_level)
     set_graph_facts(gm, device=options.device, lowered=tuple(lowered))
     _run_stage("place", done, settings.run, gm)
+    fp8_search = None
     if calibration is not None:
         from converter.numerics.calibrate import calibrate_and_redecide
+        from converter.numerics.fp8_search import prepare_fp8_search
 
+        cal_options = options.calibration_options or CalibrationOptions()
         _run_stage("calibrate", done, calibrate_and_redecide, gm, calibration, rules=rule_set, settings=settings,
-                   options=options.calibration_options or CalibrationOptions())
+                   options=cal_options)
+        if recipe is not None and cal_options.tolerance is not None:  # the fp32 outputs, before rewrite, for the fp8 search
+            fp8_search = _run_stage("fp8_reference", done, prepare_fp8_search, gm, calibration, cal_options)
     _run_stage("rewrite", done, rewrite, gm, keep_io_types=options.keep_io_types)
     if recipe is not None:
         _fp8_stages(gm, done, rule_set, options, recipe, calibration)
+        if fp8_search is not None:  # the fewest fp8 layers back in bf16 for the tolerance (numerics/fp8_search.py)
+            set_graph_facts(gm, fp8_layers=tuple(_run_stage("fp8_search", done, fp8_search.run, gm,
+                                                            gm.meta[GM_GRAPH].fp8_layers)))
     _cpu_gemm_kernels(gm, done, options)
     if simplify_graph:
         set_graph_facts(gm, simplified=_run_stage("simplify", done, simplify, gm))

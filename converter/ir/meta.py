@@ -197,8 +197,9 @@ CONTRACT: tuple[MetaKey, ...] = (
             "fqn -> the dtype each parameter may be stored in (O2); the emitted model.py sets it too"),
     MetaKey(GM_PARAM_STORAGE, "graph", "dict[str, str]", ("rewrite",), ("report",),
             "fqn -> why O2 keeps a parameter that the graph casts to half in fp32 storage"),
-    MetaKey(GM_CALIBRATION, "graph", "dict", ("calibrate",), ("report",),
-            "calibration results for report.json (risky nodes, loss scale, underflow)"),
+    MetaKey(GM_CALIBRATION, "graph", "dict", ("calibrate", "fp8"), ("report",),
+            "calibration results for report.json (risky nodes, loss scale, underflow; the fp8 accuracy search adds "
+            "fp8_search)"),
     MetaKey(GM_READ_CASTS, "graph", "dict[str, str]", ("calibrate",), ("rewrite",),
             "fqn -> why a parameter several nodes read is cast once per read and stored in fp32 under O2"),
 )

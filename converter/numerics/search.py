@@ -75,23 +75,25 @@ class ToleranceNotMet(MpconvertError, ValueError):
 
     exit_code = EXIT_CHECK_FAILED
 
-    def __init__(self, best_sqnr: float, best_set: Sequence[str], *, tolerance: Any = None, evaluations: int = 0, why: str = ""):
+    def __init__(self, best_sqnr: float, best_set: Sequence[str], *, tolerance: Any = None, evaluations: int = 0, why: str = "",
+                 kept: str = "node(s) kept in fp32"):
         self.best_sqnr = float(best_sqnr)
         self.best_set = tuple(best_set)
         self.tolerance = tolerance
         self.evaluations = evaluations
         self.why = why
+        self.kept = kept  # what best_set holds (the fp8 search: "fp8 layer(s) kept in bf16")
         detail = f"; {why}" if why else ""
         super().__init__(
             f"tolerance {tolerance} not met{detail}: best SQNR {self.best_sqnr:.2f} dB with {len(self.best_set)} "
-            f"node(s) kept in fp32 ({', '.join(self.best_set[:8])}{', ...' if len(self.best_set) > 8 else ''}) "
+            f"{kept} ({', '.join(self.best_set[:8])}{', ...' if len(self.best_set) > 8 else ''}) "
             f"after {evaluations} evaluations"
         )
 
     def to_dict(self) -> dict:
         """The search section of the calibration report for a tolerance that was not met."""
         return {"tolerance": str(self.tolerance), "met": False, "best_sqnr_db": json_float(self.best_sqnr),
-                "best_set": list(self.best_set), "evaluations": self.evaluations, "why": self.why}
+                "best_set": list(self.best_set), "kept": self.kept, "evaluations": self.evaluations, "why": self.why}
 
 
 # ---------------------------------------------------------------------------------------------

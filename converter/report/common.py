@@ -227,6 +227,14 @@ def calibration_rows(report: ReportView) -> tuple[list[tuple[str, str]], list[di
     if shared:
         facts.append(("cast once per read, fp32 under O2 (summed gradient overflows fp16)",
                       ", ".join(f"{r['param']} ({r['reads']} reads)" for r in shared)))
+    for key, label, kept in (("search", "accuracy search", "kept_fp32"), ("fp8_search", "fp8 accuracy search", "kept_bf16")):
+        found = cal.get(key)
+        if found and found.get("met"):
+            db = found["sqnr_db"]  # a number, or "inf" (json_float) when exact
+            shown = f"{db:.1f}" if isinstance(db, (int, float)) else str(db)
+            names = ", ".join(found[kept][:8]) + (", ..." if len(found[kept]) > 8 else "")
+            facts.append((label, f"{found['tolerance']}: {shown} dB with {len(found[kept])} kept in {kept[-4:]} "
+                                 f"({names or 'none'}), {found['evaluations']} evaluations"))
     return facts, list(cal.get("risky_nodes") or [])
 
 
