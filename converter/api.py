@@ -596,6 +596,7 @@ def _report(captured: Captured, rule_set: Rules, timings: dict, options: Convert
                                "lowering": list(gm.meta[GM_GRAPH].lowering),
                                "dynamic_dims": captured.dynamic_dims, "shapes": captured.shapes_note,
                                "narrowed_dims": captured.narrowed_dims, "dynamic_ranges": captured.dynamic_ranges,
+                               "tied_dims": captured.tied_dims,
                                "modes": str(captured.modes or ""), "cache": captured.cache, "library_ops": _library_ops(gm),
                                "checkpoint": _checkpoint_extra(gm),
                                "simplified": fold_counts(gm.meta[GM_GRAPH].simplified)})

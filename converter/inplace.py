@@ -224,6 +224,9 @@ class ConvertedForward:
         #: input -> {dim: (min, max)}: dynamic dims served only within a range (max None: no upper bound)
         self._ranges = {name: {int(d): (r["min"], r["max"]) for d, r in dims.items()}
                         for name, dims in (conversion.report.extra.get("dynamic_ranges") or {}).items()}
+        #: input -> {dim: (other input, its dim)}: dims captured as one size with another input's (labels)
+        self._tied = {name: {int(d): (str(o[0]), int(o[1])) for d, o in dims.items()}
+                      for name, dims in (conversion.report.extra.get("tied_dims") or {}).items()}
         self._all_dynamic = conversion.tracer == "fx"  # symbolic_trace records no sizes
         modes = conversion.report.modes
         self._frozen = modes.frozen if modes is not None else None
@@ -437,6 +440,18 @@ class ConvertedForward:
             why = self._value_mismatch(name, want, named[name])
             if why is not None:
                 return why
+        return self._tie_mismatch(named) if self._tied else None
+
+    def _tie_mismatch(self, named: dict) -> Optional[str]:
+        """Why this call's sizes break a tie of the graph (``labels`` dims exported as ``input_ids``'), or None."""
+        leaves = {name + pytree.keystr(path): leaf for name, value in named.items()
+                  for path, leaf in pytree.tree_flatten_with_path(value)[0]}
+        for label, dims in self._tied.items():
+            for dim, (other, index) in dims.items():
+                got, ref = leaves.get(label), leaves.get(other)
+                if isinstance(got, torch.Tensor) and isinstance(ref, torch.Tensor) and got.shape[dim] != ref.shape[index]:
+                    return _ShapeMismatch(f"{label} of shape {tuple(got.shape)} (its dim {dim} is captured as {other}'s "
+                                          f"dim {index}, of size {ref.shape[index]} here)")
         return None
 
     def _value_mismatch(self, name: str, want: Any, got: Any) -> Optional[str]:

@@ -15,17 +15,28 @@ in it is served. :func:`dim_ranges` names such dims with their range, the guard 
 (read from the graph node that made it), and the dim stays dynamic. Its lower bound is export's 0/1
 specialisation (the graph was traced for sizes >= 2: a ``squeeze`` or an ``if size == 1`` there is
 resolved for them) unless the example itself was smaller.
+
+A relation between inputs is not a pin either. A Hugging Face model given ``labels`` flattens its logits
+and the labels for the loss (``logits.view(-1, V)``, ``labels.view(-1)``), which leaves the guard
+``Eq(input_ids.size(0)*input_ids.size(1), labels.size(0)*labels.size(1))``: it holds for every batch
+and length as long as the labels have the shape of the ``input_ids``, but it fails when any one size
+changes alone, so it would read as pinning all four. torch.export gives each ``Dim.AUTO`` dim its own
+symbol and does not solve such a product. :func:`tied_dims` finds such guards, and the dims of
+same-shaped inputs that make them identities when they share a symbol (``labels.size(0)`` is
+``input_ids.size(0)``, ``labels.size(1)`` is ``input_ids.size(1)``); capture exports again with each
+group sharing one ``Dim`` (:mod:`converter.passes.capture.export_trace`), and the guard is gone.
 """
 from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import sympy
 import torch
 
-__all__ = ["dim_ranges", "narrowed_dims"]
+__all__ = ["dim_ranges", "narrowed_dims", "tied_dims", "Tie"]
 
 
 def _symbol(size: Any) -> Optional[sympy.Symbol]:
@@ -187,3 +198,94 @@ def dim_ranges(named_values: list[tuple[str, Any]],
         for name, dim in dims:
             out.setdefault(name, {})[dim] = {"min": low, "max": high, "why": why}
     return out
+
+
+@dataclass(frozen=True)
+class Tie:
+    """Input dims that one guard relates and that are the same size: ``dims[0]`` (an input's dim, as
+    ``(input name, dim)``) and the others, which a new export gives ``dims[0]``'s symbol."""
+
+    dims: tuple
+    #: the dims among ``dims`` that the first export gave symbols of their own (``labels``'), not ``dims[0]``'s
+    joined: tuple
+    #: the sizes the first export allowed for all of them (``high`` None: no upper bound)
+    low: int
+    high: Optional[int]
+    #: the guard that relates them and its source line
+    why: str
+
+    def dim(self) -> Any:
+        """A new ``torch.export.Dim`` for the group, named after its first member, with its range."""
+        name, index = self.dims[0]
+        text = re.sub(r"\W", "_", f"{name}_{index}")
+        bounds = {"min": self.low} if self.high is None else {"min": self.low, "max": self.high}
+        return torch.export.Dim(text if text[0].isalpha() else f"d_{text}", **bounds)
+
+
+def tied_dims(named_values: list[tuple[str, Any]]) -> list[Tie]:
+    """The groups of input dims that an equality guard relates, where giving the dims of same-shaped
+    inputs one symbol makes the guard hold for every size of them (see the module docstring). Only
+    guards that would pin a dim count (:func:`narrowed_dims`); inputs are matched dim by dim, each
+    to the first earlier input of the example's shape whose dims the guard names too. Dims another
+    guard fixes to one size are not shared (a size-1 batch traced size-obliviously): the guard may
+    then still pin other dims, which stay narrowed."""
+    symbols, shape_env = _symbols(named_values)
+    if shape_env is None:
+        return []
+    hints = _hints(shape_env)
+    replacements = dict(getattr(shape_env, "replacements", {}))
+    label = {sym: sympy.Symbol(f"{dims[0][0]}.size({dims[0][1]})") for sym, dims in symbols.items()}
+    at = {name: [_symbol(size) for size in value.shape] for name, value in named_values if isinstance(value, torch.Tensor)}
+    example = {name: tuple(hints.get(sym) if sym is not None else None for sym in syms) for name, syms in at.items()}
+    guards = [(guard, guard.expr.xreplace(replacements) if replacements else guard.expr)
+              for guard in getattr(shape_env, "guards", ())]
+    # dims a guard fixes (a size-1 batch traced size-obliviously: Eq(labels.size(0), 1)) take their size
+    fixed = {expr.lhs: expr.rhs for _, expr in guards
+             if isinstance(expr, sympy.Eq) and isinstance(expr.lhs, sympy.Symbol) and expr.rhs.is_Integer}
+    merged: dict[sympy.Symbol, sympy.Symbol] = {}  # a symbol -> the one it shares
+    why: dict[sympy.Symbol, str] = {}
+    for guard, expr in guards:
+        if not isinstance(expr, sympy.Eq) or not expr.free_symbols <= set(symbols) or not expr.free_symbols <= set(hints):
+            continue
+        expr = expr.xreplace(fixed).xreplace(merged)
+        if expr is sympy.true or not any(_pins(expr, sym, hints) for sym in expr.free_symbols):
+            continue
+        subst = _same_shape_pairs(expr.free_symbols, at, example)
+        # kept when the guard no longer pins the shared symbols (other dims in it may stay narrowed)
+        if subst and not any(_pins(expr.xreplace(subst), sym, hints) for sym in set(subst.values())):
+            merged.update(subst)
+            where = _where(guard)
+            for target in set(subst.values()):
+                why.setdefault(target, f"guard {guard.expr.xreplace(replacements).xreplace(label)}"
+                               + (f" at {where}" if where else ""))
+    ties = []
+    for target, text in why.items():
+        group = [target] + [sym for sym, to in merged.items() if to == target]
+        ranges = [_range(shape_env, sym) for sym in group]
+        highs = [high for _, high in ranges if high is not None]
+        ties.append(Tie(tuple(dim for sym in group for dim in symbols[sym]), tuple(dim for sym in group[1:] for dim in symbols[sym]),
+                        max(low for low, _ in ranges), min(highs) if highs else None, text))
+    return ties
+
+
+def _same_shape_pairs(free: set, at: dict, example: dict) -> dict:
+    """``{symbol: symbol}``: each dim named in ``free`` of an input, to the same dim of the first
+    earlier input of the same example shape whose matching dims ``free`` names as well."""
+    subst: dict[sympy.Symbol, sympy.Symbol] = {}
+    names = list(at)
+    for j, b in enumerate(names):
+        if not any(sym in free for sym in at[b]) or None in example[b]:
+            continue
+        for a in names[:j]:
+            if example[a] != example[b]:
+                continue
+            pairs = [(sb, sa) for sb, sa in zip(at[b], at[a]) if sb in free]
+            if not all(sa in free for _, sa in pairs):
+                continue
+            for sb, sa in pairs:
+                while sa in subst:  # a's dim already shares an earlier input's symbol
+                    sa = subst[sa]
+                if sb != sa and sb not in subst:
+                    subst[sb] = sa
+            break
+    return subst

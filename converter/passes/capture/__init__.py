@@ -44,6 +44,11 @@ still serves no larger image: its ``min(resolution) <= window`` branch fixes tha
 :class:`~converter.passes.size_budget.SizeBudget` stops such an export once a size exceeds 32
 operations (the zoo's other models stay at 4 or less), about 4 s in, and capture exports again with
 only dim 0 of every input dynamic (0.8 s), saying so in ``shapes_note``.
+Inputs the model relates: a Hugging Face model given ``labels`` flattens logits and labels for its
+loss, which leaves the guard ``input_ids.numel() == labels.numel()``; with a symbol per dim it reads as
+pinning batch and sequence length of both. Capture exports again with each such pair of dims sharing
+one ``Dim`` (:func:`~converter.passes.guards.tied_dims`), so both stay dynamic; ``Captured.tied_dims``
+(``report.extra["tied_dims"]``) names them (``labels`` dim 0 is ``input_ids`` dim 0).
 
 **Train and eval.** Both tracers trace the model in *train* mode, where every mode-dependent op is
 recorded with its train-mode arguments, and :mod:`converter.passes.modes` rewrites those arguments
@@ -142,6 +147,9 @@ class Captured:
     narrowed_dims: dict = field(default_factory=dict)
     #: input name -> {dim: {"min", "max", "why"}} for dynamic dims served only within a range
     dynamic_ranges: dict = field(default_factory=dict)
+    #: input name -> {dim: [other input, its dim]}: dynamic dims that must equal another input's (``labels``
+    #: and ``input_ids``: a guard relates them, so they were exported as one ``Dim``)
+    tied_dims: dict = field(default_factory=dict)
     #: whether train()/eval() work on the captured graph, and why not if they do not (None: not captured yet)
     modes: Optional[ModesNote] = None
     #: the graph of the model in eval mode, when it branches on self.training (``gm`` is then the train graph)
@@ -232,7 +240,7 @@ def _finish_capture(result: tuple, used: str, shapes: Shapes, tracer: str, model
         mark_kept_modules(graph, model)  # transformers' _keep_in_fp32_modules (converter.passes.intent)
     return Captured(gm=gm, tracer=used, args=args, kwargs=kwargs, errors=errors,
                     dynamic_dims=shapes.dims, shapes_note=shapes.note, modes=modes, eval_gm=eval_gm,
-                    narrowed_dims=shapes.narrowed, dynamic_ranges=shapes.ranges)
+                    narrowed_dims=shapes.narrowed, dynamic_ranges=shapes.ranges, tied_dims=shapes.tied)
 
 
 def _capture_one(name: str, model: torch.nn.Module, args: tuple, kwargs: dict, shapes: Shapes) -> tuple:

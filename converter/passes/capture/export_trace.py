@@ -1,7 +1,9 @@
 """Export tracing: ``torch.export`` with dynamic shapes, and its fallbacks.
 
 Every dim of every tensor input gets ``Dim.AUTO``; an example with size-1 dims is first traced
-size-obliviously (every such dim, then only the batch dim); size expressions that blow up
+size-obliviously (every such dim, then only the batch dim); dims of two inputs that a guard relates
+(a Hugging Face model's ``labels`` and ``input_ids``: the loss flattens both) are exported again
+sharing one ``Dim`` (:func:`~converter.passes.guards.tied_dims`); size expressions that blow up
 (:class:`~converter.passes.size_budget.SizeBudget`) leave only dim 0 of each input dynamic; when
 dynamic capture fails at all the shapes are static. :class:`~converter.passes.capture.values.Shapes`
 says which dims stayed dynamic and why (see :mod:`converter.passes.capture`).
@@ -22,7 +24,7 @@ from converter.passes.autograd_fns import OpaqueFunctions, restore_function_call
 from converter.passes.capture.advice import short_reason
 from converter.passes.capture.values import Shapes, placeholder_values, placeholders, spec_of
 from converter.passes.checkpoint import CheckpointMarks, tag_export_graph
-from converter.passes.guards import dim_ranges, narrowed_dims
+from converter.passes.guards import dim_ranges, narrowed_dims, tied_dims
 from converter.passes.intent import AutocastMarks
 from converter.passes.recurrent import RecurrentOps, restore_aten_ops
 from converter.passes.regions import inline_regions
@@ -60,7 +62,41 @@ def trace_export(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: Shap
             dims = [i for i, s in enumerate(val.shape) if not is_concrete_int(s) and i not in shapes.narrowed.get(name, {})]
             if dims:
                 shapes.dims[name] = dims
+    shapes.tied = _tied_in_graph(shapes.ties, dict(named))
+    if shapes.tied:
+        shapes.note += "; " + _tied_note(shapes)
+    elif shapes.tie_failure:
+        shapes.note += f"; exporting the dims a guard relates as one Dim failed ({shapes.tie_failure}), so they are narrowed"
     return gm
+
+
+def _tied_in_graph(ties: list, values: dict) -> dict:
+    """``{input: {dim: [input, dim]}}``: the dims the graph gives the symbol of another input's dim by
+    a :class:`~converter.passes.guards.Tie` (a static fallback shares none)."""
+    out: dict[str, dict[int, list]] = {}
+    for tie in ties:
+        first, index = tie.dims[0]
+        size = getattr(values.get(first), "shape", (None,) * (index + 1))[index]
+        for name, dim in tie.joined:
+            value = values.get(name)
+            if isinstance(value, torch.Tensor) and not is_concrete_int(value.shape[dim]) and size is not None \
+                    and not is_concrete_int(size) and value.shape[dim].node.expr == size.node.expr:
+                out.setdefault(name, {})[dim] = [first, index]
+    return out
+
+
+def _tied_note(shapes: Shapes) -> str:
+    """``labels dims 0, 1 exported as input_ids dims 0, 1 (one Dim each: guard ... relates them)``."""
+    parts = []
+    for name, dims in shapes.tied.items():
+        order = sorted(dims)
+        others = [dims[d] for d in order]
+        same = len({other for other, _ in others}) == 1
+        target = (f"{others[0][0]} dim{'s' if len(order) > 1 else ''} {', '.join(str(i) for _, i in others)}" if same
+                  else ", ".join(f"{other} dim {i}" for other, i in others))
+        parts.append(f"{name} dim{'s' if len(order) > 1 else ''} {', '.join(map(str, order))} exported as {target}")
+    whys = dict.fromkeys(tie.why for tie in shapes.ties if any(d in shapes.tied.get(n, {}) for n, d in tie.joined))
+    return "; ".join(parts) + f" (one Dim each: {'; '.join(whys)} relates them)"
 
 
 def _drop_metadata_asserts(gm: torch.fx.GraphModule) -> None:
@@ -101,11 +137,13 @@ def _input_names(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tuple, 
 
 
 def _auto_spec(model: torch.nn.Module, args: tuple, kwargs: dict, *, unit_dims: str = "all",
-               only_batch: bool = False) -> Optional[dict]:
+               only_batch: bool = False, ties: tuple = ()) -> Optional[dict]:
     """``Dim.AUTO`` for the dims of every tensor input, keyed by the forward's parameter names.
 
     ``unit_dims``: which example dims of size 1 get it too: ``all``, or ``batch`` (dim 0 only: a
     ``(B, 1, T)`` mask keeps its broadcast dim static). ``only_batch``: dim 0 of each input only.
+    ``ties``: :class:`~converter.passes.guards.Tie` groups whose dims share one ``Dim`` instead
+    (a group with a dim the spec leaves static is left out).
     """
     import inspect
 
@@ -117,15 +155,24 @@ def _auto_spec(model: torch.nn.Module, args: tuple, kwargs: dict, *, unit_dims: 
            if p.name in bound.arguments):
         return None
 
-    def leaf(value: Any) -> Any:
+    made: dict[str, dict] = {}  # input label (as _input_names writes it) -> its dims' spec
+
+    def leaf(label: str, value: Any) -> Any:
         if not isinstance(value, torch.Tensor) or not value.dim():
             return None
-        if only_batch:
-            return {0: torch.export.Dim.AUTO}
-        return {i: torch.export.Dim.AUTO for i, size in enumerate(value.shape)
-                if size != 1 or unit_dims == "all" or i == 0} or None
+        dims = {0: torch.export.Dim.AUTO} if only_batch else {
+            i: torch.export.Dim.AUTO for i, size in enumerate(value.shape) if size != 1 or unit_dims == "all" or i == 0}
+        made[label] = dims
+        return dims or None
 
-    return {name: pytree.tree_map(leaf, value) for name, value in bound.arguments.items()}
+    spec = {name: pytree.tree_map_with_path(lambda path, v, name=name: leaf(name + pytree.keystr(path), v), value)
+            for name, value in bound.arguments.items()}
+    for tie in ties:
+        if all(dim in made.get(name, {}) for name, dim in tie.dims):
+            shared = tie.dim()
+            for name, dim in tie.dims:
+                made[name][dim] = shared
+    return spec
 
 
 def _has_unit_dims(args: tuple, kwargs: dict, *, only_batch: bool = False) -> bool:
@@ -147,10 +194,40 @@ def _run_export(model: torch.nn.Module, args: tuple, kwargs: dict, spec: Any, *,
     return ep
 
 
+def _export_tied(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: Shapes, oblivious: bool = False,
+                 budget: bool = False, **options: Any):
+    """:func:`_run_export` of :func:`_auto_spec` (``options``) with ``shapes.ties``; when a guard of the
+    result relates dims the spec kept apart (:func:`~converter.passes.guards.tied_dims`), exported again
+    with them sharing one ``Dim``, the ties kept in ``shapes.ties`` for the model's next trace. If that
+    export fails, the first one stands (its dims stay narrowed, as reported)."""
+    def export():
+        spec = _auto_spec(model, args, kwargs, ties=tuple(shapes.ties), **options)
+        return _run_export(model, args, kwargs, spec, oblivious=oblivious, budget=budget)
+
+    ep = export()
+    for _ in range(3):  # each round can only add ties; one is the rule (labels next to input_ids)
+        gm = _unlifted(ep)
+        new = tied_dims(list(zip(_input_names(gm, model, args, kwargs), (n.meta.get("val") for n in placeholders(gm)))))
+        if not new:
+            break
+        kept = shapes.ties
+        shapes.ties = kept + new
+        try:
+            ep = export()
+        except Exception as exc:  # noqa: BLE001 - the untied export stands
+            shapes.ties = kept
+            shapes.tie_failure = short_reason(exc)
+            break
+    return ep
+
+
 def _export_dynamic(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: Shapes):
     """torch.export with dynamic dims (see :func:`~converter.passes.capture.capture`); falls back to static shapes, saying why."""
     def run(spec, oblivious=False, budget=False):
         return _run_export(model, args, kwargs, spec, oblivious=oblivious, budget=budget)
+
+    def run_auto(oblivious=False, budget=False, **options):
+        return _export_tied(model, args, kwargs, shapes, oblivious=oblivious, budget=budget, **options)
 
     if not shapes.dynamic:
         shapes.note = "static shapes requested (dynamic=False / --static)"
@@ -158,8 +235,7 @@ def _export_dynamic(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: S
     if shapes.user_spec is not None:
         shapes.note = "dynamic dims from the model file's dynamic_shapes()"
         return run(shapes.user_spec)
-    spec = _auto_spec(model, args, kwargs)
-    if spec is None:
+    if _auto_spec(model, args, kwargs) is None:
         shapes.note = "static: the forward takes *args/**kwargs, so no dynamic dims could be named"
         return run(None)
     failures = []
@@ -171,7 +247,7 @@ def _export_dynamic(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: S
             # every such dim first, then only the batch dim
             for unit_dims in ("all", "batch"):
                 try:
-                    ep = run(_auto_spec(model, args, kwargs, unit_dims=unit_dims), oblivious=True, budget=True)
+                    ep = run_auto(oblivious=True, budget=True, unit_dims=unit_dims)
                     _check_example_guards(ep, args, kwargs)
                     which = "" if unit_dims == "all" else " but size-1 dims past dim 0 (kept static: broadcast dims)"
                     shapes.note = f"Dim.AUTO on every input dim{which}, traced size-obliviously (size-1 example dims)"
@@ -181,7 +257,7 @@ def _export_dynamic(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: S
                 except Exception as exc:  # retried below
                     failures.append(short_reason(exc))
         try:
-            ep = run(spec, budget=True)
+            ep = run_auto(budget=True)
             shapes.note = "Dim.AUTO on every input dim (torch.export keeps static what the model fixes" + (
                 "; size-1 example dims are static: give an example with sizes >= 2 to make them dynamic)" if failures else ")")
             return ep
@@ -204,7 +280,7 @@ def _export_batch_only(model: torch.nn.Module, args: tuple, kwargs: dict, shapes
     """The export with only dim 0 of each input dynamic, after ``why`` stopped the full one; None if it fails."""
     oblivious = _has_unit_dims(args, kwargs, only_batch=True)
     try:
-        ep = _run_export(model, args, kwargs, _auto_spec(model, args, kwargs, only_batch=True), oblivious=oblivious)
+        ep = _export_tied(model, args, kwargs, shapes, oblivious=oblivious, only_batch=True)
         _check_example_guards(ep, args, kwargs)
     except Exception as exc:  # static shapes next
         failures.append(f"{why}; with only the batch dims dynamic: {short_reason(exc)}")
@@ -220,15 +296,22 @@ def _check_example_guards(ep: Any, args: tuple, kwargs: dict) -> None:
     Size-oblivious tracing may unify a broadcast dim of size 1 (a ``(B, 1, T)`` mask) with the
     size it broadcasts to; the graph would then refuse the very inputs it was captured from.
     """
-    gm = _module_of(ep)
+    gm = _unlifted(ep)
     guard = getattr(gm, "_guards_fn", None)
     if guard is not None:
         guard(*placeholder_values(gm, args, kwargs))
-    _UNLIFTED[ep] = gm  # the capture's graph module: ep.module() builds a new one (and its code) per call
 
 
 #: ExportedProgram -> the ``ep.module()`` built for its guard check, which capture then uses
 _UNLIFTED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _unlifted(ep: Any) -> torch.fx.GraphModule:
+    """``ep.module()``, built once and kept for :func:`_module_of` (it copies the graph and generates its code)."""
+    gm = _UNLIFTED.get(ep)
+    if gm is None:
+        gm = _UNLIFTED[ep] = ep.module()
+    return gm
 
 
 def _module_of(ep: Any) -> torch.fx.GraphModule:

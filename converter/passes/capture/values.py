@@ -32,6 +32,12 @@ class Shapes:
     note: str = ""
     #: why every-dim-dynamic export was stopped (SizesTooComplex), kept for a second trace of the model
     too_complex: Any = None
+    #: :class:`~converter.passes.guards.Tie` groups of input dims exported as one ``Dim``, kept for the next trace
+    ties: list = field(default_factory=list)
+    #: why exporting a tie failed ("" if none did)
+    tie_failure: str = ""
+    #: input name -> {dim: [other input, its dim]}: the dims the graph gives another input's size (``labels``)
+    tied: dict = field(default_factory=dict)
 
 
 def normalize_inputs(example_inputs: Any) -> tuple[tuple, dict]:
