@@ -47,9 +47,9 @@ from converter.numerics.device import half_gemm_slowdown, half_speed_advice
 from converter.numerics.options import CalibrationOptions
 from converter.numerics.redecide import PlaceSettings
 from converter.options import FIELDS, ConvertOptions, build_options
+from converter.passes import cpu_gemm
 from converter.passes.capture import Captured, capture, guard_cache_calls, guard_cache_calls_keeping
 from converter.passes.checkpoint import checkpoint_regions, regions_in
-from converter.passes.cpu_gemm import upcast_gemms, upcast_wanted
 from converter.passes.decide import decide
 from converter.passes.fp8 import apply_fp8, check_patterns, fp8_rule_set, gate_fp8, resolved_recipe, sqnr_floors
 from converter.passes.fp32_math import DEFAULT_FP32_MATH, fp32_math
@@ -527,8 +527,10 @@ def _cpu_gemm_kernels(gm: torch.fx.GraphModule, done: list[str], options: Conver
     slower (:mod:`converter.passes.cpu_gemm`); the choice is one ``upcast_gemm`` entry of the graph's lowering."""
     if options.device != "cpu":
         return
-    wanted, why = upcast_wanted(half_gemm_slowdown(options.precision))
-    nodes = _run_stage("cpu_gemm", done, upcast_gemms, gm, options.precision, why) if wanted else []
+    wanted, why = cpu_gemm.upcast_wanted(half_gemm_slowdown(options.precision))
+    nodes, small = _run_stage("cpu_gemm", done, cpu_gemm.upcast_gemms, gm, options.precision, why) if wanted else ([], 0)
+    if small:
+        why += f"; {small} smaller GEMM call(s) (< {cpu_gemm.MIN_GEMM_FLOPS / 1e6:g} MFLOP per matrix product) stay native"
     choice = LoweringChoice(node=f"{len(nodes)} {options.precision} GEMM call(s)", lowering="upcast_gemm",
                             chosen=bool(nodes), why=why)
     graph_meta = gm.meta[GM_GRAPH]

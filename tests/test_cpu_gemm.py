@@ -131,6 +131,7 @@ class Block(nn.Module):
 
 def _convert(model, x, upcast: bool, monkeypatch, **options):
     monkeypatch.setattr(cpu_gemm, "UPCAST_HALF_GEMMS", upcast)
+    monkeypatch.setattr(cpu_gemm, "MIN_GEMM_FLOPS", 0)  # the test models are small: every GEMM call is upcast
     return converter.convert(model, (x,), precision="bf16", device="cpu", **options)
 
 
@@ -207,6 +208,7 @@ def test_an_hf_model_with_library_defaults_on_a_padded_batch(monkeypatch):
     labels = ids.masked_fill(mask == 0, -100)
     example = {"input_ids": ids, "attention_mask": mask, "labels": labels}
     monkeypatch.setattr(cpu_gemm, "UPCAST_HALF_GEMMS", True)
+    monkeypatch.setattr(cpu_gemm, "MIN_GEMM_FLOPS", 0)
     conv = converter.convert(model, example, precision="bf16", device="cpu")
     monkeypatch.setattr(cpu_gemm, "UPCAST_HALF_GEMMS", False)
     native = converter.convert(model, example, precision="bf16", device="cpu")
@@ -291,3 +293,24 @@ def test_the_onnx_export_writes_plain_half_matmuls(monkeypatch, tmp_path):
     # the kernels' fp32 upcasts are not traced into the file: the casts are the conversion's own, no round trips
     assert result.ok and result.cast_count == result.expected_casts == 4 and result.cast_pairs == [], result.notes
     assert _targets(conv.module).count("upcast_linear") == 4  # the conversion itself is untouched
+
+
+def test_gemms_below_the_size_bound_stay_native(monkeypatch):
+    torch.manual_seed(0)
+    model, x = Block(), torch.randn(2, 16, 64)  # 32 tokens: qkv 2·32·64·192, up 2·32·64·256 FLOPs, ...
+    monkeypatch.setattr(cpu_gemm, "UPCAST_HALF_GEMMS", True)
+    # between the MLP's (2·32·64·256 = 1.05 MFLOP) and the attention projections' (out: 0.26 MFLOP)
+    monkeypatch.setattr(cpu_gemm, "MIN_GEMM_FLOPS", 10**6)
+    conv = converter.convert(model, (x,), precision="bf16", device="cpu")
+    upcast = {n.name for n in conv.module.graph.nodes if n.op == "call_function" and "upcast" in _targets_name(n)}
+    # qkv: 2·32·64·192 = 0.79 MFLOP, out: 0.26, up and down: 1.05 each; the attention matmuls 2·16·16·16 per matrix
+    assert upcast == {"up", "down"}, upcast
+    [choice] = [c for c in conv.report.to_dict()["lowering"] if c["lowering"] == "upcast_gemm"]
+    assert choice["node"] == "2 bf16 GEMM call(s)" and "4 smaller GEMM call(s) (< 1 MFLOP per matrix product) stay native" in choice["why"], choice
+    flops = {n.name: f for n in conv.module.graph.nodes if n.name in upcast
+             for f in [int(_note(n).split(" MFLOP")[0].split("(")[-1])] }
+    assert flops == {"up": 1, "down": 1}, flops
+
+
+def _note(node) -> str:
+    return next(text for stage, text in node.meta[META_DECISION].notes if stage == "lower" and "upcast" in text)

@@ -2,14 +2,15 @@
 
 A lowering of ``convert(device="cpu")``, run after *rewrite* (and the fp8 stage), before *simplify*. On a
 CPU without AMX, oneDNN's bf16 GEMM is slower than its fp32 GEMM (this project's 2-core Xeon with
-AVX512-BF16: 1.6-1.8x on the benchmark encoders' shapes, 4.5x on a 128x128 probe), so a bf16 model runs
+AVX512-BF16: 1.6-1.8x on the benchmark encoders' large shapes, 4.5x on a 128x128 probe), so a bf16 model runs
 its GEMMs slower than fp32 does, and so does torch.autocast. Each linear and matmul the conversion runs in
 that half dtype becomes a call of :func:`converter.kernels.upcast.upcast_linear` /
 :func:`~converter.kernels.upcast.upcast_matmul`: the same half operands in, the same half result out
 (the product of two half numbers is exact in fp32, so an fp32 GEMM with fp32 accumulation computes what
 the half GEMM computes, up to summation order), the half operands saved for backward, an fp32 GEMM in
-between. On the large benchmark encoder (d512, B8xT128, O2 bf16) the step goes from 0.91x to about 0.75x
-autocast's (``benchmarks/run.py --ablate``: ``O2-native-gemm``).
+between. On the large benchmark encoder (d512, B8xT128, O2 bf16) the step goes from 0.90x to 0.67x autocast's
+(``benchmarks/run.py --ablate``: ``O2-native-gemm``). GEMMs below :data:`MIN_GEMM_FLOPS` per matrix product
+(the small encoder's, and batched attention matmuls) stay native: there the kernel's fixed cost wins.
 
 **The choice** is measured, not guessed: :func:`converter.numerics.device.half_gemm_slowdown` times a
 128x128 matmul in the half dtype and in fp32 on this machine (cached per CPU model, flags, core count and
@@ -30,13 +31,19 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from converter.ir.meta import META_DECISION, Decision
+from converter.ir.meta import META_DECISION, META_VALUE, Decision, TensorSpec
 from converter.kernels.upcast import upcast_linear, upcast_matmul
 
-__all__ = ["MIN_SLOWDOWN", "UPCAST_HALF_GEMMS", "UPCAST_TARGETS", "upcast_wanted", "upcast_gemms", "native_gemms"]
+__all__ = ["MIN_SLOWDOWN", "MIN_GEMM_FLOPS", "UPCAST_HALF_GEMMS", "UPCAST_TARGETS", "upcast_wanted", "gemm_flops", "upcast_gemms", "native_gemms"]
 
 #: the half GEMM must be at least this many times slower than fp32's (measured) for the stage to apply
 MIN_SLOWDOWN = 1.25
+#: a GEMM call whose one matrix product (2·M·K·N at the example's shapes) is below this stays native: the
+#: kernel's fixed cost (an autograd Function, the upcasts) outweighs the faster fp32 GEMM. Measured on the 2-core
+#: Xeon, forward + backward of one linear, upcast / native: 1.72 at 1 MFLOP (32x128x128), 1.49 at 4 MFLOP,
+#: 1.00 at 17 MFLOP (128x128x512), 0.77 at 34 MFLOP, 0.60-0.67 from 268 MFLOP; a batched attention matmul
+#: (64 x 128x64x128, 2 MFLOP per matrix) 1.30
+MIN_GEMM_FLOPS = 32 * 10**6
 #: None (default): the measurement decides (:func:`upcast_wanted`); True/False: forced (tests, benchmarks)
 UPCAST_HALF_GEMMS: Optional[bool] = None
 _aten = torch.ops.aten
@@ -82,12 +89,28 @@ def _operands(node: torch.fx.Node, kernel) -> Optional[tuple]:
     return None if found[0] is None or found[1] is None else tuple(found)
 
 
-def upcast_gemms(gm: torch.fx.GraphModule, precision: str, why: str) -> list[str]:
-    """Replace each linear/matmul call decided ``precision`` (fp16 or bf16) by its upcast kernel; returns the
-    names of the nodes replaced. ``why``: the measured reason (:func:`upcast_wanted`), for each node's note."""
+def gemm_flops(node: torch.fx.Node, args: tuple) -> Optional[int]:
+    """``2·M·K·N`` of one matrix product of the call at the example's shapes (a batched matmul: of one of its
+    matrices), from the shapes capture recorded; None when they are not known."""
+    out, first = node.meta.get(META_VALUE), getattr(args[0], "meta", {}).get(META_VALUE)
+    if not (isinstance(out, TensorSpec) and isinstance(first, TensorSpec) and out.shape and first.shape):
+        return None
+    k = first.shape[-1]
+    if node.target in (F.linear, _aten.linear.default):
+        return 2 * out.numel * k
+    if len(out.shape) < 2:
+        return None
+    return 2 * out.shape[-2] * out.shape[-1] * k
+
+
+def upcast_gemms(gm: torch.fx.GraphModule, precision: str, why: str) -> tuple[list[str], int]:
+    """Replace each linear/matmul call decided ``precision`` (fp16 or bf16) whose one matrix product is at least
+    :data:`MIN_GEMM_FLOPS` by its upcast kernel. Returns the names of the nodes replaced and how many GEMM calls
+    stayed native for their size. ``why``: the measured reason (:func:`upcast_wanted`), for each node's note."""
     if precision not in _HALF:
         raise ValueError(f"upcast_gemms: precision must be fp16 or bf16, got {precision!r}")
     done: list[str] = []
+    small = 0
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in UPCAST_TARGETS:
             continue
@@ -98,13 +121,18 @@ def upcast_gemms(gm: torch.fx.GraphModule, precision: str, why: str) -> list[str
         args = _operands(node, kernel)
         if args is None:
             continue
+        flops = gemm_flops(node, args)
+        if flops is None or flops < MIN_GEMM_FLOPS:
+            small += 1
+            continue
         node.target, node.args, node.kwargs = kernel, tuple(args), {}
-        node.meta[META_DECISION] = decision.noted("lower", f"runs {kernel.__name__} ({why})")
+        node.meta[META_DECISION] = decision.noted(
+            "lower", f"runs {kernel.__name__} ({flops / 1e6:.0f} MFLOP per matrix product >= {MIN_GEMM_FLOPS / 1e6:.0f}; {why})")
         done.append(node.name)
     if done:
         gm.graph.lint()
         gm.recompile()
-    return done
+    return done, small
 
 
 def native_gemms(gm: torch.fx.GraphModule) -> int:
