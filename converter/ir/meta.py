@@ -284,6 +284,9 @@ class NodeInfo:
     #: a module FX kept as a leaf (it cannot trace into it) holding floating parameters it cannot convert;
     #: capture reads this flag (never ``why``) to try torch.export instead
     opaque_leaf: bool = False
+    #: a second op name rules match besides ``op``: ``weight_matmul`` (:mod:`converter.ir.weight_gemm`) for a
+    #: matmul/mm/addmm of an activation and a 2-D weight parameter; ``""`` for every other node
+    op_alias: str = ""
 
     @property
     def out_numel(self) -> int:
