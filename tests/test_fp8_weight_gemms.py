@@ -152,3 +152,53 @@ def test_the_bf16_conversion_is_unchanged(zoo, monkeypatch):
     before = _decisions(_convert(zoo.model, zoo.inputs, precision="bf16").module)
     now = {n: (d.precision, d.requested, str(d.rule), d.reason) for n, d in decisions.items()}
     assert now == {n: (d.precision, d.requested, str(d.rule), d.reason) for n, d in before.items()}
+
+
+class _Projections(torch.nn.Module):
+    """FX-captured weight GEMMs written three ways (``x @ W.t()``, ``torch.matmul(x, W.T)``, Conv1D's
+    ``addmm(b, x, W)`` with W (K, N)) around an activation x activation matmul, between two Linears."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+        self.w1 = torch.nn.Parameter(torch.randn(128, 64) / 8)  # (N, K)
+        self.w2 = torch.nn.Parameter(torch.randn(64, 128) / 11)  # (N, K)
+        self.w3 = torch.nn.Parameter(torch.randn(64, 64) / 8)  # (K, N), as GPT-2's Conv1D stores it
+        self.b3 = torch.nn.Parameter(torch.zeros(64))
+
+    def forward(self, x):
+        h = self.inp(x)
+        h = torch.relu(h @ self.w1.t())
+        h = torch.matmul(h, self.w2.T)
+        scores = torch.softmax(h @ h.transpose(-1, -2), dim=-1) @ h  # activations only: stays bf16
+        flat = torch.addmm(self.b3, scores.reshape(-1, 64), self.w3)
+        return self.out(flat.reshape(h.shape))
+
+
+def test_fx_weight_gemms_and_a_user_override(tmp_path):
+    torch.manual_seed(0)
+    model, x = _Projections(), torch.randn(2, 8, 32)
+    rules = tmp_path / "small.toml"
+    rules.write_text("[settings]\nfp8_min_flops_per_token = 1024\n", encoding="utf-8")
+    conv = _convert(model, (x,), precision="fp8", rules=[str(rules)], tracer="fx")
+    decisions = _decisions(conv.module)
+    layers = conv.report.extra["fp8"]["layers"]
+    assert len(layers) == 3 and all(str(decisions[n].rule) == FP8_RULE for n in layers), layers
+    assert sorted(decisions[n].reason.rsplit("in place of its ", 1)[1].split()[0] for n in layers) == ["addmm", "matmul", "matmul"]
+    ops = {n.name: n.meta[META_INFO].op for n in conv.module.graph.nodes if META_DECISION in n.meta}
+    first, last = [n for n in ops if ops[n] == "linear"]
+    assert [str(decisions[n].rule) for n in (first, last)] == ["fp8.toml:[settings].fp8_keep_first",
+                                                               "fp8.toml:[settings].fp8_keep_last"]
+    core = [n for n in ops if ops[n] == "matmul" and n not in layers]
+    assert len(core) == 2 and {str(decisions[n].rule) for n in core} == {"fp8.toml:[op].matmul"}
+    x.requires_grad_(True)
+    with ScaledMMCalls() as seen:
+        conv.module(x).float().square().sum().backward()
+    assert Counter(seen.calls) == Counter(TENSORWISE * 3), seen.calls
+    assert model.w3.grad is None and dict(conv.module.named_parameters())["w3"].grad.shape == (64, 64)
+    # a user file layered on top: its [op] matmul rule wins over fp8.toml's weight_matmul (the later file wins)
+    user = tmp_path / "user.toml"
+    user.write_text('[op]\nmatmul = { precision = "bf16", reason = "mine" }\n', encoding="utf-8")
+    kept = _convert(model, (x.detach(),), precision="fp8", rules=[str(rules), str(user)], tracer="fx")
+    assert [d for n, d in _decisions(kept.module).items() if str(d.rule) == f"{user}:[op].matmul"
+            and n in layers] and len(kept.report.extra["fp8"]["layers"]) == 1

@@ -21,9 +21,16 @@ The conversion runs after rewrite, not inside it, because rewrite reads only pre
 precision *is* bf16: the stage changes which kernel a bf16 node calls, not a dtype, and keeps rewrite
 ignorant of recipes. It runs before simplify, which then sees an ordinary call.
 
+**Weight GEMMs**: a matmul/mm/addmm with the op alias ``weight_matmul`` (an activation times a 2-D weight
+parameter, :mod:`converter.ir.weight_gemm`: Falcon's ``x @ W.T``, GPT-2's Conv1D ``addmm(b, x, W)``) is an fp8
+candidate exactly like a linear (``rules/fp8.toml``'s ``[op].weight_matmul``): the gates count it with the
+linears, in graph order, and the stage calls ``fp8_linear(x, W, b, recipe)`` with ``W`` a ``t`` view
+(:func:`_weight_view`) of its (K, N) weight operand, so autograd returns the weight gradient in the parameter's
+own shape. The node keeps its canonical op; :func:`keep_bf16` turns it into a bf16 linear on the same view.
+
 **Gates** (``[settings]`` of the rule files; the deciding rule of a gated node is
 ``file:[settings].key``, its reason names the size and the fp8 rule it overrode): ``fp8_keep_first`` and
-``fp8_keep_last`` (the first and the last linear of the graph, in graph order: the layer that reads the
+``fp8_keep_last`` (the first and the last linear or weight GEMM of the graph, in graph order: the layer that reads the
 embeddings and the output layer), ``fp8_align`` (in_features and out_features multiples of it; CUDA
 ``_scaled_mm`` needs 16 and the kernels never pad K or N; the token count is free: the grad_weight GEMM
 zero-pads it), ``fp8_min_flops_per_token`` (2·K·N below it: the casts cost more than the faster GEMM
@@ -51,8 +58,17 @@ import torch.fx
 import torch.nn.functional as F
 
 from converter.fp8.kernels import RECIPES, fp8_linear, misaligned_dims, resolve_recipe
-from converter.ir.meta import (BUILTIN, META_CHECKPOINT, META_DECISION, META_INFO, META_REGION, META_VALUE, Decision,
-                               NodeInfo, RuleRef, TensorSpec)
+from converter.ir.meta import (
+    BUILTIN,
+    META_CHECKPOINT,
+    META_DECISION,
+    META_INFO,
+    META_VALUE,
+    Decision,
+    NodeInfo,
+    RuleRef,
+    TensorSpec,
+)
 from converter.ir.ops import WEIGHT_MATMUL
 from converter.ir.weight_gemm import gemm_operands
 from converter.rules.loader import GEMM_PRECISIONS, Rule, Rules, RulesError, default_rules_path, load_rules, rules_dir
@@ -234,9 +250,8 @@ def _weight_view(gm: torch.fx.GraphModule, node: torch.fx.Node, weight: torch.fx
     view.meta[META_DECISION] = Decision(
         precision=decision.precision, requested="follow", rule=decision.rule,
         reason=f"the (N, K) view of weight GEMM {node.name!r}'s (K, N) weight operand: fp8_linear takes a linear's weight")
-    for key in (META_REGION, META_CHECKPOINT):
-        if key in node.meta:
-            view.meta[key] = node.meta[key]
+    if META_CHECKPOINT in node.meta:
+        view.meta[META_CHECKPOINT] = node.meta[META_CHECKPOINT]
     return view
 
 
