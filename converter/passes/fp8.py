@@ -174,8 +174,10 @@ def _tensor_of(gm: torch.fx.GraphModule, node: Any) -> Optional[torch.Tensor]:
 
 
 def _is_weight_gemm(node: torch.fx.Node) -> bool:
-    """A matmul/mm/addmm of an activation and a 2-D weight parameter (capture's op alias ``weight_matmul``)."""
-    return getattr(node.meta.get(META_INFO), "op_alias", "") == WEIGHT_MATMUL
+    """A matmul/mm/addmm of an activation and a 2-D weight parameter (capture's op alias ``weight_matmul``),
+    still calling its GEMM (not yet an ``fp8_linear`` call, nor one :func:`keep_bf16` turned into a linear)."""
+    return (getattr(node.meta.get(META_INFO), "op_alias", "") == WEIGHT_MATMUL and node.target is not fp8_linear
+            and node.target not in _LINEAR_TARGETS)
 
 
 def _operands(node: torch.fx.Node) -> tuple[Any, Any, Any]:
@@ -230,7 +232,7 @@ def resolved_recipe(rules: Rules, recipe: Optional[str]) -> str:
 def _linears(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     """The decided linear nodes and weight GEMMs (op alias ``weight_matmul``) of ``gm`` in graph order."""
     return [n for n in gm.graph.nodes if n.op in ("call_function", "call_method") and META_DECISION in n.meta
-            and (getattr(n.meta.get(META_INFO), "op", None) == "linear" and n.op == "call_function" or _is_weight_gemm(n))]
+            and ((getattr(n.meta.get(META_INFO), "op", None) == "linear" and n.op == "call_function") or _is_weight_gemm(n))]
 
 
 def _weight_view(gm: torch.fx.GraphModule, node: torch.fx.Node, weight: torch.fx.Node) -> torch.fx.Node:
