@@ -360,7 +360,7 @@ class Fp8Linear(torch.autograd.Function):
         rec = resolve_recipe(recipe)
         check_dims(weight.shape[1], weight.shape[0], rec)
         y = _output(x.reshape(-1, x.shape[-1]), weight, rec, rec.native)
-        return y.reshape(x.shape[:-1] + (weight.shape[0],))
+        return y if x.dim() == 2 else y.reshape(x.shape[:-1] + (weight.shape[0],))
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
@@ -396,7 +396,10 @@ def fp8_linear(
     """
     rec = resolve_recipe(recipe)
     check_dims(weight.shape[1], weight.shape[0], rec)
-    y = Fp8Linear.apply(x, weight, rec.name if RECIPES.get(rec.name) == rec else rec)
+    # the Function sees x as (M, K) and returns its (M, N) GEMM output itself, the reshape is outside it: an output
+    # the Function returned as a view could not be modified in place (Falcon's ``mlp_output += attention_output``)
+    y = Fp8Linear.apply(x.reshape(-1, x.shape[-1]), weight, rec.name if RECIPES.get(rec.name) == rec else rec)
+    y = y.reshape(x.shape[:-1] + (weight.shape[0],))
     return y if bias is None else y + bias.to(y.dtype)
 
 

@@ -180,9 +180,10 @@ CONTRACT: tuple[MetaKey, ...] = (
             "shared across"),
     MetaKey(META_MODE_FLAG, "node", "bool", ("modes",), ("lower",),
             "marks the node reading self.training (or p * self.training) that capture put in a mode-dependent op"),
-    MetaKey(META_CHECKPOINT, "node", "CheckpointTag", ("capture", "regions", "rewrite", "lower", "fp32_math"),
+    MetaKey(META_CHECKPOINT, "node", "CheckpointTag", ("capture", "regions", "rewrite", "lower", "fp32_math", "fp8"),
             ("checkpoint", "rewrite", "fp32_math"),
-            "the torch.utils.checkpoint region the node ran in; casts take their consumer's; code generation "
+            "the torch.utils.checkpoint region the node ran in; casts (and the fp8 stage's weight views) take their "
+            "consumer's; code generation "
             "runs each region under checkpoint (converter.passes.checkpoint)"),
     MetaKey(META_INTENT, "node", "tuple[UserIntent, ...]", ("intent",), ("intent",),
             "the user's precision intent over the node (its innermost autocast region, _keep_in_fp32_modules), "
@@ -284,6 +285,9 @@ class NodeInfo:
     #: a module FX kept as a leaf (it cannot trace into it) holding floating parameters it cannot convert;
     #: capture reads this flag (never ``why``) to try torch.export instead
     opaque_leaf: bool = False
+    #: a second op name rules match besides ``op``: ``weight_matmul`` (:mod:`converter.ir.weight_gemm`) for a
+    #: matmul/mm/addmm of an activation and a 2-D weight parameter; ``""`` for every other node
+    op_alias: str = ""
 
     @property
     def out_numel(self) -> int:

@@ -33,7 +33,12 @@ __all__ = [
     "explicit_dtype",
     "castable_arg_positions",
     "map_castable_args",
+    "WEIGHT_MATMUL",
 ]
+
+#: the op alias of a matmul/mm/addmm of an activation and a 2-D weight parameter (converter.ir.weight_gemm):
+#: rules may name it besides the node's canonical op
+WEIGHT_MATMUL = "weight_matmul"
 
 # Module classes -> canonical op (for leaf modules that stay call_module nodes).
 _MODULE_OPS = {
@@ -379,7 +384,8 @@ def map_castable_args(node: torch.fx.Node, op_name: str, fn) -> None:
 def known_op_names() -> frozenset[str]:
     """Every canonical op name a rule may use: aten's ops, ``torch`` and ``F`` functions, modules."""
     names: set[str] = set(_MODULE_OPS.values()) | set(_FUNCTION_OPS.values()) | set(_ALIASES.values())
-    names |= {"getitem", "getattr", "to", "identity", "scaled_dot_product_attention", "einsum"} | set(LIBRARY_OPS.values())
+    names |= {"getitem", "getattr", "to", "identity", "scaled_dot_product_attention", "einsum", WEIGHT_MATMUL}
+    names |= set(LIBRARY_OPS.values())
     for qualified in torch._C._dispatch_get_all_op_names():
         ns, _, op = qualified.partition("::")
         if ns == "aten":

@@ -34,7 +34,9 @@ explicit; :func:`~converter.passes.intent.drop_enabled_autocast`).
 
 ``fp8`` (a compute mode of GEMMs, :data:`~converter.rules.loader.FP8_OPS`): a node a rule marks ``fp8``
 stores and exchanges bf16 (``precision`` bf16, ``requested`` fp8), so placement and rewrite treat it as a
-bf16 node; :mod:`converter.passes.fp8` later runs its GEMMs in float8. A ``module``/``module_type`` rule
+bf16 node; :mod:`converter.passes.fp8` later runs its GEMMs in float8. A matmul/mm/addmm with the op alias
+``weight_matmul`` (an activation times a 2-D weight parameter, :mod:`converter.ir.weight_gemm`) is such a GEMM
+too; op rules match a node's alias as well as its op (:meth:`~converter.rules.loader.Rules.matches_for`). A ``module``/``module_type`` rule
 ``fp8`` reaches only the GEMMs of its scope (the other ops fall through to the next rule); a ``node`` rule
 that marks another op ``fp8`` is a :class:`~converter.rules.loader.RulesError`.
 """
@@ -150,10 +152,11 @@ def _resolved(requested: str, target: str) -> str:
     return target if requested == "half" else "fp32" if requested == "tf32" else requested
 
 
-def _gemm_matches(matches: tuple[Match, ...], op: str, node: str) -> tuple[Match, ...]:
-    """``matches`` without the scoped fp8 rules that do not reach ``op`` (a non-GEMM); an unscoped fp8
-    rule (node, op) on a non-GEMM is an error (the loader already refuses op patterns)."""
-    if op in FP8_OPS or not any(m.precision in GEMM_PRECISIONS for m in matches):
+def _gemm_matches(matches: tuple[Match, ...], op: str, node: str, alias: str = "") -> tuple[Match, ...]:
+    """``matches`` without the scoped fp8 rules that do not reach ``op`` (a non-GEMM; ``alias``: the node's op
+    alias, ``weight_matmul`` makes a matmul/mm/addmm an fp8 GEMM); an unscoped fp8 rule (node, op) on a
+    non-GEMM is an error (the loader already refuses op patterns)."""
+    if op in FP8_OPS or alias in FP8_OPS or not any(m.precision in GEMM_PRECISIONS for m in matches):
         return matches
     kept = tuple(m for m in matches if not (m.precision in GEMM_PRECISIONS and m.level_name in SCOPED_LEVELS))
     if kept and kept[0].precision in GEMM_PRECISIONS:
@@ -197,8 +200,8 @@ def _decide_node(node: torch.fx.Node, rules: Rules, precision: str, half: str) -
     info = node.meta.get(META_INFO)
     if info is None or node.op in ("placeholder", "get_attr", "output") or info.kind == "passive":
         return
-    matches = _gemm_matches(tuple(rules.matches_for(node=node.name, op=info.op, module_stack=info.module_stack)),
-                            info.op, node.name)
+    matches = _gemm_matches(tuple(rules.matches_for(node=node.name, op=info.op, module_stack=info.module_stack,
+                                                    alias=info.op_alias)), info.op, node.name, info.op_alias)
     if info.kind == "fixed":
         node.meta[META_DECISION] = Decision(
             precision=name_of(info.fixed_dtype),

@@ -21,9 +21,16 @@ The conversion runs after rewrite, not inside it, because rewrite reads only pre
 precision *is* bf16: the stage changes which kernel a bf16 node calls, not a dtype, and keeps rewrite
 ignorant of recipes. It runs before simplify, which then sees an ordinary call.
 
+**Weight GEMMs**: a matmul/mm/addmm with the op alias ``weight_matmul`` (an activation times a 2-D weight
+parameter, :mod:`converter.ir.weight_gemm`: Falcon's ``x @ W.T``, GPT-2's Conv1D ``addmm(b, x, W)``) is an fp8
+candidate exactly like a linear (``rules/fp8.toml``'s ``[op].weight_matmul``): the gates count it with the
+linears, in graph order, and the stage calls ``fp8_linear(x, W, b, recipe)`` with ``W`` a ``t`` view
+(:func:`_weight_view`) of its (K, N) weight operand, so autograd returns the weight gradient in the parameter's
+own shape. The node keeps its canonical op; :func:`keep_bf16` turns it into a bf16 linear on the same view.
+
 **Gates** (``[settings]`` of the rule files; the deciding rule of a gated node is
 ``file:[settings].key``, its reason names the size and the fp8 rule it overrode): ``fp8_keep_first`` and
-``fp8_keep_last`` (the first and the last linear of the graph, in graph order: the layer that reads the
+``fp8_keep_last`` (the first and the last linear or weight GEMM of the graph, in graph order: the layer that reads the
 embeddings and the output layer), ``fp8_align`` (in_features and out_features multiples of it; CUDA
 ``_scaled_mm`` needs 16 and the kernels never pad K or N; the token count is free: the grad_weight GEMM
 zero-pads it), ``fp8_min_flops_per_token`` (2·K·N below it: the casts cost more than the faster GEMM
@@ -51,7 +58,19 @@ import torch.fx
 import torch.nn.functional as F
 
 from converter.fp8.kernels import RECIPES, fp8_linear, misaligned_dims, resolve_recipe
-from converter.ir.meta import BUILTIN, META_DECISION, META_INFO, Decision, RuleRef
+from converter.ir.meta import (
+    BUILTIN,
+    META_CHECKPOINT,
+    META_DECISION,
+    META_INFO,
+    META_VALUE,
+    Decision,
+    NodeInfo,
+    RuleRef,
+    TensorSpec,
+)
+from converter.ir.ops import WEIGHT_MATMUL
+from converter.ir.weight_gemm import gemm_operands
 from converter.rules.loader import GEMM_PRECISIONS, Rule, Rules, RulesError, default_rules_path, load_rules, rules_dir
 from converter.rules.precedence import MATCH_TABLES
 
@@ -154,25 +173,46 @@ def _tensor_of(gm: torch.fx.GraphModule, node: Any) -> Optional[torch.Tensor]:
         return None
 
 
+def _is_weight_gemm(node: torch.fx.Node) -> bool:
+    """A matmul/mm/addmm of an activation and a 2-D weight parameter (capture's op alias ``weight_matmul``),
+    still calling its GEMM (not yet an ``fp8_linear`` call, nor one :func:`keep_bf16` turned into a linear)."""
+    return (getattr(node.meta.get(META_INFO), "op_alias", "") == WEIGHT_MATMUL and node.target is not fp8_linear
+            and node.target not in _LINEAR_TARGETS)
+
+
 def _operands(node: torch.fx.Node) -> tuple[Any, Any, Any]:
-    """(input, weight, bias) of a linear call."""
+    """(input, weight, bias) of a linear call; of a weight GEMM, (input, its (K, N) weight operand, bias)."""
+    if _is_weight_gemm(node):
+        return gemm_operands(node, node.meta[META_INFO].op)
     args = list(node.args) + [None] * (3 - len(node.args))
     bias = node.kwargs.get("bias", args[2])
     return node.kwargs.get("input", args[0]), node.kwargs.get("weight", args[1]), bias
 
 
+def _weight_shape(node: torch.fx.Node, gm: torch.fx.GraphModule) -> Optional[tuple[int, int]]:
+    """(N, K) of the linear ``node`` computes (out_features, in_features), or None when the stage cannot see
+    a 2-D weight parameter. A weight GEMM's weight operand is (K, N), its shape propagated by capture."""
+    if _is_weight_gemm(node):
+        spec = _operands(node)[1].meta.get(META_VALUE)
+        return (int(spec.shape[1]), int(spec.shape[0])) if isinstance(spec, TensorSpec) and len(spec.shape) == 2 else None
+    if node.target not in _LINEAR_TARGETS:
+        return None
+    weight = _tensor_of(gm, _operands(node)[1])
+    return tuple(weight.shape) if weight is not None and weight.dim() == 2 else None
+
+
 def _gate(node: torch.fx.Node, gm: torch.fx.GraphModule, rules: Rules, recipe: str, position: str) -> Optional[tuple[str, str]]:
     """``(setting, why)`` when a gate keeps ``node`` bf16; None when it runs fp8."""
     if position and rules.setting(f"fp8_keep_{position}", True):
-        what = "first linear of the graph (it reads the embeddings)" if position == "first" else (
-            "last linear of the graph (the output layer: its logits feed the loss)")
+        what = "first linear or weight GEMM of the graph (it reads the embeddings)" if position == "first" else (
+            "last linear or weight GEMM of the graph (the output layer: its logits feed the loss)")
         return f"fp8_keep_{position}", what
-    if node.target not in _LINEAR_TARGETS:
+    if node.target not in _LINEAR_TARGETS and not _is_weight_gemm(node):
         return "", f"a linear call the fp8 stage cannot rewrite ({node.target})"
-    weight = _tensor_of(gm, _operands(node)[1])
-    if weight is None or weight.dim() != 2:
+    shape = _weight_shape(node, gm)
+    if shape is None:
         return "", "its weight is not a 2-D parameter the stage can see"
-    n, k = weight.shape
+    n, k = shape
     align = int(rules.setting("fp8_align", 16))
     bad = [(name, size) for name, size in (("K", k), ("N", n)) if size % align] or misaligned_dims(k, n, recipe)
     if bad:
@@ -190,9 +230,31 @@ def resolved_recipe(rules: Rules, recipe: Optional[str]) -> str:
 
 
 def _linears(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
-    """The decided linear nodes of ``gm`` in graph order."""
-    return [n for n in gm.graph.nodes if n.op == "call_function" and META_DECISION in n.meta
-            and getattr(n.meta.get(META_INFO), "op", None) == "linear"]
+    """The decided linear nodes and weight GEMMs (op alias ``weight_matmul``) of ``gm`` in graph order."""
+    return [n for n in gm.graph.nodes if n.op in ("call_function", "call_method") and META_DECISION in n.meta
+            and ((getattr(n.meta.get(META_INFO), "op", None) == "linear" and n.op == "call_function") or _is_weight_gemm(n))]
+
+
+def _weight_view(gm: torch.fx.GraphModule, node: torch.fx.Node, weight: torch.fx.Node) -> torch.fx.Node:
+    """A ``t`` node before ``node``: the (N, K) view of a weight GEMM's (K, N) weight operand, what
+    ``fp8_linear`` takes (autograd returns its gradient through the view, in the parameter's own shape)."""
+    aten = isinstance(node.target, torch._ops.OpOverload)
+    with gm.graph.inserting_before(node):
+        view = gm.graph.create_node("call_function", torch.ops.aten.t.default if aten else torch.t, (weight,),
+                                    name=f"{node.name}_weight_nk")
+    spec = weight.meta[META_VALUE]
+    out = TensorSpec((spec.shape[1], spec.shape[0]), spec.dtype)
+    info: NodeInfo = node.meta[META_INFO]
+    view.meta[META_VALUE] = out
+    view.meta[META_INFO] = NodeInfo(op="t", module=info.module, module_type=info.module_type, module_stack=info.module_stack,
+                                    source=info.source, kind="compute", outputs=(out,))
+    decision: Decision = node.meta[META_DECISION]
+    view.meta[META_DECISION] = Decision(
+        precision=decision.precision, requested="follow", rule=decision.rule,
+        reason=f"the (N, K) view of weight GEMM {node.name!r}'s (K, N) weight operand: fp8_linear takes a linear's weight")
+    if META_CHECKPOINT in node.meta:
+        view.meta[META_CHECKPOINT] = node.meta[META_CHECKPOINT]
+    return view
 
 
 def gate_fp8(gm: torch.fx.GraphModule, rules: Rules, recipe: str) -> list[str]:
@@ -229,10 +291,13 @@ def apply_fp8(gm: torch.fx.GraphModule, recipe: str) -> list[str]:
         if decision.requested not in GEMM_PRECISIONS:
             continue
         x, weight, bias = _operands(node)
-        node.target, node.args, node.kwargs = fp8_linear, (x, weight, bias, recipe), {}
+        was = ""
+        if _is_weight_gemm(node):
+            weight, was = _weight_view(gm, node, weight), f" in place of its {node.meta[META_INFO].op}"
+        node.op, node.target, node.args, node.kwargs = "call_function", fp8_linear, (x, weight, bias, recipe), {}
         node.meta[META_DECISION] = decision.replace(
-            reason=f"{decision.reason}; runs fp8_linear (recipe {recipe}: {calls} torch._scaled_mm per training step), "
-                   "bf16 in and out")
+            reason=f"{decision.reason}; runs fp8_linear{was} (recipe {recipe}: {calls} torch._scaled_mm per training "
+                   "step), bf16 in and out")
         done.append(node.name)
     if done:
         gm.graph.lint()

@@ -34,7 +34,8 @@ matmul/conv may use the backend's reduced fp32 math: TF32 on CUDA, bf16 in oneDN
 input) and ``banned`` (an error carrying ``message``). See :mod:`converter.passes.fp32_math`.
 
 ``fp8`` (:data:`GEMM_PRECISIONS`) is a compute mode for the GEMMs the fp8 kernels run (:data:`FP8_OPS`:
-``linear``): their three GEMMs go through ``torch._scaled_mm``, their storage and IO stay bf16
+``linear`` and the op alias ``weight_matmul``, a matmul/mm/addmm of an activation and a 2-D weight parameter,
+:mod:`converter.ir.weight_gemm`): their three GEMMs go through ``torch._scaled_mm``, their storage and IO stay bf16
 (:mod:`converter.passes.fp8`). An ``[op]`` rule, an ``ops`` entry or a ``node`` rule that marks another op
 ``fp8`` is an error (here for op patterns, at decide time for node rules); a ``module``/``module_type`` rule
 ``fp8`` reaches only the GEMMs of its scope, the other ops of the scope fall through to the next rule.
@@ -61,6 +62,12 @@ norm rule named by its instance, ``ln_f``, says ``scope = "self"``)::
     "*LayerNorm" = { precision = "fp32", scope = "self" } Between two rules of the same level and
 scope, the one read last wins, so a later file overrides an earlier one (layering).
 
+**Op aliases**: a node may carry a second op name (``NodeInfo.op_alias``: ``weight_matmul`` for a
+matmul/mm/addmm of an activation and a 2-D weight parameter). Op patterns and ``ops`` entries match
+the alias as well as the op; between two such rules of the same level the later file still wins, and
+within one file the rule that names the alias wins (``rules/fp8.toml``: ``weight_matmul = "fp8"`` over
+``matmul = "bf16"``). No rule naming an alias, no change: default.toml names none.
+
 Patterns use :func:`fnmatch.fnmatchcase` against the *whole* name (``*.embed`` matches
 ``model.embed`` but never ``model.embedding_layer``).
 """
@@ -80,7 +87,7 @@ import tomllib
 
 from converter.ir.errors import MpconvertError
 from converter.ir.meta import BUILTIN, Match, RuleRef
-from converter.ir.ops import known_op_names
+from converter.ir.ops import WEIGHT_MATMUL, known_op_names
 from converter.rules.precedence import MATCH_TABLES
 from converter.rules.precedence import rank as level_rank
 
@@ -107,7 +114,7 @@ PRECISIONS = ("half", "fp16", "bf16", "fp32", "tf32", "follow", "promote", "bann
 GEMM_PRECISIONS = ("fp8",)
 RULE_PRECISIONS = PRECISIONS + GEMM_PRECISIONS
 #: the canonical ops an ``fp8`` rule may mark: those ``converter.fp8.kernels`` runs (``fp8_linear``)
-FP8_OPS = frozenset({"linear"})
+FP8_OPS = frozenset({"linear", WEIGHT_MATMUL})
 #: the fp8 recipes (``converter.fp8.kernels.RECIPES``; spelled out here, the loader imports no kernels)
 FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_gw_hp", "blockwise")
 #: match tables, highest precedence first (see :mod:`converter.rules.precedence`)
@@ -240,6 +247,18 @@ class Rules:
         object.__setattr__(self, "_cache", {level: {} for level in LEVELS})
         defaults = [rule for rule in self.rules if rule.level == "default"]
         object.__setattr__(self, "_default", defaults[-1] if defaults else None)
+        # each rule's file position in the layering (files read in turn; one read twice counts twice)
+        layer, previous, positions = -1, None, {}
+        for rule in sorted(self.rules, key=lambda r: r.order):
+            layer += rule.file != previous
+            previous, positions[rule] = rule.file, layer
+        object.__setattr__(self, "_layer", positions)
+
+    def _op_rules(self, op: str, alias: str) -> list[tuple[Rule, bool]]:
+        """The op rules matching ``op`` or ``alias``, each once, with whether it matched the alias."""
+        named = self._rules_matching("op", alias) if alias else ()
+        return [(rule, True) for rule in named] + [(rule, False) for rule in self._rules_matching("op", op)
+                                                   if rule not in named]
 
     def _rules_matching(self, level: str, name: str) -> tuple[Rule, ...]:
         cache = self._cache[level]
@@ -375,29 +394,38 @@ class Rules:
         """The provenance of a setting: ``file:[settings].key`` of the file that set it last."""
         return RuleRef(file=self.setting_files.get(key, BUILTIN), table="settings", pattern=key)
 
-    def matches_for(self, *, node: str, op: str, module_stack: Sequence[tuple[str, str]]) -> list[Match]:
+    def matches_for(self, *, node: str, op: str, module_stack: Sequence[tuple[str, str]], alias: str = "") -> list[Match]:
         """Every rule that matches, best first (see the module docstring for the order).
 
         The sort key is (precedence level, -module depth, op-scoped first, -read order): a higher
         level first; among module rules the innermost module, and at one module an ``ops`` entry
         before the module's own precision; among equals the rule read last (later file wins).
+        ``alias``: the node's op alias (``NodeInfo.op_alias``, e.g. ``weight_matmul``), matched by op
+        patterns like ``op``; between two op patterns of one file, the one that names the alias wins.
         """
         found: list[tuple[tuple, Match]] = []
         for level in LEVELS:
             rank = level_rank(level)
-            if level in ("node", "op"):
-                for rule in self._rules_matching(level, node if level == "node" else op):
+            if level == "node":
+                for rule in self._rules_matching(level, node):
                     found.append(((rank, 0, 1, -rule.order), Match(rule.ref, rule.precision, rank, level, "", rule.reason)))
+                continue
+            if level == "op":
+                for rule, named in self._op_rules(op, alias):
+                    key = (rank, 0, 1, -self._layer[rule], 0 if named else 1, -rule.order)
+                    found.append((key, Match(rule.ref, rule.precision, rank, level, "", rule.reason)))
                 continue
             idx = 0 if level == "module" else 1
             innermost = len(module_stack)
             for depth, entry in enumerate(module_stack, 1):
                 for rule in self._rules_matching(level, entry[idx]):
-                    if rule.op and not fnmatch.fnmatchcase(op, rule.op):
+                    named = bool(rule.op and alias and fnmatch.fnmatchcase(alias, rule.op))
+                    if rule.op and not named and not fnmatch.fnmatchcase(op, rule.op):
                         continue
                     if rule.scope == "self" and depth != innermost:
                         continue  # the op runs in a child module of the one this rule names
-                    key = (rank, -depth, 0 if rule.op else 1, -rule.order)
+                    key = (rank, -depth, 0 if rule.op else 1, -self._layer[rule], 0 if named else 1,
+                           -rule.order)
                     found.append((key, Match(rule.ref, rule.precision, rank, level, entry[0], rule.reason)))
         default = self.default_rule()
         if default is not None:

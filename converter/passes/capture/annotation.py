@@ -2,7 +2,8 @@
 
 Each node gets its canonical op, its module path and class, its source line, its value specs and its
 kind (:func:`classify`: compute, fixed, alias or passive, and why); the one op of a Linear/Conv/norm
-module is named after the module. Lower classifies the nodes it adds with the same :func:`classify`.
+module is named after the module. A matmul/mm/addmm of an activation and a 2-D weight parameter also gets the
+op alias ``weight_matmul`` (:mod:`converter.ir.weight_gemm`), which rules may name. Lower classifies the nodes it adds with the same :func:`classify`.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from torch.nn.utils.parametrize import ParametrizationList
 
 from converter.ir.meta import META_INFO, META_SOURCE, META_VALUE, NodeInfo
 from converter.ir.ops import CAST_OPS, NORM_OPS, canonical_op, explicit_dtype, is_inplace
+from converter.ir.weight_gemm import op_alias
 from converter.passes.capture.values import flat_specs, float_specs, input_nodes
 
 __all__ = ["annotate", "classify", "opaque_leaves"]
@@ -49,6 +51,7 @@ def _annotate_nodes(gm: torch.fx.GraphModule, root_type: str) -> None:
             inplace=is_inplace(node, op),
             why=why,
             opaque_leaf=opaque_leaf,
+            op_alias=op_alias(node, op, gm),
         )
 
 
