@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Optional, Union
+import warnings
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.fx
@@ -193,3 +194,24 @@ def progress_bar(enabled: bool):
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         console=console, transient=True, disable=not show,
     )
+
+
+def user_loss(output: Any, item: Any, loss_fn: Optional[Callable], note: list, who: str,
+              instead: str) -> Optional[torch.Tensor]:
+    """``loss_fn(output, item)`` as an fp32 scalar, or None when there is no ``loss_fn`` or it does not fit.
+
+    The first misfit is noted in ``note`` (later batches then skip ``loss_fn``) and warned about once as
+    ``"{who}: <why>; using {instead} instead"``: a loss_fn written for train_batches() may not fit calibration
+    batches, and the caller falls back to a loss of its own (``instead`` says which).
+    """
+    if loss_fn is None or note:
+        return None
+    try:
+        loss = loss_fn(output, item)
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            return loss.float().reshape(())
+        note.append(f"loss_fn returned {type(loss).__name__} {getattr(loss, 'shape', '')}, not a scalar tensor")
+    except Exception as exc:  # a loss_fn written for train_batches() may not fit calibration batches
+        note.append(f"loss_fn(output, batch) failed on a calibration batch: {type(exc).__name__}: {exc}")
+    warnings.warn(f"{who}: {note[0]}; using {instead} instead", stacklevel=4)
+    return None

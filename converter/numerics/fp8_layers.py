@@ -39,7 +39,6 @@ fp8 stage when the conversion has calibration batches.
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
@@ -49,7 +48,7 @@ import torch.nn.functional as F
 
 from converter.fp8.kernels import Fp8Recipe, cast_to_fp8, fp8_linear, operand_scale, resolve_recipe
 from converter.ir.meta import META_DECISION, META_INFO, META_VALUE, RuleRef, TensorSpec
-from converter.numerics.common import copy_graph, floating_outputs, json_float, preserved_state
+from converter.numerics.common import copy_graph, floating_outputs, json_float, preserved_state, user_loss
 from converter.passes.capture.values import normalize_inputs
 from converter.passes.fp8 import MIN_SQNR_SETTINGS, keep_bf16, sqnr_floors
 from converter.rules.loader import Rules
@@ -251,15 +250,9 @@ def _tapped(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], slots: list) -
 def _seed(output: Any, item: Any, loss_fn: Optional[Callable], gen: torch.Generator,
           note: list) -> Optional[torch.Tensor]:
     """The scalar to differentiate: ``loss_fn(output, item)``, else ⟨v, floating outputs⟩ for a random ``v``."""
-    if loss_fn is not None and not note:
-        try:
-            loss = loss_fn(output, item)
-            if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-                return loss.float().reshape(())
-            note.append(f"loss_fn returned {type(loss).__name__} {getattr(loss, 'shape', '')}, not a scalar tensor")
-        except Exception as exc:  # a loss_fn written for train_batches() may not fit calibration batches
-            note.append(f"loss_fn(output, batch) failed on a calibration batch: {type(exc).__name__}: {exc}")
-        warnings.warn(f"fp8 numerics: {note[0]}; using a random projection of the outputs instead", stacklevel=3)
+    loss = user_loss(output, item, loss_fn, note, "fp8 numerics", "a random projection of the outputs")
+    if loss is not None:
+        return loss
     leaves = [t for t in floating_outputs(output, fp64=False) if t.requires_grad]
     if not leaves:
         return None

@@ -19,7 +19,6 @@ The calibrate stage that uses them is :mod:`converter.numerics.calibrate`.
 from __future__ import annotations
 
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
 
@@ -29,7 +28,7 @@ from torch.utils import _pytree as pytree
 
 from converter.ir.graphmodule import resolve_attr
 from converter.ir.meta import META_INFO, META_STATS, META_VALUE, TensorSpec
-from converter.numerics.common import copy_graph, floating_outputs, preserved_state, progress_bar
+from converter.numerics.common import copy_graph, floating_outputs, preserved_state, progress_bar, user_loss
 from converter.numerics.ranges import (
     RangeAccumulator,
     TensorStats,
@@ -156,15 +155,9 @@ class _Probe:
 
 
 def _loss(output: Any, item: Any, loss_fn: Optional[Callable], note: list) -> Optional[torch.Tensor]:
-    if loss_fn is not None and not note:
-        try:
-            loss = loss_fn(output, item)
-            if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-                return loss.float().reshape(())
-            note.append(f"loss_fn returned {type(loss).__name__} {getattr(loss, 'shape', '')}, not a scalar tensor")
-        except Exception as exc:  # a loss_fn written for train_batches() may not fit calibration batches
-            note.append(f"loss_fn(output, batch) failed on a calibration batch: {type(exc).__name__}: {exc}")
-        warnings.warn(f"calibration: {note[0]}; using the sum of the floating outputs instead", stacklevel=3)
+    loss = user_loss(output, item, loss_fn, note, "calibration", "the sum of the floating outputs")
+    if loss is not None:
+        return loss
     leaves = [t for t in floating_outputs(output, fp64=False) if t.requires_grad]
     if not leaves:
         return None
