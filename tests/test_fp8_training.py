@@ -37,7 +37,7 @@ from converter.fp8.kernels import ALIGN, RECIPES, emulate_linear, fp8_linear, qu
 from converter.inplace import converted_forward
 from converter.train.trainer import MixedPrecisionTrainer
 from tests.helpers import ROOT, sqnr
-from tests.test_fp8_rules import _MODEL_FILE
+from tests.test_fp8_rules import _MODEL_FILE as _NET
 
 #: the per-layer floors of a weight gradient against the bf16 conversion, whole model, one batch: the fp8 layers'
 #: errors compound (measured 15.9-21.1 dB, cosine 0.987-0.996); a dropped gradient is 0 dB (cosine 0), a wrong
@@ -311,7 +311,19 @@ def test_trainer_o2_checkpoint_holds_fp32_masters_and_stored_weights_and_resumes
 
 # ------------------------------------------------------------------------------------- train.py (CLI)
 
-# the CLI model file: tests.test_fp8_rules._MODEL_FILE (imported at the top)
+# the CLI model file: test_fp8_rules' Net, with real batches of an odd token count and a loss
+_MODEL_FILE = _NET + '''
+
+def train_batches():  # 3 x 7 = 21 tokens: no multiple of 16
+    gen = torch.Generator().manual_seed(0)
+    while True:
+        tokens = torch.randint(0, 128, (3, 7), generator=gen)
+        yield (tokens,), tokens
+
+
+def loss_fn(output, batch):
+    return torch.nn.functional.cross_entropy(output.float().flatten(0, 1), batch.flatten())
+'''
 
 #: runs train.py (argv[2:]) under a dispatch mode that counts aten._scaled_mm, and writes the count to argv[1]
 _COUNTING = textwrap.dedent(
