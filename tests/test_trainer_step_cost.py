@@ -161,9 +161,9 @@ def test_o2_fp16_step_is_one_fused_unscale_over_the_arena_one_flat_copy_and_one_
     # everything the trainer itself ran (the optimizer's kernels aside), as counted
     assert counter.ops == Counter({
         "aten.zero_.default": 1,  # the found-inf slot
-        "aten._to_copy.default": 2, "aten.reciprocal.default": 1,  # 1/scale in double, rounded to fp32 once
+        "aten.reciprocal.default": 1,  # 1/scale: one fp32 reciprocal, GradScaler's bits (its double path, rounded)
         _UNSCALE: 1,
-        "aten.copy_.default": 3,  # the loss into the readout, master->model, the scale after its update
+        "aten.copy_.default": 2,  # master->model, the scale after its update (the loss is read when the stats are)
         "aten._amp_update_scale_.default": 1,  # the update; 65536 can neither grow past 2**24 nor back off below 1: no clamp
     }), counter.ops
     # stats read afterwards (the reads the step left lazy): exact values
