@@ -176,6 +176,85 @@ def test_o2_fp16_step_is_one_fused_unscale_over_the_arena_one_flat_copy_and_one_
     assert counter.host_reads == 2, counter.ops  # the scale after the update, the lazy norm
 
 
+class _Deep(nn.Module):
+    """``depth`` Linear layers (half under O2) with a LayerNorm (fp32) between: parameters in any number."""
+
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(depth))
+        self.norm = nn.LayerNorm(8)
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x.to(layer.weight.dtype)))
+        return self.out(self.norm(x.float()).to(self.out.weight.dtype)).float()
+
+
+@pytest.mark.parametrize("master_weights", [True, False])
+def test_the_step_runs_the_same_ops_for_any_number_of_parameters(counter_factory, master_weights):
+    """No per-parameter loop of kernels anywhere in the step: a model with 3x the parameter tensors runs exactly
+    the same ops (trainer and optimizer alike: SGD's foreach kernels, one unscale, O2's one flat copy)."""
+    seen = []
+    for depth in (1, 7):
+        torch.manual_seed(0)
+        model = _Deep(depth)
+        trainer = _trainer(model, master_weights=master_weights)
+        for step in range(2):
+            _backward(trainer, model, step)
+            counter = counter_factory(trainer.optimizer)
+            with counter:
+                assert trainer.step()
+        copies = [(dst, src) for _numel, dst, src in counter.copies]
+        seen.append((len(list(model.parameters())), counter.ops, counter.optimizer_ops, copies, counter.host_reads))
+    (few, *small), (many, *large) = seen
+    assert (few, many) == (6, 18) and small == large, seen
+    ops, optimizer_ops, copies, host_reads = small
+    assert ops[_UNSCALE] == 1 and host_reads == 1, ops
+    assert {op for op in optimizer_ops if "profiler" not in op} == {
+        "aten._foreach_mul_.Scalar", "aten._foreach_add_.List"}, optimizer_ops
+    # O2: one fp32 -> fp16 copy of the whole master buffer; both: the scale after its update into the readout
+    assert copies == ([(torch.float16, torch.float32)] if master_weights else []) + [(torch.float32, torch.float32)]
+
+
+def test_gradients_outside_the_arena_are_harvested_unscaled_and_checked_too():
+    """After trainer.backward() the step only checks that the gradients are where it left them (the arena's
+    slots, no half gradient on the model); anything else takes the general path: a half gradient from a
+    backward of the caller's own is harvested, a master gradient the caller replaced is unscaled with the rest."""
+    model = _block()
+    trainer = _trainer(model)
+    _backward(trainer, model, 0)
+    assert trainer.step()
+    masters, arena = trainer.master_params, trainer._masters.arena.flats
+    params = trainer._optimizer_params()
+
+    def settled():
+        return trainer._masters.settled(params, [p.grad for p in params])
+
+    _backward(trainer, model, 1)
+    assert settled() is arena
+    harvested = [m.grad.clone() for m in masters]  # scaled fp32
+    x, y = _batch(7)
+    half_params = [model.inp.weight, model.inp.bias, model.out.weight, model.out.bias]
+    trainer.scaler.scale(_loss(model, x, y)).backward()  # the caller's own backward: half gradients on the model
+    extra = [p.grad.clone() for p in half_params]
+    assert settled() is None
+    inv = 1.0 / trainer.scaler.get_scale()  # a power of two: unscaling is exact
+    assert trainer.step()
+    for master, before, half in zip(masters, harvested, extra):
+        assert torch.equal(master.grad, (before + half.float()) * inv)
+    assert all(p.grad is None for p in half_params)
+    _backward(trainer, model, 2)
+    replaced = torch.full_like(masters[0], 3.0)
+    masters[0].grad = replaced  # not its arena slot
+    assert settled() is None
+    scale = trainer.scaler.get_scale()
+    assert trainer.step() and torch.equal(replaced, torch.full_like(replaced, 3.0 / scale))
+    _backward(trainer, model, 3)
+    masters[1].grad = torch.full_like(masters[1], INF)
+    assert not trainer.step() and trainer.stats.skipped == 1
+
+
 def test_o1_fp16_step_unscales_per_dtype_group_and_reads_the_host_once(counter_factory):
     model = _block()
     trainer = _trainer(model, master_weights=False)
