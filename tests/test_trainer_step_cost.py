@@ -255,6 +255,21 @@ def test_gradients_outside_the_arena_are_harvested_unscaled_and_checked_too():
     assert not trainer.step() and trainer.stats.skipped == 1
 
 
+def test_a_param_without_an_arena_slot_is_never_settled():
+    """As many optimizer params as arena slots is not enough: a param with no slot (and no gradient) in place of
+    a slot owner that left the optimizer must not let the step take the arena for the optimizer's gradients."""
+    model = _block()
+    trainer = _trainer(model)
+    group = trainer.optimizer.param_groups[0]
+    group["params"].pop()  # out.bias's master leaves the optimizer...
+    group["params"].append(nn.Parameter(torch.zeros(3)))  # ...and a param the arena knows nothing of joins
+    _backward(trainer, model, 0)
+    params = trainer._optimizer_params()
+    assert len(params) == len(trainer._masters.arena.slots)
+    assert trainer._masters.settled(params, [p.grad for p in params]) is None
+    assert trainer.step()
+
+
 def test_o1_fp16_step_unscales_per_dtype_group_and_reads_the_host_once(counter_factory):
     model = _block()
     trainer = _trainer(model, master_weights=False)

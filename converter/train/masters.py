@@ -166,8 +166,8 @@ class MasterWeights:
         self._half_params: list[nn.Parameter] = []
         self._direct_params: list[nn.Parameter] = []
         self._direct_slots: list[torch.Tensor] = []
-        # the optimizer's params as last seen by settled() and their arena slots (None for a param without one)
-        self._slots_of_params: tuple[list[torch.Tensor], list[torch.Tensor | None]] = ([], [])
+        # the optimizer's params as last seen by settled() and their arena slots (None when one has no slot)
+        self._slots_of_params: tuple[list[torch.Tensor], list[torch.Tensor] | None] = ([], [])
 
     def __len__(self) -> int:
         """How many masters there are (0 under O1, and under O2 when every trainable parameter stays fp32)."""
@@ -296,8 +296,10 @@ class MasterWeights:
         known, slots = self._slots_of_params
         if len(known) != len(params) or not all(map(operator.is_, params, known)):  # (compares no tensor data)
             slots = list(map(arena.slot_of.get, map(id, params)))
+            if not all(map(_NOT_NONE, slots)):  # a param the arena has no slot for: never settled
+                slots = None
             self._slots_of_params = (params, slots)
-        return arena.flats if all(map(operator.is_, grads, slots)) else None
+        return arena.flats if slots is not None and all(map(operator.is_, grads, slots)) else None
 
     def harvest_waiting(self) -> bool:
         """Whether a gradient waits for :meth:`harvest` (a half param's, or an fp32 param's outside its slot).
