@@ -268,10 +268,7 @@ class LossScaler:
         the one ``unscale_`` keeps, so ``step``/``update`` behave the same either way. Nothing here
         synchronises with the device.
         """
-        record = self._records[id(optimizer)]
-        if record.stage is not _Stage.READY:
-            raise RuntimeError("unscale_() has already been called on this optimizer since the last update()."
-                               if record.stage is _Stage.UNSCALED else "unscale_() is being called after step().")
+        record = self._ready_record(optimizer)
         scale = self._scale
         if scale is None:
             scale = self._lazy_init(buffers[0].device if buffers else self._first_grad_device(optimizer))
@@ -301,6 +298,29 @@ class LossScaler:
         record.found_inf = found_inf
         record.stage = _Stage.UNSCALED
         return found_inf
+
+    def _ready_record(self, optimizer: torch.optim.Optimizer) -> _OptimizerRecord:
+        """``optimizer``'s record, which must not have been unscaled or stepped since the last ``update()``."""
+        record = self._records[id(optimizer)]
+        if record.stage is not _Stage.READY:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update()."
+                               if record.stage is _Stage.UNSCALED else "unscale_() is being called after step().")
+        return record
+
+    def _unscale_placed(self, optimizer: torch.optim.Optimizer, buffers: list[torch.Tensor],
+                        found_inf: torch.Tensor) -> None:
+        """:meth:`_unscale` for a caller that keeps its gradient buffers and flag where the fused kernel runs and
+        checked that once (the O2 trainer's arena and readout): dense fp32 ``buffers`` and the 0-dim fp32
+        ``found_inf`` on the scale's device (made already), which has the kernel. The same record, checks and
+        kernel, without looking at devices or grouping again; with a process group (a collective) it is
+        :meth:`_unscale`."""
+        if self._sync_found_inf and _DISTRIBUTED and torch.distributed.is_initialized():
+            self._unscale(optimizer, buffers, found_inf=found_inf)
+            return
+        record = self._ready_record(optimizer)
+        torch._amp_foreach_non_finite_check_and_unscale_(buffers, found_inf.zero_(), inverse_scale(self._scale))
+        record.found_inf = found_inf
+        record.stage = _Stage.UNSCALED
 
     def _scale_tensor(self) -> torch.Tensor | None:
         """The live 0-dim scale tensor (None before first use or when disabled); read it without a sync."""

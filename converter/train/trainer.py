@@ -60,7 +60,7 @@ import torch
 from torch import nn
 
 from converter.train import checkpoint
-from converter.train.amp_kernels import unscale_grads, unscale_groups
+from converter.train.amp_kernels import UNSCALE_OP, has_kernel, unscale_grads, unscale_groups
 from converter.train.cuda_graph import CudaGraphModule
 from converter.train.grad_norm import LazyNorm, total_norm
 from converter.train.graph_edits import drop_identity_weight_casts, plan_embedding_shrink
@@ -261,6 +261,7 @@ class MixedPrecisionTrainer:
         # the last window's summed loss (a 0-dim device tensor), read into stats.loss when the stats are read
         self._lazy_loss: torch.Tensor | None = None
         self._readout_scale: torch.Tensor | None = None  # the scale tensor the readout was placed next to
+        self._arena_placed = False  # O2's arena and the readout sit with the scale, whose device has the kernel
 
     # ------------------------------------------------------------------ properties
     @property
@@ -349,6 +350,8 @@ class MixedPrecisionTrainer:
             grad_norm, non_finite, norm_t = self._unscale_and_check(params, grads, buffers)
         spike = not non_finite and self._opts.spike_guard is not None and self._is_spike(grad_norm)
         stepped = not (non_finite or spike)
+        if host is not None:  # (the update needs only the flag: done before the optimizer's passes over memory)
+            host.update(self._slots[_AFTER])
         if stepped:
             if grad_norm is None:
                 self._lazy_norm = LazyNorm(grads, buffers)
@@ -357,8 +360,6 @@ class MixedPrecisionTrainer:
             self._optimizer.step()
             if self._has_masters:
                 self._masters.copy_to_model()
-        if host is not None:
-            host.update(self._slots[_AFTER])
         self._record_step(stepped=stepped, non_finite=non_finite, spike=spike, grad_norm=grad_norm)
         return stepped
 
@@ -456,11 +457,19 @@ class MixedPrecisionTrainer:
         the found-inf flag and the last update's scale. A finite gradient can still overflow when multiplied
         by ``1/scale`` below 1: only then the unscaled gradients are checked again, element-wise."""
         readout = self._readout
-        scale = self._scaler._scale
+        scaler = self._scaler
+        scale = scaler._scale
         if readout is None or scale is None or self._readout_scale is not scale:  # (placed once, by the scale)
             readout = self._readout_on(self._scalar_device(grads, buffers))[0]
             self._readout_scale = scale
-        self._scaler._unscale(self._optimizer, buffers, found_inf=self._slots[_FOUND])
+            # O2's arena buffers on the scale's device, with the fused kernel there: no device to look at per step
+            flats = self._masters.arena.flats
+            self._arena_placed = scale is not None and bool(flats) and has_kernel(UNSCALE_OP, scale.device) and all(
+                flat.device == scale.device for flat in flats)
+        if buffers is not None and self._arena_placed:
+            scaler._unscale_placed(self._optimizer, buffers, self._slots[_FOUND])
+        else:
+            scaler._unscale(self._optimizer, buffers, found_inf=self._slots[_FOUND])
         pending = host.pending
         values = readout.tolist()  # the one host sync
         if pending is not None:
