@@ -17,11 +17,14 @@ replaces; ``benchmarks/trainer_step.py``): one fused unscale-and-check kernel pe
 (O2's fp32 gradients are views of one buffer per device), the optimizer's foreach (or, opt-in,
 fused) step, O2's one master→model copy, the scale update on the device, and **one** host
 synchronisation, before the optimizer step, that reads every scalar the step decides on (the
-found-inf flag, the loss, and the gradient norm where one is computed). Nothing the step does not need
-is computed or read: the gradient norm is computed in the step only for clipping, the spike guard,
+found-inf flag, and the gradient norm where one is computed). Nothing the step does not need is
+computed or read: the gradient norm is computed in the step only for clipping, the spike guard,
 FSDP, a callback, or as bf16's check under O2 (else lazily, when ``trainer.stats`` is read), and the
-scale after the update is read by the next step's copy or when the stats are
-(:attr:`MixedPrecisionTrainer.stats`).
+loss and the scale after the update are read together when the stats are
+(:attr:`MixedPrecisionTrainer.stats`; the scale also with the next step's copy). No step runs a
+Python loop or a kernel per parameter: after ``trainer.backward()`` it checks in three C-level passes
+that every gradient is in its arena slot and none waits on the model, and the fp16 check goes straight
+to the kernel (the placement of the arena and the flag is checked once).
 
 The model's weights: a converted module shares its parameters' storage with the original model
 (``converter.convert`` copies no weight), so O1 training updates the original model's weights in
@@ -268,10 +271,10 @@ class MixedPrecisionTrainer:
     def stats(self) -> TrainStats:
         """Live counters (see :class:`TrainStats`).
 
-        Reading this property settles what the last step left lazy (at most one host sync): the
-        scale after its update, the overflow count, and the gradient norm when nothing in the step
-        needed it. Read the counters through ``trainer.stats`` after each step rather than through
-        a reference kept from before.
+        Reading this property settles what the last step left lazy (at most two host reads): the
+        loss and the scale after its update (one copy), the overflow count, and the gradient norm when
+        nothing in the step needed it. Read the counters through ``trainer.stats`` after each step
+        rather than through a reference kept from before.
         """
         self._settle_stats()
         return self._stats
