@@ -28,14 +28,14 @@ GradScaler calls), the ratio of each step to autocast's, and each trainer's two 
 
 Run: ``python benchmarks/trainer_step.py [--rounds 200] [--device cpu|cuda] [--device-lowering cpu|cuda|none]
 [--compare-ref REF] [--fused] [--only NAME,...] [--json out.json]``; ``--compare-ref main`` adds ``O1@main``,
-``O2@main``, ``O1_fp16@main``, ``O2_fp16@main``: the trainer (and its loss scaler) as committed there, timed in
-the same interleaved rounds.
+``O2@main``, ``O1_fp16@main``, ``O2_fp16@main``: the trainer (the whole ``converter/train`` package) as committed
+there, timed in the same interleaved rounds.
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
+import importlib
 import json
 import subprocess
 import sys
@@ -118,31 +118,34 @@ def trainer_step(module: nn.Module, trainer, x: torch.Tensor):
     return step
 
 
-def _module_at(ref: str, path: str, name: str, replace: dict[str, str] | None = None):
-    """The module at ``path`` as committed at git ``ref``, imported as ``name`` (import lines rewritten by ``replace``)."""
+def _train_package_at(ref: str) -> str:
+    """The whole ``converter/train`` package as committed at git ``ref``, imported under a name of its own
+    (its ``converter.train`` imports rewritten to it); returns that name. Everything the step runs (the
+    trainer, the loss scaler, the master weights, the kernels) is then the ref's, so before/after are timed
+    in one process."""
     root = Path(__file__).resolve().parent.parent
-    source = subprocess.run(["git", "-C", str(root), "show", f"{ref}:{path}"],
-                            check=True, capture_output=True, text=True).stdout
-    for old, new in (replace or {}).items():
-        source = source.replace(old, new)
-    folder = Path(tempfile.mkdtemp(prefix="trainer_at_"))
-    file = folder / f"{name}.py"
-    file.write_text(source)
-    spec = importlib.util.spec_from_file_location(name, file)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    tag = "_train_at_" + "".join(c if c.isalnum() else "_" for c in ref)
+    if tag in sys.modules:
+        return tag
+    names = subprocess.run(["git", "-C", str(root), "ls-tree", "--name-only", f"{ref}:converter/train"],
+                           check=True, capture_output=True, text=True).stdout.split()
+    folder = Path(tempfile.mkdtemp(prefix="trainer_at_")) / tag
+    folder.mkdir()
+    for name in names:
+        if not name.endswith(".py"):
+            continue
+        source = subprocess.run(["git", "-C", str(root), "show", f"{ref}:converter/train/{name}"],
+                                check=True, capture_output=True, text=True).stdout
+        (folder / name).write_text(source.replace("converter.train", tag))
+    sys.path.insert(0, str(folder.parent))
+    importlib.import_module(tag)
+    return tag
 
 
 def _trainer_class_at(ref: str) -> type:
-    """``MixedPrecisionTrainer`` as committed at git ``ref``, with the ``LossScaler`` committed there (to time
-    before/after in one process: the scaler's unscale and update are part of ``step()``)."""
-    tag = "".join(c if c.isalnum() else "_" for c in ref)
-    scaler = _module_at(ref, "converter/train/scaler.py", f"_scaler_at_{tag}")
-    trainer = _module_at(ref, "converter/train/trainer.py", f"_trainer_at_{tag}",
-                         {"from converter.train.scaler import": f"from {scaler.__name__} import"})
-    return trainer.MixedPrecisionTrainer
+    """``MixedPrecisionTrainer`` as committed at git ``ref``, with the rest of ``converter/train`` committed there
+    (the loss scaler's unscale and update and the master weights' copy are part of ``step()``)."""
+    return importlib.import_module(_train_package_at(ref) + ".trainer").MixedPrecisionTrainer
 
 
 def build(*, lowering: str | None, compare_ref: str | None = None, fused: bool = False,

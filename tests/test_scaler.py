@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from converter.train.amp_kernels import unscale_grads, update_with_tensor_ops
+from converter.train.amp_kernels import inverse_scale, unscale_grads, update_with_tensor_ops
 from converter.train.scaler import LossScaler
 
 INF, NAN = float("inf"), float("nan")
@@ -359,6 +359,22 @@ def test_fp32_sparse_embedding_grads_are_unscaled():
 def _parity_model(seed: int) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def test_inverse_scale_is_gradscalers_reciprocal_bit_for_bit():
+    """1/scale as one fp32 reciprocal (CPU) equals GradScaler's ``scale.double().reciprocal().float()`` on every
+    kind of fp32 scale: 2M random positive bit patterns (subnormals to the largest finite) and the edges."""
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.randint(0, 0x7F800000, (2_000_000,), dtype=torch.int32, generator=gen)
+    edges = torch.tensor([0.0, INF, 2.0**-149, 2.0**-126, 1.0, 3.0, 65536.0, 0.3 * 2**16, 3.4028234663852886e38])
+    for scales in (bits.view(torch.float32), edges):
+        ours = torch.reciprocal(scales)  # what inverse_scale runs on the CPU, vectorised here
+        theirs = scales.double().reciprocal().float()
+        mismatched = int((ours.view(torch.int32) != theirs.view(torch.int32)).sum())
+        assert mismatched == 0, f"{mismatched} of {scales.numel()} reciprocals differ"
+    for value in (3.0, 0.3 * 2**16, 2.0**-149):  # the 0-dim call the scaler makes
+        scale = torch.tensor(value)
+        assert inverse_scale(scale).item() == scale.double().reciprocal().float().item(), value
 
 
 @pytest.mark.parametrize(("growth", "backoff"), [(2.0, 0.5), (1.7, 0.3)])

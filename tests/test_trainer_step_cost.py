@@ -161,9 +161,9 @@ def test_o2_fp16_step_is_one_fused_unscale_over_the_arena_one_flat_copy_and_one_
     # everything the trainer itself ran (the optimizer's kernels aside), as counted
     assert counter.ops == Counter({
         "aten.zero_.default": 1,  # the found-inf slot
-        "aten._to_copy.default": 2, "aten.reciprocal.default": 1,  # 1/scale in double, rounded to fp32 once
+        "aten.reciprocal.default": 1,  # 1/scale: one fp32 reciprocal, GradScaler's bits (its double path, rounded)
         _UNSCALE: 1,
-        "aten.copy_.default": 3,  # the loss into the readout, master->model, the scale after its update
+        "aten.copy_.default": 2,  # master->model, the scale after its update (the loss is read when the stats are)
         "aten._amp_update_scale_.default": 1,  # the update; 65536 can neither grow past 2**24 nor back off below 1: no clamp
     }), counter.ops
     # stats read afterwards (the reads the step left lazy): exact values
@@ -174,6 +174,100 @@ def test_o2_fp16_step_is_one_fused_unscale_over_the_arena_one_flat_copy_and_one_
     assert stats.grad_norm == torch.linalg.vector_norm(scaled * inv).item(), stats
     assert stats.scale == trainer.scaler.get_scale() and stats.steps == 2 and stats.skipped == 0, stats
     assert counter.host_reads == 2, counter.ops  # the scale after the update, the lazy norm
+
+
+class _Deep(nn.Module):
+    """``depth`` Linear layers (half under O2) with a LayerNorm (fp32) between: parameters in any number."""
+
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(depth))
+        self.norm = nn.LayerNorm(8)
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x.to(layer.weight.dtype)))
+        return self.out(self.norm(x.float()).to(self.out.weight.dtype)).float()
+
+
+@pytest.mark.parametrize("master_weights", [True, False])
+def test_the_step_runs_the_same_ops_for_any_number_of_parameters(counter_factory, master_weights):
+    """No per-parameter loop of kernels anywhere in the step: a model with 3x the parameter tensors runs exactly
+    the same ops (trainer and optimizer alike: SGD's foreach kernels, one unscale, O2's one flat copy)."""
+    seen = []
+    for depth in (1, 7):
+        torch.manual_seed(0)
+        model = _Deep(depth)
+        trainer = _trainer(model, master_weights=master_weights)
+        for step in range(2):
+            _backward(trainer, model, step)
+            counter = counter_factory(trainer.optimizer)
+            with counter:
+                assert trainer.step()
+        copies = [(dst, src) for _numel, dst, src in counter.copies]
+        seen.append((len(list(model.parameters())), counter.ops, counter.optimizer_ops, copies, counter.host_reads))
+    (few, *small), (many, *large) = seen
+    assert (few, many) == (6, 18) and small == large, seen
+    ops, optimizer_ops, copies, host_reads = small
+    assert ops[_UNSCALE] == 1 and host_reads == 1, ops
+    assert {op for op in optimizer_ops if "profiler" not in op} == {
+        "aten._foreach_mul_.Scalar", "aten._foreach_add_.List"}, optimizer_ops
+    # O2: one fp32 -> fp16 copy of the whole master buffer; both: the scale after its update into the readout
+    assert Counter(copies) == Counter([(torch.float16, torch.float32)] * master_weights + [(torch.float32, torch.float32)])
+
+
+def test_gradients_outside_the_arena_are_harvested_unscaled_and_checked_too():
+    """After trainer.backward() the step only checks that the gradients are where it left them (the arena's
+    slots, no half gradient on the model); anything else takes the general path: a half gradient from a
+    backward of the caller's own is harvested, a master gradient the caller replaced is unscaled with the rest."""
+    model = _block()
+    trainer = _trainer(model)
+    _backward(trainer, model, 0)
+    assert trainer.step()
+    masters, arena = trainer.master_params, trainer._masters.arena.flats
+    params = trainer._optimizer_params()
+
+    def settled():
+        return trainer._masters.settled(params, [p.grad for p in params])
+
+    _backward(trainer, model, 1)
+    assert settled() is arena
+    harvested = [m.grad.clone() for m in masters]  # scaled fp32
+    x, y = _batch(7)
+    half_params = [model.inp.weight, model.inp.bias, model.out.weight, model.out.bias]
+    trainer.scaler.scale(_loss(model, x, y)).backward()  # the caller's own backward: half gradients on the model
+    extra = [p.grad.clone() for p in half_params]
+    assert settled() is None
+    inv = 1.0 / trainer.scaler.get_scale()  # a power of two: unscaling is exact
+    assert trainer.step()
+    for master, before, half in zip(masters, harvested, extra):
+        assert torch.equal(master.grad, (before + half.float()) * inv)
+    assert all(p.grad is None for p in half_params)
+    _backward(trainer, model, 2)
+    replaced = torch.full_like(masters[0], 3.0)
+    masters[0].grad = replaced  # not its arena slot
+    assert settled() is None
+    scale = trainer.scaler.get_scale()
+    assert trainer.step() and torch.equal(replaced, torch.full_like(replaced, 3.0 / scale))
+    _backward(trainer, model, 3)
+    masters[1].grad = torch.full_like(masters[1], INF)
+    assert not trainer.step() and trainer.stats.skipped == 1
+
+
+def test_a_param_without_an_arena_slot_is_never_settled():
+    """As many optimizer params as arena slots is not enough: a param with no slot (and no gradient) in place of
+    a slot owner that left the optimizer must not let the step take the arena for the optimizer's gradients."""
+    model = _block()
+    trainer = _trainer(model)
+    group = trainer.optimizer.param_groups[0]
+    group["params"].pop()  # out.bias's master leaves the optimizer...
+    group["params"].append(nn.Parameter(torch.zeros(3)))  # ...and a param the arena knows nothing of joins
+    _backward(trainer, model, 0)
+    params = trainer._optimizer_params()
+    assert len(params) == len(trainer._masters.arena.slots)
+    assert trainer._masters.settled(params, [p.grad for p in params]) is None
+    assert trainer.step()
 
 
 def test_o1_fp16_step_unscales_per_dtype_group_and_reads_the_host_once(counter_factory):

@@ -14,8 +14,8 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["UNSCALE_OP", "UPDATE_OP", "has_kernel", "local_shard", "unscale_grads", "unscale_groups",
-           "update_with_tensor_ops"]
+__all__ = ["UNSCALE_OP", "UPDATE_OP", "has_kernel", "inverse_scale", "local_shard", "unscale_grads",
+           "unscale_groups", "update_with_tensor_ops"]
 
 UPDATE_OP = "aten::_amp_update_scale_"
 UNSCALE_OP = "aten::_amp_foreach_non_finite_check_and_unscale_"
@@ -51,6 +51,20 @@ def has_kernel(op_name: str, device: torch.device) -> bool:
 
 #: (op name, device type) pairs whose kernel :func:`has_kernel` has found
 _KERNELS_FOUND: set[tuple[str, str]] = set()
+
+
+def inverse_scale(scale: torch.Tensor) -> torch.Tensor:
+    """``1/scale`` as a 0-dim fp32 tensor, rounded once from the exact quotient, as ``GradScaler`` computes it
+    (``scale.double().reciprocal().float()``: three kernels).
+
+    On the CPU one fp32 ``reciprocal`` gives the same bits: its fp32 division is correctly rounded, and rounding
+    a quotient to double and then to fp32 equals rounding it to fp32 directly (double rounding is innocuous
+    for a quotient when the wider format has at least 2p+2 bits, and 53 >= 2*24+2); ``tests/test_scaler.py``
+    compares the two over random fp32 values. Other devices keep the double computation.
+    """
+    if scale.is_cpu:
+        return torch.reciprocal(scale)
+    return scale.double().reciprocal().float()
 
 
 def _dtensor_class() -> type | None:

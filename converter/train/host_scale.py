@@ -52,10 +52,11 @@ class HostScale:
     def update(self, after: torch.Tensor) -> None:
         """Update the scale (the host read this step's flag and knows the scale: the bounds' clamp only runs when
         needed) and copy its new value into ``after``, the readout slot the next read settles from."""
-        self._scaler._update(known=(self.step_found, self.step_scale))
-        after.copy_(self._scaler._scale_tensor())
+        scaler = self._scaler
+        scaler._update(known=(self.step_found, self.step_scale))
+        after.copy_(scaler._scale)  # (enabled: a HostScale exists only for a scaler that scales)
         self.pending = self.step_scale
-        self._version_after_update = self._scaler._version
+        self._version_after_update = scaler._version
 
     def settle(self, after: float, stats: TrainStats) -> None:
         """The last step's scale after its update is known: set ``stats.scale`` and count an overflow."""

@@ -166,6 +166,8 @@ class MasterWeights:
         self._half_params: list[nn.Parameter] = []
         self._direct_params: list[nn.Parameter] = []
         self._direct_slots: list[torch.Tensor] = []
+        # the optimizer's params as last seen by settled() and their arena slots (None when one has no slot)
+        self._slots_of_params: tuple[list[torch.Tensor], list[torch.Tensor] | None] = ([], [])
 
     def __len__(self) -> int:
         """How many masters there are (0 under O1, and under O2 when every trainable parameter stays fp32)."""
@@ -280,6 +282,25 @@ class MasterWeights:
         """The arena's flat buffers when they hold exactly ``params``' gradients ``grads``, else None."""
         return self.arena.buffers(params, grads) if self.arena.flats else None
 
+    def settled(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """The arena's buffers when nothing waits for :meth:`harvest` and ``params`` (the optimizer's) have exactly
+        the arena's slots as their gradients ``grads``, every slot in use: the state ``trainer.backward()`` leaves.
+        Else None (the caller then harvests and asks :meth:`grad_buffers`). Three C-level passes, no Python loop.
+
+        Every slot's owner is one of ``params`` here (as many params as slots, each holding its own slot), so
+        the trainable fp32 params' gradients are in their slots too: nothing is left to harvest.
+        """
+        arena = self.arena
+        if not arena.flats or len(params) != len(arena.slots) or any(map(_NOT_NONE, map(_GRAD, self._half_params))):
+            return None
+        known, slots = self._slots_of_params
+        if len(known) != len(params) or not all(map(operator.is_, params, known)):  # (compares no tensor data)
+            slots = list(map(arena.slot_of.get, map(id, params)))
+            if not all(map(_NOT_NONE, slots)):  # a param the arena has no slot for: never settled
+                slots = None
+            self._slots_of_params = (params, slots)
+        return arena.flats if slots is not None and all(map(operator.is_, grads, slots)) else None
+
     def harvest_waiting(self) -> bool:
         """Whether a gradient waits for :meth:`harvest` (a half param's, or an fp32 param's outside its slot).
         Not after ``trainer.backward()``, which harvests: then two C-level passes replace the loop."""
@@ -334,15 +355,22 @@ class MasterWeights:
             torch._foreach_add_(add_dst, add_src)
 
     def copy_to_model(self) -> None:
-        """Copy the masters into the half model parameters: one ``copy_`` per flat buffer."""
-        with torch.no_grad():
-            for group in self._flat_groups:
-                if group.intact():
-                    group.model_flat.copy_(group.master_flat)
-                else:  # a parameter was re-pointed (e.g. moved with .to()): copy one by one
+        """Copy the masters into the half model parameters: one ``copy_`` per flat buffer.
+
+        The flat buffers are plain tensors (the parameters are views of them through ``.data``), so their copy
+        records nothing for autograd and needs no ``no_grad``; the per-parameter fallbacks write into leaves
+        that require grad and do.
+        """
+        for group in self._flat_groups:
+            if group.intact():
+                group.model_flat.copy_(group.master_flat)
+            else:  # a parameter was re-pointed (e.g. moved with .to()): copy one by one
+                with torch.no_grad():
                     torch._foreach_copy_(group.models, group.masters)
-            for models, masters in self._loose_groups:
-                torch._foreach_copy_(models, masters)
+        if self._loose_groups:
+            with torch.no_grad():
+                for models, masters in self._loose_groups:
+                    torch._foreach_copy_(models, masters)
 
     def drop_grads(self) -> None:
         """Drop the masters' gradients (their buffers stay, for the next harvest)."""

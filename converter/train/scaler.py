@@ -37,9 +37,19 @@ from typing import Any
 
 import torch
 
-from converter.train.amp_kernels import UPDATE_OP, has_kernel, unscale_grads, unscale_groups, update_with_tensor_ops
+from converter.train.amp_kernels import (
+    UNSCALE_OP,
+    UPDATE_OP,
+    has_kernel,
+    inverse_scale,
+    unscale_grads,
+    unscale_groups,
+    update_with_tensor_ops,
+)
 
 __all__ = ["LossScaler"]
+
+_DISTRIBUTED = torch.distributed.is_available()
 
 _STATE_KEYS = (
     "scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker",
@@ -177,6 +187,7 @@ class LossScaler:
         self._hysteresis_left: torch.Tensor | None = None
         self._records: dict[int, _OptimizerRecord] = defaultdict(_OptimizerRecord)
         self._changes = 0  # see _version
+        self._update_kernel = False  # _amp_update_scale_ was found for the scale's device
 
     # ------------------------------------------------------------------ helpers
     def _check_bounds(self, value: float, what: str) -> None:
@@ -257,25 +268,24 @@ class LossScaler:
         the one ``unscale_`` keeps, so ``step``/``update`` behave the same either way. Nothing here
         synchronises with the device.
         """
-        record = self._records[id(optimizer)]
-        if record.stage is _Stage.UNSCALED:
-            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
-        if record.stage is _Stage.STEPPED:
-            raise RuntimeError("unscale_() is being called after step().")
-        if buffers:
-            scale = self._lazy_init(buffers[0].device)
-        else:
-            scale = self._lazy_init(self._first_grad_device(optimizer))
-        inv_scale = scale.double().reciprocal().float()
+        record = self._ready_record(optimizer)
+        scale = self._scale
+        if scale is None:
+            scale = self._lazy_init(buffers[0].device if buffers else self._first_grad_device(optimizer))
+        inv_scale = inverse_scale(scale)
         out = found_inf
-        distributed = self._sync_found_inf and torch.distributed.is_available() and torch.distributed.is_initialized()
-        if out is not None and out.device == scale.device and not distributed:
+        device = scale.device
+        distributed = self._sync_found_inf and _DISTRIBUTED and torch.distributed.is_initialized()
+        if out is not None and not distributed and out.device == device:
             found_inf = out.zero_()
         else:  # a collective gets a tensor of its own, not a view into the caller's buffer
-            found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
+            found_inf = torch.zeros((), dtype=torch.float32, device=device)
         if buffers is None:
             params = [p for group in optimizer.param_groups for p in group["params"]]
             unscale_grads(params, inv_scale=inv_scale, found_inf=found_inf, allow_fp16=False)
+        elif len(buffers) == 1 and buffers[0].device == device and has_kernel(UNSCALE_OP, device):
+            # the O2 arena on the scale's device: one kernel, nothing to group
+            torch._amp_foreach_non_finite_check_and_unscale_(buffers, found_inf, inv_scale)
         else:
             groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
             for buffer in buffers:
@@ -288,6 +298,29 @@ class LossScaler:
         record.found_inf = found_inf
         record.stage = _Stage.UNSCALED
         return found_inf
+
+    def _ready_record(self, optimizer: torch.optim.Optimizer) -> _OptimizerRecord:
+        """``optimizer``'s record, which must not have been unscaled or stepped since the last ``update()``."""
+        record = self._records[id(optimizer)]
+        if record.stage is not _Stage.READY:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update()."
+                               if record.stage is _Stage.UNSCALED else "unscale_() is being called after step().")
+        return record
+
+    def _unscale_placed(self, optimizer: torch.optim.Optimizer, buffers: list[torch.Tensor],
+                        found_inf: torch.Tensor) -> None:
+        """:meth:`_unscale` for a caller that keeps its gradient buffers and flag where the fused kernel runs and
+        checked that once (the O2 trainer's arena and readout): dense fp32 ``buffers`` and the 0-dim fp32
+        ``found_inf`` on the scale's device (made already), which has the kernel. The same record, checks and
+        kernel, without looking at devices or grouping again; with a process group (a collective) it is
+        :meth:`_unscale`."""
+        if self._sync_found_inf and _DISTRIBUTED and torch.distributed.is_initialized():
+            self._unscale(optimizer, buffers, found_inf=found_inf)
+            return
+        record = self._ready_record(optimizer)
+        torch._amp_foreach_non_finite_check_and_unscale_(buffers, found_inf.zero_(), inverse_scale(self._scale))
+        record.found_inf = found_inf
+        record.stage = _Stage.UNSCALED
 
     def _scale_tensor(self) -> torch.Tensor | None:
         """The live 0-dim scale tensor (None before first use or when disabled); read it without a sync."""
@@ -349,16 +382,18 @@ class LossScaler:
         if new_scale is not None:
             self._set_scale(new_scale)
         else:
-            flags = [r.found_inf for r in self._records.values() if r.found_inf is not None]
-            if not flags:
+            records = self._records
+            if len(records) == 1:  # one optimizer (the trainer's case): its flag, as _unscale left it
+                (record,) = records.values()
+                found_inf, single = record.found_inf, True
+            else:  # every flag is on the scale's device (_unscale makes it there)
+                flags = [r.found_inf for r in records.values() if r.found_inf is not None]
+                found_inf, single = (sum(flags[1:], flags[0]) if flags else None), len(flags) == 1
+            if found_inf is None:
                 raise RuntimeError("No inf checks were recorded prior to update.")
-            scale = self._scale
-            found_inf = flags[0] if len(flags) == 1 and flags[0].device == scale.device else flags[0].to(scale.device)
-            for flag in flags[1:]:
-                found_inf = found_inf + flag.to(scale.device)
             if self._dynamic:  # ``known`` describes one optimizer's flag: with several, the clamp decides itself
-                self._update_dynamic(found_inf, known if len(flags) == 1 else None)
-        self._records = defaultdict(_OptimizerRecord)
+                self._update_dynamic(found_inf, known if single else None)
+        self._records.clear()
 
     def _set_scale(self, new_scale: float | torch.Tensor) -> None:
         if isinstance(new_scale, torch.Tensor):
@@ -392,7 +427,8 @@ class LossScaler:
 
     def _update_dynamic(self, found_inf: torch.Tensor, known: tuple[bool, float] | None = None) -> None:
         scale, tracker, left = self._scale, self._growth_tracker, self._hysteresis_left
-        if self._hysteresis == 1 and has_kernel(UPDATE_OP, scale.device):
+        if self._hysteresis == 1 and (self._update_kernel or has_kernel(UPDATE_OP, scale.device)):
+            self._update_kernel = True  # found once, registered for good (the scale never changes device)
             torch._amp_update_scale_(
                 scale, tracker, found_inf, self._growth_factor, self._backoff_factor, self._growth_interval
             )

@@ -28,10 +28,12 @@ class SyncStrategy:
         eager_norm: the step must compute the gradient norm (FSDP2: the global norm decides every rank's skip).
         local_state: the model and optimizer state are plain local tensors (not sharded), so a checkpoint's
             values and optimizer state can be checked here before loading.
+        reduces_master_grads: :meth:`reduce_master_grads` does something (O2 under DDP), so every step calls it.
     """
 
     eager_norm = False
     local_state = True
+    reduces_master_grads = False
 
     def start(self, *, accumulation_steps: int) -> None:
         """Set the wrapper's gradient reduction for the first backward (called once, after every check passed)."""
@@ -93,6 +95,7 @@ class DDPSync(SyncStrategy):
     def __init__(self, ddp: nn.parallel.DistributedDataParallel, *, master_weights: bool) -> None:
         self._ddp = ddp
         self._master_weights = master_weights
+        self.reduces_master_grads = master_weights
 
     def start(self, *, accumulation_steps: int) -> None:
         self._ddp.require_backward_grad_sync = (not self._master_weights) and accumulation_steps == 1

@@ -17,11 +17,14 @@ replaces; ``benchmarks/trainer_step.py``): one fused unscale-and-check kernel pe
 (O2's fp32 gradients are views of one buffer per device), the optimizer's foreach (or, opt-in,
 fused) step, O2's one master→model copy, the scale update on the device, and **one** host
 synchronisation, before the optimizer step, that reads every scalar the step decides on (the
-found-inf flag, the loss, and the gradient norm where one is computed). Nothing the step does not need
-is computed or read: the gradient norm is computed in the step only for clipping, the spike guard,
+found-inf flag, and the gradient norm where one is computed). Nothing the step does not need is
+computed or read: the gradient norm is computed in the step only for clipping, the spike guard,
 FSDP, a callback, or as bf16's check under O2 (else lazily, when ``trainer.stats`` is read), and the
-scale after the update is read by the next step's copy or when the stats are
-(:attr:`MixedPrecisionTrainer.stats`).
+loss and the scale after the update are read together when the stats are
+(:attr:`MixedPrecisionTrainer.stats`; the scale also with the next step's copy). No step runs a
+Python loop or a kernel per parameter: after ``trainer.backward()`` it checks in three C-level passes
+that every gradient is in its arena slot and none waits on the model, and the fp16 check goes straight
+to the kernel (the placement of the arena and the flag is checked once).
 
 The model's weights: a converted module shares its parameters' storage with the original model
 (``converter.convert`` copies no weight), so O1 training updates the original model's weights in
@@ -60,7 +63,7 @@ import torch
 from torch import nn
 
 from converter.train import checkpoint
-from converter.train.amp_kernels import unscale_grads, unscale_groups
+from converter.train.amp_kernels import UNSCALE_OP, has_kernel, unscale_grads, unscale_groups
 from converter.train.cuda_graph import CudaGraphModule
 from converter.train.grad_norm import LazyNorm, total_norm
 from converter.train.graph_edits import drop_identity_weight_casts, plan_embedding_shrink
@@ -229,6 +232,7 @@ class MixedPrecisionTrainer:
 
         # 3. the changes: O2's storage and masters, the graph, the wrapper's reduction, hooks, optimizer options
         self._masters = MasterWeights.create(inner, optimizer, plan) if plan is not None else MasterWeights()
+        self._has_masters = len(self._masters) > 0  # (the step's test, without a __len__ call)
         #: O2: converter weight casts made identities by half storage (see drop_identity_weight_casts)
         self.dropped_weight_casts = drop_identity_weight_casts(inner) if opts.master_weights else 0
         sync.start(accumulation_steps=opts.accumulation_steps)
@@ -257,17 +261,20 @@ class MixedPrecisionTrainer:
         # ops that produce them and copied to the host with one .tolist(): GradScaler's one sync per step.
         self._readout: torch.Tensor | None = None
         self._slots: list[torch.Tensor] = []  # its 0-dim views, made once (indexing is an op per call)
-        self._step_loss: float | None = None  # this step's mean loss (slot _LOSS)
+        # the last window's summed loss (a 0-dim device tensor), read into stats.loss when the stats are read
+        self._lazy_loss: torch.Tensor | None = None
+        self._readout_scale: torch.Tensor | None = None  # the scale tensor the readout was placed next to
+        self._arena_placed = False  # O2's arena and the readout sit with the scale, whose device has the kernel
 
     # ------------------------------------------------------------------ properties
     @property
     def stats(self) -> TrainStats:
         """Live counters (see :class:`TrainStats`).
 
-        Reading this property settles what the last step left lazy (at most one host sync): the
-        scale after its update, the overflow count, and the gradient norm when nothing in the step
-        needed it. Read the counters through ``trainer.stats`` after each step rather than through
-        a reference kept from before.
+        Reading this property settles what the last step left lazy (at most two host reads): the
+        loss and the scale after its update (one copy), the overflow count, and the gradient norm when
+        nothing in the step needed it. Read the counters through ``trainer.stats`` after each step
+        rather than through a reference kept from before.
         """
         self._settle_stats()
         return self._stats
@@ -329,49 +336,73 @@ class MixedPrecisionTrainer:
                 "Call trainer.backward(loss) and then trainer.step()."
             )
         window = self._opts.accumulation_steps
-        self._micro += 1
-        if self._micro < window:
-            self._sync.set_grad_sync(self._micro == window - 1)
-            return False
-        self._micro = 0
-        self._sync.set_grad_sync(window == 1)
+        if window > 1:  # (a window of 1 never turned the gradient sync off: nothing to set)
+            self._micro += 1
+            if self._micro < window:
+                self._sync.set_grad_sync(self._micro == window - 1)
+                return False
+            self._micro = 0
+            self._sync.set_grad_sync(False)
 
-        if self._opts.master_weights:
-            if self._masters.harvest_waiting():
-                self._masters.harvest()
-            self._sync.reduce_master_grads(self._inner, self._masters)
         self._lazy_norm = None
-        grad_norm, non_finite, norm_t, params, grads, buffers = self._unscale_and_check()
-        spike = not non_finite and self._is_spike(grad_norm)
+        params, grads, buffers = self._gradients()
+        host = self._host_scale
+        if host is not None and not self._eager_norm:
+            grad_norm, non_finite, norm_t = self._scaled_check(host, params, grads, buffers)
+        else:
+            grad_norm, non_finite, norm_t = self._unscale_and_check(params, grads, buffers)
+        spike = not non_finite and self._opts.spike_guard is not None and self._is_spike(grad_norm)
         stepped = not (non_finite or spike)
-        if grad_norm is None and stepped:
-            self._lazy_norm = LazyNorm(grads, buffers)
+        if host is not None:  # (the update needs only the flag: done before the optimizer's passes over memory)
+            host.update(self._slots[_AFTER])
         if stepped:
+            if grad_norm is None:
+                self._lazy_norm = LazyNorm(grads, buffers)
             if self._opts.max_grad_norm is not None:
                 self._clip(params, buffers, norm_t)
             self._optimizer.step()
-            if self._masters:
+            if self._has_masters:
                 self._masters.copy_to_model()
-        if self._host_scale is not None:
-            self._host_scale.update(self._slots[_AFTER])
         self._record_step(stepped=stepped, non_finite=non_finite, spike=spike, grad_norm=grad_norm)
         return stepped
 
     def _optimizer_params(self) -> list[torch.Tensor]:
         return [p for group in self._optimizer.param_groups for p in group["params"]]
 
+    def _gradients(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor] | None]:
+        """The optimizer's params that have gradients, those gradients, and the arena buffers holding exactly them
+        (None when they do not). O2: half gradients still on the model are harvested first and, under DDP, the
+        fp32 gradients averaged; after ``trainer.backward()`` (nothing to harvest, every gradient in its arena
+        slot) that is a check of three C-level passes (:meth:`MasterWeights.settled`)."""
+        params = self._optimizer_params()
+        grads = list(map(_GRAD, params))
+        if self._opts.master_weights:
+            masters = self._masters
+            buffers = None if self._sync.reduces_master_grads else masters.settled(params, grads)
+            if buffers is not None:
+                return params, grads, buffers
+            if masters.harvest_waiting():
+                masters.harvest()
+            self._sync.reduce_master_grads(self._inner, masters)
+            grads = list(map(_GRAD, params))
+        if not all(map(_NOT_NONE, grads)):
+            params = [p for p, g in zip(params, grads) if g is not None]
+            grads = [g for g in grads if g is not None]
+        return params, grads, self._masters.grad_buffers(params, grads)
+
     def _first_param_device(self) -> torch.device:
         for param in self._inner.parameters():
             return param.device
         return torch.device("cpu")
 
-    def _unscale_and_check(self) -> tuple[float | None, bool, torch.Tensor | None, list, list, list | None]:
-        """Unscale and check the optimizer's gradients with one host sync.
+    def _unscale_and_check(self, params: list[torch.Tensor], grads: list[torch.Tensor],
+                           buffers: list[torch.Tensor] | None) -> tuple[float | None, bool, torch.Tensor | None]:
+        """Unscale and check the optimizer's gradients (``params``' ``grads``, held by the arena ``buffers`` when not
+        None: :meth:`_gradients`) with one host sync.
 
-        Returns ``(norm, non_finite, norm_tensor, params, grads, buffers)``: the gradient norm (None when
-        it is left to :class:`LazyNorm`; inf on an overflow), whether the step must be skipped (agreed
-        by every rank), the norm as a device tensor for clipping, the optimizer's params that have
-        gradients, those gradients, and the arena buffers holding exactly them (None when they do not).
+        Returns ``(norm, non_finite, norm_tensor)``: the gradient norm (None when it is left to :class:`LazyNorm`;
+        inf on an overflow), whether the step must be skipped (agreed by every rank), and the norm as a device
+        tensor for clipping.
 
         fp16: one fused ``_amp_foreach_non_finite_check_and_unscale_`` per arena buffer (O2) or per
         (device, dtype) group of gradients, as ``GradScaler`` does. That kernel checks the gradients
@@ -384,17 +415,9 @@ class MixedPrecisionTrainer:
         against 62 for the fused kernel, which writes too); under O1 the fused kernel with
         ``inv_scale = 1`` is (79 µs against 118 for a norm per tensor, a stack and a norm of them).
         """
-        params = self._optimizer_params()
-        grads = list(map(_GRAD, params))
-        if not all(map(_NOT_NONE, grads)):
-            params = [p for p, g in zip(params, grads) if g is not None]
-            grads = [g for g in grads if g is not None]
-        buffers = self._masters.grad_buffers(params, grads)
         readout, slot = self._readout_on(self._scalar_device(grads, buffers))
         host = self._host_scale
         pending = host is not None and host.pending is not None
-        if self._loss_sum is not None:
-            slot[_LOSS].copy_(self._loss_sum)
         # the check: fp16's fused unscale-and-check; without scaling, the norm where it is computed anyway or
         # is the cheapest check (O2's flat arena, read-only), else the fused check with inv_scale 1 (O1:
         # one multi-tensor kernel instead of a norm per tensor, a stack and a norm of norms)
@@ -410,7 +433,6 @@ class MixedPrecisionTrainer:
         # without a scaler (whose flag is all-reduced already) the ranks agree on a skip here, where they must
         agreed = host is None and self._sync.agree_on_skip(found, slot[_NORM], slot[_AGREE])
         values = readout.tolist()  # the one host sync
-        self._step_loss = None if self._loss_sum is None else values[_LOSS] / self._opts.accumulation_steps
         norm = values[_NORM] if norm_t is not None else None
         if host is None:
             if agreed:
@@ -419,17 +441,46 @@ class MixedPrecisionTrainer:
                 non_finite = values[_FOUND] > 0 if norm is None else not math.isfinite(norm)
             if non_finite and norm is None:  # a skipped step reports its norm (inf or NaN), as a norm check would
                 norm = float(total_norm(grads, buffers).item())
-            return norm, non_finite, norm_t, params, grads, buffers
+            return norm, non_finite, norm_t
         if pending:
             host.settle(values[_AFTER], self._stats)
         scale = host.begin_step(values[_FOUND] > 0)  # the scale this step unscaled with
         if values[_FOUND]:
-            return math.inf, True, None, params, grads, buffers
+            return math.inf, True, None
         if norm is not None:
-            return norm, not math.isfinite(norm), norm_t, params, grads, buffers
+            return norm, not math.isfinite(norm), norm_t
         if scale < 1.0 and self._nonfinite_after_unscale(params, buffers):
-            return math.inf, True, None, params, grads, buffers
-        return None, False, None, params, grads, buffers
+            return math.inf, True, None
+        return None, False, None
+
+    def _scaled_check(self, host: HostScale, params: list[torch.Tensor], grads: list[torch.Tensor],
+                      buffers: list[torch.Tensor] | None) -> tuple[float | None, bool, None]:
+        """:meth:`_unscale_and_check` for a step that scales (fp16) and needs no gradient norm: the scaler's fused
+        unscale-and-check (one kernel per arena buffer or per (device, dtype) group), then the one host read of
+        the found-inf flag and the last update's scale. A finite gradient can still overflow when multiplied
+        by ``1/scale`` below 1: only then the unscaled gradients are checked again, element-wise."""
+        readout = self._readout
+        scaler = self._scaler
+        scale = scaler._scale
+        if readout is None or scale is None or self._readout_scale is not scale:  # (placed once, by the scale)
+            readout = self._readout_on(self._scalar_device(grads, buffers))[0]
+            self._readout_scale = scale
+            # O2's arena buffers on the scale's device, with the fused kernel there: no device to look at per step
+            flats = self._masters.arena.flats
+            self._arena_placed = scale is not None and bool(flats) and has_kernel(UNSCALE_OP, scale.device) and all(
+                flat.device == scale.device for flat in flats)
+        if buffers is not None and self._arena_placed:
+            scaler._unscale_placed(self._optimizer, buffers, self._slots[_FOUND])
+        else:
+            scaler._unscale(self._optimizer, buffers, found_inf=self._slots[_FOUND])
+        pending = host.pending
+        values = readout.tolist()  # the one host sync
+        if pending is not None:
+            host.settle(values[_AFTER], self._stats)
+        found = values[_FOUND] > 0
+        if host.begin_step(found) < 1.0 and not found and self._nonfinite_after_unscale(params, buffers):
+            return math.inf, True, None  # (begin_step returns the scale this step unscaled with)
+        return (math.inf, True, None) if found else (None, False, None)
 
     def _scalar_device(self, grads: list[torch.Tensor], buffers: list[torch.Tensor] | None) -> torch.device:
         """Where the step's scalars live: the loss scale's device (found_inf is written next to it), else the
@@ -447,6 +498,7 @@ class MixedPrecisionTrainer:
         if readout is None or readout.device != device:
             self._settle_stats()  # a pending value may sit in the old buffer
             readout = self._readout = torch.zeros(_ONE + 1, dtype=torch.float32, device=device)
+            self._readout_scale = None
             readout[_ONE] = 1.0
             self._slots = list(readout.unbind(0))
         return readout, self._slots
@@ -481,10 +533,20 @@ class MixedPrecisionTrainer:
             flat.mul_(coef.to(flat.device))
 
     def _settle_stats(self) -> None:
-        """Fill in what the last step left lazy (scale, overflows, gradient norm); two reads at most."""
+        """Fill in what the last step left lazy (loss, scale, overflows, gradient norm); two reads at most (the
+        loss and the scale after the update in one copy, the gradient norm)."""
         host = self._host_scale
-        if host is not None and host.pending is not None:
-            host.settle(float(self._slots[_AFTER].item()), self._stats)
+        pending = host is not None and host.pending is not None
+        loss = self._lazy_loss
+        if pending or loss is not None:
+            if loss is not None:
+                self._slots[_LOSS].copy_(loss)
+            values = self._readout.tolist()
+            if pending:
+                host.settle(values[_AFTER], self._stats)
+            if loss is not None:
+                self._stats.loss = values[_LOSS] / self._opts.accumulation_steps
+                self._lazy_loss = None
         if self._lazy_norm is not None:
             self._stats.grad_norm = self._lazy_norm.value()
             self._lazy_norm = None
@@ -505,14 +567,16 @@ class MixedPrecisionTrainer:
 
     def _record_step(self, *, stepped: bool, non_finite: bool, spike: bool, grad_norm: float) -> None:
         stats = self._stats
-        stats.steps += int(stepped)
-        stats.skipped += int(non_finite)
-        stats.spike_skips += int(spike)
-        stats.consecutive_skips = 0 if stepped else stats.consecutive_skips + 1
+        if stepped:
+            stats.steps += 1
+            stats.consecutive_skips = 0
+        else:
+            stats.skipped += int(non_finite)
+            stats.spike_skips += int(spike)
+            stats.consecutive_skips += 1
         stats.grad_norm = grad_norm
-        if self._step_loss is not None:
-            stats.loss = self._step_loss
-        self._loss_sum = None
+        if self._loss_sum is not None:
+            self._lazy_loss, self._loss_sum = self._loss_sum, None
         if self._opts.callback is not None:
             self._settle_stats()
             self._opts.callback(dataclasses.replace(stats))
@@ -585,7 +649,7 @@ class MixedPrecisionTrainer:
         if self._scaler is not None:
             self._scaler.load_state_dict(state_dict["scaler"])
         self._stats = stats
-        self._lazy_norm = None
+        self._lazy_norm = self._lazy_loss = None
         if self._host_scale is not None:
             self._host_scale.forget()  # read again at the next step (the scaler's version moved anyway)
         self._norm_history.clear()
