@@ -41,6 +41,19 @@ def new_graph_module(root: torch.nn.Module, graph: torch.fx.Graph, class_name: s
     return gm
 
 
+def retarget_calls(gm: torch.fx.GraphModule, targets: dict) -> int:
+    """Point every ``call_function`` node whose target is a key of ``targets`` at its value (same arguments);
+    recompiles when any changed; returns how many nodes changed."""
+    count = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in targets:
+            node.target = targets[node.target]
+            count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
 def materialize(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """``gm`` as a plain GraphModule with its code generated (an eager one is returned as is).
 

@@ -31,6 +31,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
+from converter.ir.graphmodule import retarget_calls
 from converter.ir.meta import META_DECISION, META_VALUE, Decision, TensorSpec
 from converter.kernels.upcast import upcast_linear, upcast_matmul
 
@@ -139,12 +140,4 @@ def native_gemms(gm: torch.fx.GraphModule) -> int:
     """The reverse, on an export copy: each upcast kernel call back to ``F.linear``/``torch.matmul`` (the same
     math up to summation order); returns how many. The ONNX export writes plain half MatMuls (an ONNX runtime
     picks its own kernels) instead of tracing the kernels' fp32 upcasts into Casts."""
-    plain = {upcast_linear: F.linear, upcast_matmul: torch.matmul}
-    count = 0
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in plain:
-            node.target = plain[node.target]
-            count += 1
-    if count:
-        gm.recompile()
-    return count
+    return retarget_calls(gm, {upcast_linear: F.linear, upcast_matmul: torch.matmul})

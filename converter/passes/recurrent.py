@@ -25,6 +25,8 @@ import torch
 import torch.fx
 from torch.overrides import TorchFunctionMode
 
+from converter.ir.graphmodule import retarget_calls
+
 __all__ = ["RecurrentOps", "restore_aten_ops"]
 
 _ARGS = "bool has_biases, int num_layers, float dropout, bool train, bool bidirectional, bool batch_first"
@@ -101,11 +103,4 @@ class RecurrentOps(TorchFunctionMode):
 
 def restore_aten_ops(gm: torch.fx.GraphModule) -> int:
     """Replace the stand-in ops in ``gm`` by the aten ops they stand for; returns how many."""
-    count = 0
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in _ATEN:
-            node.target = _ATEN[node.target]
-            count += 1
-    if count:
-        gm.recompile()
-    return count
+    return retarget_calls(gm, _ATEN)
