@@ -54,7 +54,7 @@ import converter  # noqa: E402
 from converter.numerics.common import floating_outputs, json_float  # noqa: E402
 from converter.numerics.fp8_search import (  # noqa: E402
     Fp8Evaluator,
-    layer_sqnr_ranking,
+    per_layer_db_ranking,
     propagated_ranking,
     prune_to_minimal,
 )
@@ -147,7 +147,7 @@ def run_model(layers: int, tolerances) -> dict[str, Any]:
         conv = converter.convert(model, example, precision="fp8", rules=[rules_file(tmp)])
     refs = fp32_outputs(model, items)
     ev = Fp8Evaluator(conv.module, items, refs, tolerance=0)
-    rankings = {"propagated": propagated_ranking(), "layer_sqnr": layer_sqnr_ranking()}
+    rankings = {"propagated": propagated_ranking(), "layer_sqnr": per_layer_db_ranking()}
     orders = {name: rank(ev)[:2] for name, rank in rankings.items()}
     orders["graph_order"] = (list(ev.layers), 0)
     one = _cpu_seconds(lambda: ev.evaluate_keep((), memo=False))

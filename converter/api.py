@@ -51,7 +51,7 @@ from converter.passes import cpu_gemm
 from converter.passes.capture import Captured, capture, guard_cache_calls, guard_cache_calls_keeping
 from converter.passes.checkpoint import checkpoint_regions, regions_in
 from converter.passes.decide import decide
-from converter.passes.fp8 import apply_fp8, check_patterns, fp8_rule_set, gate_fp8, resolved_recipe, sqnr_floors
+from converter.passes.fp8 import apply_fp8, check_patterns, fp8_floors, fp8_rule_set, gate_fp8, resolved_recipe
 from converter.passes.fp32_math import DEFAULT_FP32_MATH, fp32_math
 from converter.passes.lower import LoweringChoice, lower
 from converter.passes.rewrite import rewrite
@@ -541,7 +541,7 @@ def _fp8_stages(gm: torch.fx.GraphModule, done: list[str], rule_set: Rules, opti
                 calibration: Optional[list]) -> None:
     """The fp8 stage, then with calibration the per-layer numerics and the SQNR fallback (graph facts fp8_*)."""
     layers = tuple(_run_stage("fp8", done, apply_fp8, gm, recipe))
-    floors = {gemm: {"min_db": db, "rule": str(ref)} for gemm, (db, ref) in sqnr_floors(rule_set).items()}
+    floors = {gemm: {"min_db": db, "rule": str(ref)} for gemm, (db, ref) in fp8_floors(rule_set).items()}
     set_graph_facts(gm, fp8_recipe=recipe, fp8_layers=layers, fp8_thresholds=floors,
                     fp8_numerics=None if calibration is None else ())
     if calibration is not None and layers:

@@ -86,7 +86,7 @@ def test_one_layer_matches_an_independent_computation(tmp_path):
     assert isinstance(layer, Fp8LayerNumerics) and (layer.module, layer.recipe, layer.batches) == ("", "tensorwise", 1)
     want = {"output": sqnr_db(yr, y8), "grad_input": sqnr_db(gxr, gx8), "grad_weight": sqnr_db(gwr, gw8)}
     for gemm, db in want.items():
-        assert layer.sqnr[gemm] == pytest.approx(db, abs=1e-9), (gemm, layer.sqnr[gemm], db)
+        assert layer.by_gemm[gemm] == pytest.approx(db, abs=1e-9), (gemm, layer.by_gemm[gemm], db)
     assert layer.flops == 2 * 32 * 32 * 64  # 2·M·K·N
     assert layer.amax == {"x": 1.0, "weight": float(wb.abs().max()), "grad_output": float(g.abs().max())}
     # exact: the 40 tiny inputs of 1024 underflow (both casts of x share one tensorwise scale); none overflows
@@ -95,7 +95,7 @@ def test_one_layer_matches_an_independent_computation(tmp_path):
     w_under = int(((wb != 0) & ((wb.float() * w_scale).to(E4M3).float() == 0)).sum())
     assert layer.underflow["weight"] == w_under / int((wb != 0).sum()), (layer.underflow, w_under)
     assert layer.overflow == {"x": 0.0, "weight": 0.0, "grad_output": 0.0}, layer.overflow
-    print(f"\none layer: {', '.join(f'{k} {v:.2f} dB' for k, v in layer.sqnr.items())}")
+    print(f"\none layer: {', '.join(f'{k} {v:.2f} dB' for k, v in layer.by_gemm.items())}")
 
 
 def test_several_batches_add_energies_and_counts(tmp_path):

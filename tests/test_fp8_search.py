@@ -28,7 +28,7 @@ from converter.numerics.fp8_search import (
     FP8_SEARCH_REF,
     Fp8Evaluator,
     fp8_accuracy_search,
-    layer_sqnr_ranking,
+    per_layer_db_ranking,
     rank_fp8_layers,
 )
 from converter.numerics.options import CalibrationOptions
@@ -140,7 +140,7 @@ def test_both_rankings_put_the_planted_layers_first(llama):
     ranked = rank_fp8_layers(ev)
     assert {s.name for s in ranked[:2]} == llama.planted, [s.to_dict() for s in ranked[:4]]
     assert all(s.local_sqnr_db < 5 for s in ranked[:2]) and all(s.local_sqnr_db > 20 for s in ranked[2:]), ranked
-    names, cost, _ = layer_sqnr_ranking()(ev)
+    names, cost, _ = per_layer_db_ranking()(ev)
     assert set(names[:2]) == llama.planted and cost == 6, names
     assert ev.runs == 0  # rankings are not evaluations of a candidate set
 

@@ -16,7 +16,7 @@ import torch
 import torch.fx
 
 from converter.export.onnx_exporter import quiet_deepcopy, set_eval
-from converter.numerics.common import output_tensors
+from converter.numerics.common import output_tensors, sqnr_db
 
 __all__ = ["BF16_CPU_REASON", "MANTISSA_BITS", "TOLERANCE_ULPS", "REFERENCE_MIN_SQNR_DB",
            "tolerance_for", "Verified", "verify_with_ort", "verify_with_reference", "run_ort"]
@@ -190,7 +190,7 @@ def verify_with_reference(path: Path, gm: torch.fx.GraphModule, args: tuple, kwa
         got = evaluator.run(None, _feeds(evaluator.input_names, args, kwargs))
         ref = _reference(gm, args, kwargs)
         out.max_err, scale = _compare(got, ref)
-        out.sqnr_db = _sqnr(got, ref)
+        out.sqnr_db = _outputs_db(got, ref)
     except Exception as exc:  # a failed run is a failed check, with its reason
         out.checks["reference_match"] = False
         notes.append(f"onnx.reference run failed: {type(exc).__name__}: {str(exc)[:300]}")
@@ -202,12 +202,10 @@ def verify_with_reference(path: Path, gm: torch.fx.GraphModule, args: tuple, kwa
     return out
 
 
-def _sqnr(outputs: list, reference: list[torch.Tensor]) -> float:
-    """SQNR in dB of the floating outputs against the reference, all outputs together (inf when equal)."""
-    signal = noise = 0.0
-    for got, ref in zip(outputs, reference):
-        if ref.is_floating_point():
-            ref64 = ref.double()
-            signal += float((ref64 ** 2).sum())
-            noise += float(((torch.as_tensor(got).double() - ref64) ** 2).sum())
-    return math.inf if noise == 0 else 10 * math.log10(signal / noise) if signal > 0 else -math.inf
+def _outputs_db(outputs: list, reference: list[torch.Tensor]) -> float:
+    """SQNR in dB of the floating outputs against the reference, all outputs together (the one
+    :func:`converter.numerics.common.sqnr_db` over their concatenation)."""
+    pairs = [(ref, torch.as_tensor(got)) for got, ref in zip(outputs, reference) if ref.is_floating_point()]
+    if not pairs:
+        return math.inf
+    return sqnr_db(torch.cat([r.double().reshape(-1) for r, _ in pairs]), torch.cat([g.double().reshape(-1) for _, g in pairs]))

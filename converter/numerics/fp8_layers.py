@@ -29,7 +29,7 @@ output gradient (the layer's grad_output); nothing is left in ``.grad``, and buf
 restored. Random ops draw the same numbers per batch (``torch.manual_seed(seed + batch)``).
 
 **Fallback** (:func:`fall_back_to_bf16`, issue 34 item 4): a layer with a GEMM whose SQNR is under its floor
-(:func:`converter.passes.fp8.sqnr_floors`: rule settings ``fp8_min_sqnr_output`` 18 dB,
+(:func:`converter.passes.fp8.fp8_floors`: rule settings ``fp8_min_sqnr_output`` 18 dB,
 ``fp8_min_sqnr_grad_input`` 17 dB, ``fp8_min_sqnr_grad_weight`` 17 dB by default, torchao's float8 test floors)
 is kept bf16: its call goes back to a bf16 linear on the same (already bf16) operands and its decision names
 the setting of the GEMM furthest under its floor, every failing GEMM's dB in the reason. A NaN SQNR fails;
@@ -50,13 +50,13 @@ from converter.fp8.kernels import Fp8Recipe, cast_to_fp8, fp8_linear, operand_sc
 from converter.ir.meta import META_DECISION, META_INFO, META_VALUE, RuleRef, TensorSpec
 from converter.numerics.common import copy_graph, floating_outputs, json_float, preserved_state, user_loss
 from converter.passes.capture.values import normalize_inputs
-from converter.passes.fp8 import MIN_SQNR_SETTINGS, keep_bf16, sqnr_floors
+from converter.passes.fp8 import MIN_SQNR_SETTINGS, fp8_floors, keep_bf16
 from converter.rules.loader import Rules
 
 __all__ = ["GEMMS", "TENSORS", "Fp8LayerNumerics", "fp8_nodes", "measure_fp8_layers", "fall_back_to_bf16",
            "measure_and_fall_back"]
 
-#: the three GEMMs of a layer's training step, the keys of :attr:`Fp8LayerNumerics.sqnr`
+#: the three GEMMs of a layer's training step, the keys of :attr:`Fp8LayerNumerics.by_gemm`
 GEMMS = ("output", "grad_input", "grad_weight")
 #: the tensors an fp8 recipe quantises, the keys of ``amax``, ``underflow`` and ``overflow``
 TENSORS = ("x", "weight", "grad_output")
@@ -85,7 +85,7 @@ class Fp8LayerNumerics:
     batches: int = 0
 
     @property
-    def sqnr(self) -> dict[str, Optional[float]]:
+    def by_gemm(self) -> dict[str, Optional[float]]:
         """``{"output": dB, "grad_input": dB, "grad_weight": dB}`` (None where no gradient was measured)."""
         return {"output": self.sqnr_output, "grad_input": self.sqnr_grad_input, "grad_weight": self.sqnr_grad_weight}
 
@@ -95,7 +95,7 @@ class Fp8LayerNumerics:
             return {k: None if v is None else json_float(v) for k, v in values.items()}
 
         return {"node": self.node, "module": self.module, "recipe": self.recipe, "flops": self.flops,
-                "sqnr": floats(self.sqnr), "amax": floats(self.amax), "underflow": floats(self.underflow),
+                "sqnr": floats(self.by_gemm), "amax": floats(self.amax), "underflow": floats(self.underflow),
                 "overflow": floats(self.overflow), "batches": self.batches}
 
 
@@ -187,7 +187,8 @@ class _Layer:
             for i, value in enumerate(got):
                 total[i] += value
 
-    def sqnr(self, gemm: str) -> Optional[float]:
+    def pooled_db(self, gemm: str) -> Optional[float]:
+        """The SQNR of ``gemm`` over every batch: summed signal over summed noise energy (one batch: ``sqnr_db``)."""
         if gemm not in self.measured:
             return None
         signal, noise = self.signal[gemm], self.noise[gemm]
@@ -201,8 +202,8 @@ class _Layer:
         under = {k: (c[0] / c[1] if c[1] else 0.0) for k, c in self.counts.items()}
         over = {k: (c[2] / c[3] if c[3] else 0.0) for k, c in self.counts.items()}
         return Fp8LayerNumerics(node=node.name, module=_module_of(node), recipe=recipe.name, flops=_linear_flops(node),
-                                sqnr_output=self.sqnr("output"), sqnr_grad_input=self.sqnr("grad_input"),
-                                sqnr_grad_weight=self.sqnr("grad_weight"), amax=dict(self.amax), underflow=under,
+                                sqnr_output=self.pooled_db("output"), sqnr_grad_input=self.pooled_db("grad_input"),
+                                sqnr_grad_weight=self.pooled_db("grad_weight"), amax=dict(self.amax), underflow=under,
                                 overflow=over, batches=self.batches)
 
 
@@ -318,12 +319,12 @@ def fall_back_to_bf16(gm: torch.fx.GraphModule, numerics: Mapping[str, Fp8LayerN
     """Keep bf16 every measured layer of ``gm`` with a GEMM under its SQNR floor (module docstring); returns one
     row per such layer: node, module, gemm (the furthest under), sqnr_db, min_db, rule, failed (gemm -> dB),
     reason. ``aten``: the graph is a torch.export capture (its linear calls are ``aten.linear``)."""
-    floors = sqnr_floors(rules)
+    floors = fp8_floors(rules)
     by_name = {n.name: n for n in gm.graph.nodes}
     kept: dict[str, tuple[RuleRef, str]] = {}
     rows = []
     for name, layer in numerics.items():
-        failed = {g: db for g, db in layer.sqnr.items() if db is not None and not db >= floors[g][0]}
+        failed = {g: db for g, db in layer.by_gemm.items() if db is not None and not db >= floors[g][0]}
         if not failed or name not in by_name:
             continue
         gemm = max(failed, key=lambda g: _shortfall(failed[g], floors[g][0]))

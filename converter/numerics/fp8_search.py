@@ -31,7 +31,7 @@ layer's local fp8 error ``δᵢ = fp8_linear(x) − linear(x)`` on its own bf16 
 along random output directions ``v``, ``gᵢ = Jᵢᵀv``; ``(gᵢ·δᵢ)²`` estimates ``‖Jᵢδᵢ‖²``, the output error
 energy that layer ``i`` adds alone in fp8 (as :mod:`converter.numerics.sensitivity` does for half rounding).
 It also reports each layer's local output SQNR. Charged ``2 + 2·projections`` evaluations (measured: about
-2.6 evaluations of CPU time). :func:`layer_sqnr_ranking` orders by the local output SQNR of
+2.6 evaluations of CPU time). :func:`per_layer_db_ranking` orders by the local output SQNR of
 :func:`~converter.numerics.fp8_layers.measure_fp8_layers` instead (lowest first); it finds the same layers
 when a few are broken, but it cannot tell a layer whose error the model amplifies from one whose error it
 averages away, and took more evaluations at every tolerance of ``benchmarks/fp8_search.py``. Any ranking
@@ -89,7 +89,7 @@ __all__ = [
     "fp32_references",
     "rank_fp8_layers",
     "propagated_ranking",
-    "layer_sqnr_ranking",
+    "per_layer_db_ranking",
     "prune_to_minimal",
     "fp8_accuracy_search",
     "prepare_fp8_search",
@@ -287,7 +287,7 @@ def propagated_ranking(projections: int = 1, seed: int = 0) -> Ranking:
 LAYER_SQNR_COST = 6
 
 
-def layer_sqnr_ranking(numerics: Optional[Mapping[str, Fp8LayerNumerics]] = None) -> Ranking:
+def per_layer_db_ranking(numerics: Optional[Mapping[str, Fp8LayerNumerics]] = None) -> Ranking:
     """Lowest per-layer output SQNR first (:func:`~converter.numerics.fp8_layers.measure_fp8_layers`: each layer's
     fp8 output against its bf16 linear on the same operands). ``numerics`` already measured cost nothing; else
     they are measured on the evaluator's batches and charged :data:`LAYER_SQNR_COST` evaluations."""

@@ -37,7 +37,7 @@ zero-pads it), ``fp8_min_flops_per_token`` (2·K·N below it: the casts cost mor
 saves). A gated node keeps its bf16 linear and has ``requested`` bf16.
 
 **Fallback** (with calibration, :mod:`converter.numerics.fp8_layers`): a layer whose measured SQNR of
-a GEMM is under its floor (:func:`sqnr_floors`: the settings ``fp8_min_sqnr_output``, ``fp8_min_sqnr_grad_input``,
+a GEMM is under its floor (:func:`fp8_floors`: the settings ``fp8_min_sqnr_output``, ``fp8_min_sqnr_grad_input``,
 ``fp8_min_sqnr_grad_weight``) goes back to a plain bf16 linear call (:func:`keep_bf16`) with that setting as
 its rule and the measured dB in its reason.
 
@@ -75,7 +75,7 @@ from converter.rules.loader import GEMM_PRECISIONS, Rule, Rules, RulesError, def
 from converter.rules.precedence import MATCH_TABLES
 
 __all__ = ["FP8_RULES", "DEFAULT_RECIPE", "UNSUPPORTED_RULE", "MIN_SQNR_SETTINGS", "DEFAULT_MIN_SQNR", "Fp8PatternError",
-           "fp8_rule_set", "check_patterns", "gate_fp8", "apply_fp8", "resolved_recipe", "sqnr_floors", "keep_bf16"]
+           "fp8_rule_set", "check_patterns", "gate_fp8", "apply_fp8", "resolved_recipe", "fp8_floors", "keep_bf16"]
 
 #: the built-in rule file that precision fp8 layers over default.toml, under the user's files
 FP8_RULES = "fp8"
@@ -305,7 +305,7 @@ def apply_fp8(gm: torch.fx.GraphModule, recipe: str) -> list[str]:
     return done
 
 
-def sqnr_floors(rules: Rules) -> dict[str, tuple[float, RuleRef]]:
+def fp8_floors(rules: Rules) -> dict[str, tuple[float, RuleRef]]:
     """GEMM -> (SQNR floor in dB, the setting's provenance) for the fp8 fallback (:data:`MIN_SQNR_SETTINGS`)."""
     return {gemm: (float(rules.setting(key, DEFAULT_MIN_SQNR[gemm])), rules.setting_ref(key))
             for gemm, key in MIN_SQNR_SETTINGS.items()}
