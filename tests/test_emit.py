@@ -335,7 +335,11 @@ def test_failure_with_force_keeps_the_old_directory(outputs, tmp_path, monkeypat
 
 
 _SLOW_EMIT = """
-import sys, time
+import signal, sys, time
+# the CLI's own handling of Ctrl-C is under test: a SIGINT disposition inherited from the test runner's worker
+# (an ignored SIGINT survives exec) must not decide the outcome
+print("inherited SIGINT:", signal.getsignal(signal.SIGINT), flush=True)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import converter.export.artifacts as artifacts
 _write = artifacts._write_text
 def _slow(path, text):
@@ -368,7 +372,7 @@ def test_sigint_during_emit_leaves_no_directory(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130, stderr
+    assert proc.returncode == 130, (stdout, stderr)
     assert "Traceback" not in stderr
     assert stderr.strip().splitlines() == ["mpconvert: error: interrupted; nothing was written"]
     assert _leftovers(tmp_path, "interrupted") == []
