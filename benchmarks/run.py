@@ -86,7 +86,9 @@ VARIANTS = ("fp32", "autocast", "O1", "O2", "floor")
 ABLATIONS = {
     "O2-recompute": "every lowered attention recomputed in backward (the rule before the cost model)",
     "O2-keep": "no lowered attention recomputed (probabilities kept for backward)",
-    "O2-portable": "no device lowering (converted without naming the device)",
+    "O2-portable": "no device lowering (converted without naming the device): kernels that choose per device at run time",
+    "O2-portable-plain": "the portable graph without its dispatching kernels (fused attention, native half GEMMs; "
+                         "converter.passes.dispatch.DISPATCH_KERNELS = False)",
     "O2-raw": "without the simplify pass",
     "O2-native-gemm": "half GEMMs on the native half kernels (no upcast to fp32 GEMMs; converter.passes.cpu_gemm)",
 }
@@ -363,6 +365,13 @@ def ablation_variants(model: nn.Module, args: tuple, kwargs: dict, *, precision:
         finally:
             lower_mod.RECOMPUTE_ATTENTION = None
     out["O2-portable"] = o2("O2-portable", convert())
+    from converter.passes import dispatch
+
+    dispatch.DISPATCH_KERNELS = False
+    try:
+        out["O2-portable-plain"] = o2("O2-portable-plain", convert())
+    finally:
+        dispatch.DISPATCH_KERNELS = True
     options = ConvertOptions(precision=precision, opt_level="O2", device=device.type)
     captured, *_ = pipeline(copy.deepcopy(model), (args, kwargs), options, rules=rules, simplify_graph=False)
     out["O2-raw"] = o2("O2-raw", captured.gm)
@@ -716,6 +725,15 @@ def check_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             add("O2 step ≤ k× autocast", model, ratio, limit, ratio <= limit,
                 f"O2 {v['O2']['step_ms']:.3f} ms vs autocast {v['autocast']['step_ms']:.3f} ms "
                 f"(O1 {v['O1']['step_ms'] / v['autocast']['step_ms']:.3f}×, floor {v['floor']['step_ms'] / v['autocast']['step_ms']:.3f}×)")
+    for model in ("encoder_large", "encoder_small"):  # --ablate: the portable graph of the same run (issue 32)
+        v = models.get(model, {}).get("variants", {})
+        if gpu or portable or "O2-portable" not in v:
+            continue
+        ratio = v["O2-portable"]["step_ms"] / v["autocast"]["step_ms"]
+        plain = v.get("O2-portable-plain")
+        add("portable O2 step ≤ 0.95× autocast", model, ratio, 0.95, ratio <= 0.95,
+            f"O2-portable {v['O2-portable']['step_ms']:.3f} ms vs autocast {v['autocast']['step_ms']:.3f} ms"
+            + (f" (without its dispatching kernels {plain['step_ms'] / v['autocast']['step_ms']:.3f}×)" if plain else ""))
     for model, m in models.items():
         v = m["variants"]
         if "O2g" not in v:

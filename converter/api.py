@@ -51,6 +51,7 @@ from converter.passes import cpu_gemm
 from converter.passes.capture import Captured, capture, guard_cache_calls, guard_cache_calls_keeping
 from converter.passes.checkpoint import checkpoint_regions, regions_in
 from converter.passes.decide import decide
+from converter.passes.dispatch import dispatch_kernels
 from converter.passes.fp8 import apply_fp8, check_patterns, fp8_floors, fp8_rule_set, gate_fp8, resolved_recipe
 from converter.passes.fp32_math import DEFAULT_FP32_MATH, fp32_math
 from converter.passes.lower import LoweringChoice, lower
@@ -524,7 +525,12 @@ def _convert_graph(gm: torch.fx.GraphModule, done: list[str], rule_set: Rules, o
 
 def _cpu_gemm_kernels(gm: torch.fx.GraphModule, done: list[str], options: ConvertOptions) -> None:
     """``device="cpu"``: the half GEMMs as fp32 GEMMs on upcast operands where this CPU's half GEMM measured
-    slower (:mod:`converter.passes.cpu_gemm`); the choice is one ``upcast_gemm`` entry of the graph's lowering."""
+    slower (:mod:`converter.passes.cpu_gemm`); the choice is one ``upcast_gemm`` entry of the graph's lowering.
+    A portable conversion: kernels that choose per device at run time (:mod:`converter.passes.dispatch`)."""
+    graph_meta = gm.meta[GM_GRAPH]
+    if options.device is None:
+        _, choices = _run_stage("dispatch", done, dispatch_kernels, gm, options.precision)  # the same ops, not lowered
+        set_graph_facts(gm, lowering=graph_meta.lowering + tuple(choices))
     if options.device != "cpu":
         return
     wanted, why = cpu_gemm.upcast_wanted(half_gemm_slowdown(options.precision))
@@ -533,7 +539,6 @@ def _cpu_gemm_kernels(gm: torch.fx.GraphModule, done: list[str], options: Conver
         why += f"; {small} smaller GEMM call(s) (< {cpu_gemm.MIN_GEMM_FLOPS / 1e6:g} MFLOP per matrix product) stay native"
     choice = LoweringChoice(node=f"{len(nodes)} {options.precision} GEMM call(s)", lowering="upcast_gemm",
                             chosen=bool(nodes), why=why)
-    graph_meta = gm.meta[GM_GRAPH]
     set_graph_facts(gm, lowered=graph_meta.lowered + tuple(nodes), lowering=graph_meta.lowering + (choice.to_dict(),))
 
 
@@ -642,8 +647,8 @@ def convert(model: torch.nn.Module, example_inputs: Any, *, rules: Union[None, s
         batches = list(calibration if limit is None else itertools.islice(calibration, limit))
     captured, rule_set, timings = pipeline(model, example_inputs, options, rules=rules, calibration=batches)
     lowering = captured.gm.meta[GM_GRAPH].lowering
-    upcast = any(c.get("lowering") == "upcast_gemm" and c.get("chosen") for c in lowering)
-    # the GEMMs run as fp32 GEMMs when this CPU's half GEMM is slow (passes.cpu_gemm): nothing to advise then
+    upcast = any(c.get("lowering") in ("upcast_gemm", "dispatch_gemm") and c.get("chosen") for c in lowering)
+    # the GEMMs run as fp32 GEMMs when this CPU's half GEMM is slow (passes.cpu_gemm, passes.dispatch): nothing to advise
     advice = None if upcast else half_speed_advice(options.precision, options.device)
     if advice is not None:
         warnings.warn(advice, SlowHalfWarning, stacklevel=2)

@@ -16,6 +16,7 @@ from torch import nn
 
 import converter
 from converter.ir.graphmodule import TwoModeGraphModule
+from converter.kernels.upcast import dispatch_attention
 from converter.passes.lower import lower
 from tests.helpers import ROOT, CastCounter, DtypeRecorder, first_tensor, load_sample, split_inputs, sqnr
 
@@ -50,7 +51,9 @@ class MaskedAttn(Attn):
 
 
 def _sdpa_nodes(gm):
-    return [n for n in gm.graph.nodes if n.op == "call_function" and "scaled_dot_product" in str(n.target)]
+    """The attention calls (a portable graph's call the dispatching kernel: converter.passes.dispatch)."""
+    return [n for n in gm.graph.nodes if n.op == "call_function"
+            and ("scaled_dot_product" in str(n.target) or n.target is dispatch_attention)]
 
 
 def _fused_reference(model, args):

@@ -72,7 +72,7 @@ def fp8_kernel_lines() -> list[str]:
 
 def upcast_kernel_lines() -> list[str]:
     """converter/kernels/upcast.py for model.py (:func:`kernel_lines`): the CPU lowering's upcast GEMM calls."""
-    return kernel_lines(upcast_kernels, "half GEMMs as fp32 GEMMs, torch only): the upcast_linear/upcast_matmul calls below")
+    return kernel_lines(upcast_kernels, "half GEMMs and attention in fp32 arithmetic, torch only): the upcast_/dispatch_ calls below")
 
 
 def kernel_lines(module, what: str) -> list[str]:

@@ -32,14 +32,21 @@ from converter.fp8.kernels import fp8_linear
 from converter.ir.graphmodule import TwoModeGraphModule
 from converter.ir.meta import META_CAST, META_DECISION, META_INFO
 from converter.ir.ops import library_op
-from converter.kernels.upcast import upcast_linear, upcast_matmul
+from converter.kernels.upcast import (
+    dispatch_attention,
+    dispatch_linear,
+    dispatch_matmul,
+    upcast_linear,
+    upcast_matmul,
+)
 from converter.passes.checkpoint import with_checkpoints
 from converter.passes.fp32_math import RUNTIME_HELPERS, runtime_source
 
 __all__ = ["PreparedGraph", "prepare_graph", "is_guard_path", "forwards", "library_imports", "check_defaults"]
 
 #: functions the converted graph may call whose torch-only modules model.py carries verbatim
-_CARRIED_KERNELS = (fp8_linear, upcast_linear, upcast_matmul)
+_UPCAST_KERNELS = (upcast_linear, upcast_matmul, dispatch_linear, dispatch_matmul, dispatch_attention)
+_CARRIED_KERNELS = (fp8_linear, *_UPCAST_KERNELS)
 
 def _is_guard_module(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     if node.op != "call_module":
@@ -180,8 +187,8 @@ def forwards(gm: torch.fx.GraphModule, original: Optional[nn.Module], warnings: 
                     *runtime_source().splitlines(), ""]
     if any(obj is fp8_linear for obj in runtime.values()):  # the fp8 stage's GEMMs (converter.passes.fp8)
         imports += fp8_kernel_lines()
-    if any(obj in (upcast_linear, upcast_matmul) for obj in runtime.values()):  # the CPU GEMM lowering (passes.cpu_gemm)
-        imports += upcast_kernel_lines()
+    if any(obj in _UPCAST_KERNELS for obj in runtime.values()):  # the CPU GEMM lowering, a portable graph's kernels
+        imports += upcast_kernel_lines()  # (passes.cpu_gemm, passes.dispatch)
     if functions:  # their classes, backward included (converter.export.functions)
         imports += function_lines(functions, warnings)
     return "\n\n".join(methods), imports, prepared_graphs, io_note

@@ -21,18 +21,17 @@ import functools
 import hashlib
 import json
 import os
-import time
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from converter.kernels.upcast import matmul_seconds
+
 __all__ = ["half_speed_advice", "half_gemm_slowdown", "cpu_matmul_seconds", "measure_matmul_seconds", "cache_path", "SLOW_FACTOR"]
 
 #: a half dtype this many times slower than fp32 on a matmul counts as "no fast math"
 SLOW_FACTOR = 2.0
-_SIDE = 128
-_REPEATS = 5
 
 
 def cache_path() -> Path:
@@ -83,7 +82,7 @@ def _write_cache(key: str, seconds: float) -> None:
 
 @functools.lru_cache(maxsize=None)
 def cpu_matmul_seconds(dtype: torch.dtype) -> float:
-    """Seconds of one ``_SIDE``×``_SIDE`` matmul on the CPU in ``dtype``: this machine's cached timing,
+    """Seconds of one 128×128 matmul on the CPU in ``dtype``: this machine's cached timing,
     else measured (:func:`measure_matmul_seconds`) and cached."""
     key = f"{_machine_key()}:{str(dtype).removeprefix('torch.')}"
     cached = _read_cache().get(key)
@@ -95,22 +94,9 @@ def cpu_matmul_seconds(dtype: torch.dtype) -> float:
 
 
 def measure_matmul_seconds(dtype: torch.dtype) -> float:
-    """Best-of-5 seconds of one ``_SIDE``×``_SIDE`` matmul on the CPU in ``dtype`` (after one warm-up), on one thread."""
-    g = torch.Generator().manual_seed(0)
-    a = torch.randn(_SIDE, _SIDE, generator=g).to(dtype)
-    b = torch.randn(_SIDE, _SIDE, generator=g).to(dtype)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the kernel's math, not thread wake-ups (on a busy machine those cost 100x)
-    try:
-        torch.mm(a, b)
-        best = float("inf")
-        for _ in range(_REPEATS):
-            start = time.perf_counter()
-            torch.mm(a, b)
-            best = min(best, time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(threads)
-    return best
+    """Best-of-5 seconds of one 128×128 matmul on the CPU in ``dtype``, on one thread: the probe that portable
+    graphs' GEMM kernels run themselves (:func:`converter.kernels.upcast.matmul_seconds`)."""
+    return matmul_seconds(dtype)
 
 
 _NAMES = {"fp16": torch.float16, "bf16": torch.bfloat16}

@@ -69,13 +69,13 @@ from converter.ir.meta import GM_CALIBRATION, META_DECISION, Decision, RuleRef
 from converter.numerics.common import copy_graph, floating_outputs, json_float, preserved_state, progress_bar
 from converter.numerics.fp8_layers import Fp8LayerNumerics, fp8_nodes, measure_fp8_layers
 from converter.numerics.search import (
+    Budget,
     Outcome,
+    OutOfBudget,
     SearchOptions,
     Tolerance,
     ToleranceNotMet,
-    _Budget,
-    _judge,
-    _OutOfBudget,
+    judge,
     search_ranked,
 )
 from converter.passes.capture.values import normalize_inputs
@@ -188,7 +188,7 @@ class Fp8Evaluator:
         outs = self.outputs(key)
         self.runs += 1
         refs = [t for batch in self.references for t in batch]
-        result = _judge(self.tolerance, refs, [t for batch in outs for t in batch])
+        result = judge(self.tolerance, refs, [t for batch in outs for t in batch])
         self.memo[key] = result
         return result
 
@@ -343,10 +343,10 @@ def prune_to_minimal(evaluate_keep: Callable[[Sequence[str]], Outcome], keep: Se
     return keep
 
 
-def _not_met(ev: Fp8Evaluator, budget: _Budget, first: Outcome, limit: int, exc: Exception, cost: int) -> ToleranceNotMet:
+def _not_met(ev: Fp8Evaluator, budget: Budget, first: Outcome, limit: int, exc: Exception, cost: int) -> ToleranceNotMet:
     """The error of a search that found no passing set (``exc``: what stopped it)."""
     best_sqnr, best_set = budget.best if budget.best else (first.sqnr_db, ())
-    if isinstance(exc, _OutOfBudget):
+    if isinstance(exc, OutOfBudget):
         why = f"{budget.max} evaluations were not enough"
     elif limit == len(ev.layers):
         why = (f"even with all {limit} fp8 layer(s) in bf16 the outputs miss it, so the bf16 conversion itself does "
@@ -373,7 +373,7 @@ def fp8_accuracy_search(gm: torch.fx.GraphModule, batches: Sequence[tuple[tuple,
     t0 = time.perf_counter()
     options = options if options is not None else SearchOptions()
     ev = Fp8Evaluator(gm, batches, references, tolerance=tolerance, seed=options.seed)
-    budget = _Budget(ev, options.max_evaluations)
+    budget = Budget(ev, options.max_evaluations)
     report: dict = {"tolerance": str(ev.tolerance), "batches": len(ev.batches), "candidates": len(ev.layers)}
     keep: list[str] = []
     ranked: list[str] = []
@@ -393,7 +393,7 @@ def fp8_accuracy_search(gm: torch.fx.GraphModule, batches: Sequence[tuple[tuple,
                 # prune every kept layer (search_ranked's default stops at 16): the fewest bf16 layers is the goal
                 keep = search_ranked(budget, ranked, max_keep=limit, prune=options.prune, max_prune=len(ranked))
                 keep = prune_to_minimal(budget, keep) if options.prune else keep
-            except (LookupError, _OutOfBudget) as exc:
+            except (LookupError, OutOfBudget) as exc:
                 raise _not_met(ev, budget, first, limit, exc, cost) from None
     final = ev.evaluate_keep(keep)  # the last passing set: from the memo
     by_name = {row["name"]: row for row in rows}

@@ -60,6 +60,9 @@ __all__ = [
     "search_ranked",
     "bisect_graph_order",
     "accuracy_search",
+    "judge",
+    "Budget",
+    "OutOfBudget",
     "SEARCH_REF",
 ]
 
@@ -198,7 +201,9 @@ class SearchOptions:
             raise ValueError(f"search option prune must be True or False, got {self.prune!r}")
 
 
-def _judge(tol: Tolerance, refs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> Outcome:
+def judge(tol: Tolerance, refs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> Outcome:
+    """The outcome of one evaluation: the SQNR of ``outs`` against ``refs`` (all tensors pooled) against ``tol``
+    (used by this search and by the fp8 search, :mod:`converter.numerics.fp8_search`)."""
     ref = torch.cat([r.detach().double().reshape(-1) for r in refs]) if refs else torch.zeros(0, dtype=torch.float64)
     out = torch.cat([o.detach().double().reshape(-1) for o in outs]) if outs else torch.zeros(0, dtype=torch.float64)
     q = sqnr_db(ref, out)
@@ -327,7 +332,7 @@ class HalfEmulator:
         self.runs += 1
         refs = [t for batch in self.references for t in batch]
         flat = [t for batch in outs for t in batch]
-        result = _judge(self.tolerance, refs, flat)
+        result = judge(self.tolerance, refs, flat)
         self.memo[key] = result
         return result
 
@@ -340,7 +345,7 @@ class HalfEmulator:
 # search
 
 
-class _Budget:
+class Budget:
     """``evaluate_keep`` with a cap on the runs and a record of the best result reached."""
 
     def __init__(self, emulator: HalfEmulator, max_evaluations: int):
@@ -351,14 +356,14 @@ class _Budget:
 
     def __call__(self, keep: Sequence[str]) -> Outcome:
         if self.em.runs - self.start >= self.max and not self.em.known_keep(keep):
-            raise _OutOfBudget()
+            raise OutOfBudget()
         out = self.em.evaluate_keep(keep)
         if self.best is None or out.sqnr_db > self.best[0]:
             self.best = (out.sqnr_db, tuple(keep))
         return out
 
 
-class _OutOfBudget(MpconvertError):
+class OutOfBudget(MpconvertError):
     """The search ran out of evaluations (caught inside the search)."""
 
     exit_code = EXIT_INTERNAL
@@ -493,7 +498,7 @@ def accuracy_search(
     base = _half_nodes(gm)
     original = {n.name: n.meta[META_DECISION] for n in gm.graph.nodes if META_DECISION in n.meta}
     em = HalfEmulator(gm, batches, tolerance=tol, base=base, seed=options.seed)
-    budget = _Budget(em, options.max_evaluations)
+    budget = Budget(em, options.max_evaluations)
     report: dict = {"tolerance": str(tol), "batches": len(batches), "candidates": len(base)}
     bar = progress_bar(progress)
     with bar:
@@ -535,7 +540,7 @@ class _Found:
     ranking_cost: int = 0
 
 
-def _rank_and_search(gm: torch.fx.GraphModule, batches: list, base: Mapping[str, str], budget: _Budget, first: Outcome,
+def _rank_and_search(gm: torch.fx.GraphModule, batches: list, base: Mapping[str, str], budget: Budget, first: Outcome,
                      tol: Tolerance, options: SearchOptions, report: dict) -> _Found:
     """Rank the half nodes, then search the ranked list for the smallest passing fp32 set."""
     ranked = rank_sensitivity(gm, batches, base=base, projections=options.projections, seed=options.seed)
@@ -546,7 +551,7 @@ def _rank_and_search(gm: torch.fx.GraphModule, batches: list, base: Mapping[str,
     limit = len(ranked) - 1 if options.max_keep is None else min(options.max_keep, len(ranked) - 1)
     try:
         found.keep = search_ranked(budget, [s.name for s in ranked], max_keep=limit, prune=options.prune)
-    except (LookupError, _OutOfBudget) as exc:
+    except (LookupError, OutOfBudget) as exc:
         best_sqnr, best_set = budget.best if budget.best else (first.sqnr_db, ())
         why = str(exc) if isinstance(exc, LookupError) else f"{options.max_evaluations} evaluations were not enough"
         raise ToleranceNotMet(best_sqnr, best_set, tolerance=tol, evaluations=found.ranking_cost + budget.em.runs,

@@ -33,12 +33,17 @@ import torch.nn.functional as F
 
 from converter.ir.graphmodule import retarget_calls
 from converter.ir.meta import META_DECISION, META_VALUE, Decision, TensorSpec
-from converter.kernels.upcast import upcast_linear, upcast_matmul
+from converter.kernels.upcast import (
+    MIN_SLOWDOWN,
+    dispatch_attention,
+    dispatch_linear,
+    dispatch_matmul,
+    upcast_linear,
+    upcast_matmul,
+)
 
-__all__ = ["MIN_SLOWDOWN", "MIN_GEMM_FLOPS", "UPCAST_HALF_GEMMS", "UPCAST_TARGETS", "upcast_wanted", "gemm_flops", "upcast_gemms", "native_gemms"]
-
-#: the half GEMM must be at least this many times slower than fp32's (measured) for the stage to apply
-MIN_SLOWDOWN = 1.25
+__all__ = ["MIN_SLOWDOWN", "MIN_GEMM_FLOPS", "UPCAST_HALF_GEMMS", "UPCAST_TARGETS", "DISPATCH_TARGETS", "upcast_wanted",
+           "gemm_flops", "upcast_gemms", "native_gemms"]
 #: a GEMM call whose one matrix product (2·M·K·N at the example's shapes) is below this stays native: the
 #: kernel's fixed cost (an autograd Function, the upcasts) outweighs the faster fp32 GEMM. Measured on the 2-core
 #: Xeon, forward + backward of one linear, upcast / native: 1.72 at 1 MFLOP (32x128x128), 1.49 at 4 MFLOP,
@@ -59,6 +64,10 @@ UPCAST_TARGETS = {
     torch.mm: upcast_matmul,
     _aten.mm.default: upcast_matmul,
 }
+#: the same calls in a portable graph: kernels that choose per device at run time (:mod:`converter.passes.dispatch`)
+DISPATCH_TARGETS = {target: dispatch_linear if kernel is upcast_linear else dispatch_matmul
+                    for target, kernel in UPCAST_TARGETS.items()}
+_LINEAR_KERNELS = (upcast_linear, dispatch_linear)
 _HALF = ("fp16", "bf16")
 
 
@@ -78,12 +87,12 @@ def upcast_wanted(slowdown: Optional[float]) -> tuple[bool, str]:
 def _operands(node: torch.fx.Node, kernel) -> Optional[tuple]:
     """The call's operands by position, ``(input, weight, bias)`` or ``(input, other)``; None when it passes
     anything else (``out=``) or too few."""
-    names = ("input", "weight", "bias") if kernel is upcast_linear else ("input", "other", "mat2")
+    names = ("input", "weight", "bias") if kernel in _LINEAR_KERNELS else ("input", "other", "mat2")
     if set(node.kwargs) - set(names):
         return None
     args = list(node.args)
     found = [node.kwargs.get(name, args[i] if i < len(args) else None) for i, name in enumerate(names[:2])]
-    if kernel is upcast_linear:
+    if kernel in _LINEAR_KERNELS:
         found.append(node.kwargs.get("bias", args[2] if len(args) > 2 else None))
     elif found[1] is None:
         found[1] = node.kwargs.get("mat2")
@@ -104,21 +113,23 @@ def gemm_flops(node: torch.fx.Node, args: tuple) -> Optional[int]:
     return 2 * out.shape[-2] * out.shape[-1] * k
 
 
-def upcast_gemms(gm: torch.fx.GraphModule, precision: str, why: str) -> tuple[list[str], int]:
+def upcast_gemms(gm: torch.fx.GraphModule, precision: str, why: str, targets: Optional[dict] = None) -> tuple[list[str], int]:
     """Replace each linear/matmul call decided ``precision`` (fp16 or bf16) whose one matrix product is at least
-    :data:`MIN_GEMM_FLOPS` by its upcast kernel. Returns the names of the nodes replaced and how many GEMM calls
-    stayed native for their size. ``why``: the measured reason (:func:`upcast_wanted`), for each node's note."""
+    :data:`MIN_GEMM_FLOPS` by its upcast kernel (``targets``: by its kernel there, e.g. :data:`DISPATCH_TARGETS`).
+    Returns the names of the nodes replaced and how many GEMM calls stayed native for their size. ``why``: the
+    reason (:func:`upcast_wanted`), for each node's note."""
+    targets = UPCAST_TARGETS if targets is None else targets
     if precision not in _HALF:
         raise ValueError(f"upcast_gemms: precision must be fp16 or bf16, got {precision!r}")
     done: list[str] = []
     small = 0
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target not in UPCAST_TARGETS:
+        if node.op != "call_function" or node.target not in targets:
             continue
         decision: Optional[Decision] = node.meta.get(META_DECISION)
         if decision is None or decision.precision != precision:
             continue
-        kernel = UPCAST_TARGETS[node.target]
+        kernel = targets[node.target]
         args = _operands(node, kernel)
         if args is None:
             continue
@@ -137,7 +148,9 @@ def upcast_gemms(gm: torch.fx.GraphModule, precision: str, why: str) -> tuple[li
 
 
 def native_gemms(gm: torch.fx.GraphModule) -> int:
-    """The reverse, on an export copy: each upcast kernel call back to ``F.linear``/``torch.matmul`` (the same
-    math up to summation order); returns how many. The ONNX export writes plain half MatMuls (an ONNX runtime
-    picks its own kernels) instead of tracing the kernels' fp32 upcasts into Casts."""
-    return retarget_calls(gm, {upcast_linear: F.linear, upcast_matmul: torch.matmul})
+    """The reverse, on an export copy: each upcast or dispatching kernel call back to ``F.linear``/``torch.matmul``
+    /``F.scaled_dot_product_attention`` (the same arguments, the same math up to summation order); returns how
+    many. The ONNX export writes plain half MatMuls and attention (an ONNX runtime picks its own kernels)
+    instead of tracing the kernels' upcasts into Casts or one device's branch into the file."""
+    return retarget_calls(gm, {upcast_linear: F.linear, upcast_matmul: torch.matmul, dispatch_linear: F.linear,
+                               dispatch_matmul: torch.matmul, dispatch_attention: F.scaled_dot_product_attention})

@@ -28,7 +28,9 @@ is not lowered at all: the fused kernel streams them in blocks
 (``benchmarks/run.py --ablate`` times the choices flipped).
 
 The lowered ops run in the precision *decide* gave the attention node, so the step needs no
-cast (fp32 attention would cast q, k, v and the output). Numerics: the fused bf16 kernel keeps
+cast (fp32 attention would cast q, k, v and the output). With a mask, the softmax is ``torch._safe_softmax``:
+a row the mask hides entirely (a left-padded causal batch has them) gives zeros, as the fused kernel gives,
+not NaN. Numerics: the fused bf16 kernel keeps
 q·kᵀ in fp32 and rounds the probabilities to bf16 before P·V; the lowered graph rounds q·kᵀ to
 bf16 too, and its softmax reads bf16 and accumulates in fp32 inside the kernel, then rounds once.
 On the benchmark encoder the output SQNR against fp32 moves from 56.99 to 56.98 dB. An explicit
@@ -377,7 +379,9 @@ def _lower_attention(gm: torch.fx.GraphModule, node: torch.fx.Node, info: NodeIn
         ones = emit("call_method", "new_ones", scores, (rows, cols), dtype=torch.bool)
         above = emit("call_function", torch.triu, ones, 1)
         scores = emit("call_method", "masked_fill", scores, above, -math.inf)
-    probs = emit("call_function", torch.softmax, scores, -1)
+    # with a mask, rows it hides entirely give zeros, as the fused kernel gives (softmax would give NaN: a
+    # left-padded causal batch has such rows)
+    probs = emit("call_function", torch.softmax if mask is None else torch._safe_softmax, scores, -1)
     if call["dropout"] is not None:  # what the fused op does in train mode (converter.passes.modes)
         probs = emit("call_function", torch.dropout, probs, *call["dropout"])
     out = emit("call_function", torch.matmul, probs, v)

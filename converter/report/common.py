@@ -126,8 +126,15 @@ def node_reason(row: dict) -> str:
 def tuned_for(report: ReportView, escape: Callable[[str], str]) -> str:
     """The conversion's target device and what its lowerings changed (:mod:`converter.passes.lower`)."""
     device = report.extra.get("device")
-    if not device:
-        return "portable (no device named: nothing device-specific)"
+    if not device:  # converter.passes.dispatch: kernels that choose per device at run time
+        choices = [c for c in report.extra.get("lowering") or [] if isinstance(c, dict)]
+        attention = sum(1 for c in choices if c.get("lowering") == "dispatch_attention")
+        gemms = [c.get("node") for c in choices if c.get("lowering") == "dispatch_gemm" and c.get("chosen")]
+        what = [f"{attention} attention call(s)"] * bool(attention) + [str(g) for g in gemms]
+        if not what:
+            return "portable (no device named: nothing device-specific)"
+        return escape(f"portable (no device named): {' and '.join(what)} choose their kernel per device at run time "
+                      "(fp32 arithmetic on a CPU whose half GEMM is slow; native elsewhere)")
     lowered = report.extra.get("lowered") or []
     what = escape(", ".join(lowered)) if lowered else "nothing to lower"
     choices = [c for c in report.extra.get("lowering") or [] if isinstance(c, dict) and c.get("lowering") == "recompute_attention"]

@@ -1,0 +1,84 @@
+"""Portable graphs: kernels that choose per device at run time (a conversion that names no device).
+
+``convert(model, x)`` (the CLI's default) does not know where the model will run. The device lowerings of
+``convert(device="cpu")`` (:mod:`converter.passes.lower`, :mod:`converter.passes.cpu_gemm`) would be wrong on a
+GPU: they replace fused attention and tensor-core GEMMs. Without them, a bf16 graph on a CPU runs the slow
+fused bf16 attention and, without AMX, half GEMMs slower than fp32's (the large benchmark encoder: 1.01x
+autocast's step). This stage, run after *rewrite* (and the fp8 stage) for a portable conversion, points
+the calls whose best kernel depends on the device at torch-only kernels that decide per call, from the
+tensors they get:
+
+* each half ``scaled_dot_product_attention`` calls :func:`converter.kernels.upcast.dispatch_attention`: on a
+  CPU whose half GEMM measures slower than fp32's, the attention in fp32 arithmetic on the upcast operands
+  (faster than the fused half kernel there, at least as accurate, saving what it saves); the fused op
+  elsewhere;
+* each half linear/matmul of at least :data:`converter.passes.cpu_gemm.MIN_GEMM_FLOPS` per matrix product calls
+  :func:`converter.kernels.upcast.dispatch_linear` / :func:`~converter.kernels.upcast.dispatch_matmul`: the
+  upcast kernels on a CPU whose half GEMM measures slower than fp32's, the native GEMM elsewhere.
+
+The kernels take the original call's arguments, so a node keeps its arguments, decision and report row;
+its decision gains a ``lower`` note, and each choice is one entry of ``report.json["lowering"]``
+(``dispatch_attention``, ``dispatch_gemm``). The ONNX export points them back at the plain ops
+(:func:`converter.passes.cpu_gemm.native_gemms`); model.py carries their source.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from converter.ir.meta import META_DECISION, META_INFO
+from converter.kernels.upcast import dispatch_attention
+from converter.passes.cpu_gemm import DISPATCH_TARGETS, MIN_GEMM_FLOPS, upcast_gemms
+from converter.passes.lower import LoweringChoice
+
+__all__ = ["DISPATCH_KERNELS", "dispatch_kernels"]
+
+#: False: portable graphs keep the plain calls (the fused attention and native GEMMs everywhere; benchmarks' ablation)
+DISPATCH_KERNELS = True
+
+_SDPA = (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default)
+_SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_ATTENTION_WHY = ("runs dispatch_attention: on a CPU whose half GEMM measures slower than fp32's (no AMX) the fused half "
+                  "kernel is 2-4x slower, so it runs in fp32 arithmetic on the exactly upcast operands (rounded once; "
+                  "q, k, v and a log-sum-exp saved, as the fused kernel saves); the fused op elsewhere")
+_GEMM_WHY = ("a portable graph: on a CPU whose half GEMM measures slower than its fp32 GEMM (no AMX) it runs as fp32 "
+             "GEMMs on upcast operands, half results, half operands saved; on CUDA and fast-half CPUs the native GEMM")
+
+
+def dispatch_kernels(gm: torch.fx.GraphModule, precision: str) -> tuple[list[str], list[dict[str, Any]]]:
+    """Point the device-dependent calls of a portable graph at the dispatching kernels (module docstring).
+    Returns the names of the nodes changed and the choices for ``report.json["lowering"]``."""
+    changed: list[str] = []
+    choices: list[dict[str, Any]] = []
+    if not DISPATCH_KERNELS:
+        return changed, choices
+    if precision in ("fp16", "bf16"):
+        changed, choices = _attention(gm, precision)
+        gemms, small = upcast_gemms(gm, precision, _GEMM_WHY, targets=DISPATCH_TARGETS)
+        changed += gemms
+        why = _GEMM_WHY + (f"; {small} smaller GEMM call(s) (< {MIN_GEMM_FLOPS / 1e6:g} MFLOP per matrix product) "
+                           "stay native" if small else "")
+        choices.append(LoweringChoice(node=f"{len(gemms)} {precision} GEMM call(s)", lowering="dispatch_gemm",
+                                      chosen=bool(gemms), why=why).to_dict())
+    return changed, choices
+
+
+def _attention(gm: torch.fx.GraphModule, precision: str) -> tuple[list[str], list[dict[str, Any]]]:
+    changed, choices = [], []
+    for node in gm.graph.nodes:
+        info, decision = node.meta.get(META_INFO), node.meta.get(META_DECISION)
+        if (node.op != "call_function" or node.target not in _SDPA or info is None or decision is None
+                or decision.precision != precision or len(node.args) > len(_SDPA_PARAMS)
+                or set(node.kwargs) - set(_SDPA_PARAMS)):
+            continue
+        node.target = dispatch_attention  # the same arguments
+        node.meta[META_DECISION] = decision.noted("lower", _ATTENTION_WHY)
+        changed.append(node.name)
+        choices.append(LoweringChoice(node.name, "dispatch_attention", True, _ATTENTION_WHY).to_dict())
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return changed, choices
