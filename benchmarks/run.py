@@ -84,8 +84,10 @@ VARIANTS = ("fp32", "autocast", "O1", "O2", "floor")
 #: ``--ablate``: O2 with one of the conversion's lowering choices flipped, timed in the same interleaved rounds,
 #: so the table shows what each choice of the cost model (converter.passes.lower.recompute_plan) is worth
 ABLATIONS = {
-    "O2-recompute": "every lowered attention recomputed in backward (the rule before the cost model)",
-    "O2-keep": "no lowered attention recomputed (probabilities kept for backward)",
+    "O2-bf16-attention": "attention lowered to bf16 matmul·softmax·matmul (the cost model's recompute choice), not "
+                         "run in fp32 arithmetic (converter.passes.lower.FP32_ATTENTION = False)",
+    "O2-recompute": "as O2-bf16-attention, every lowered attention recomputed in backward (the rule before the cost model)",
+    "O2-keep": "as O2-bf16-attention, no lowered attention recomputed (probabilities kept for backward)",
     "O2-portable": "no device lowering (converted without naming the device): kernels that choose per device at run time",
     "O2-portable-plain": "the portable graph without its dispatching kernels (fused attention, native half GEMMs; "
                          "converter.passes.dispatch.DISPATCH_KERNELS = False)",
@@ -358,12 +360,16 @@ def ablation_variants(model: nn.Module, args: tuple, kwargs: dict, *, precision:
                                  opt_level="O2", **options).module
 
     out: dict[str, Variant] = {}
-    for name, forced in (("O2-recompute", True), ("O2-keep", False)):
-        lower_mod.RECOMPUTE_ATTENTION = forced
-        try:
-            out[name] = o2(name, convert(device=device.type))
-        finally:
-            lower_mod.RECOMPUTE_ATTENTION = None
+    lower_mod.FP32_ATTENTION = False  # the bf16 lowering and its cost model (on a CPU with fast half GEMMs: the default)
+    try:
+        for name, forced in (("O2-bf16-attention", None), ("O2-recompute", True), ("O2-keep", False)):
+            lower_mod.RECOMPUTE_ATTENTION = forced
+            try:
+                out[name] = o2(name, convert(device=device.type))
+            finally:
+                lower_mod.RECOMPUTE_ATTENTION = None
+    finally:
+        lower_mod.FP32_ATTENTION = None
     out["O2-portable"] = o2("O2-portable", convert())
     from converter.passes import dispatch
 

@@ -48,10 +48,11 @@ from converter.numerics.options import CalibrationOptions
 from converter.numerics.redecide import PlaceSettings
 from converter.options import FIELDS, ConvertOptions, build_options
 from converter.passes import cpu_gemm
+from converter.passes import lower as lower_stage
 from converter.passes.capture import Captured, capture, guard_cache_calls, guard_cache_calls_keeping
 from converter.passes.checkpoint import checkpoint_regions, regions_in
 from converter.passes.decide import decide
-from converter.passes.dispatch import dispatch_kernels
+from converter.passes.dispatch import dispatch_attention_calls, dispatch_kernels
 from converter.passes.fp8 import apply_fp8, check_patterns, fp8_floors, fp8_rule_set, gate_fp8, resolved_recipe
 from converter.passes.fp32_math import DEFAULT_FP32_MATH, fp32_math
 from converter.passes.lower import LoweringChoice, lower
@@ -494,7 +495,8 @@ def _convert_graph(gm: torch.fx.GraphModule, done: list[str], rule_set: Rules, o
     if options.fp8_recipe is not None:  # the shape gates, before placement: the casts name the gate
         recipe = resolved_recipe(rule_set, None if options.fp8_recipe == "auto" else options.fp8_recipe)
         _run_stage("fp8_gate", done, gate_fp8, gm, rule_set, recipe)
-    lowered = _run_stage("lower", done, lower, gm, device=options.device, opt_level=options.opt_level)
+    lowered = _run_stage("lower", done, lower, gm, device=options.device, opt_level=options.opt_level,
+                         fp32_attention=_fp32_attention(options))
     set_graph_facts(gm, device=options.device, lowered=tuple(lowered))
     _run_stage("place", done, settings.run, gm)
     fp8_search = None
@@ -523,6 +525,15 @@ def _convert_graph(gm: torch.fx.GraphModule, done: list[str], rule_set: Rules, o
     set_graph_facts(gm, checkpoint=_run_stage("checkpoint", done, checkpoint_regions, gm))
 
 
+def _fp32_attention(options: ConvertOptions) -> bool:
+    """``device="cpu"`` on a CPU whose half GEMM measured slow: attention in fp32 arithmetic, not lowered in bf16
+    (:data:`converter.passes.lower.FP32_ATTENTION` forces it)."""
+    if options.device != "cpu":
+        return False
+    forced = lower_stage.FP32_ATTENTION
+    return forced if forced is not None else cpu_gemm.upcast_wanted(half_gemm_slowdown(options.precision))[0]
+
+
 def _cpu_gemm_kernels(gm: torch.fx.GraphModule, done: list[str], options: ConvertOptions) -> None:
     """``device="cpu"``: the half GEMMs as fp32 GEMMs on upcast operands where this CPU's half GEMM measured
     slower (:mod:`converter.passes.cpu_gemm`); the choice is one ``upcast_gemm`` entry of the graph's lowering.
@@ -535,11 +546,14 @@ def _cpu_gemm_kernels(gm: torch.fx.GraphModule, done: list[str], options: Conver
         return
     wanted, why = cpu_gemm.upcast_wanted(half_gemm_slowdown(options.precision))
     nodes, small = _run_stage("cpu_gemm", done, cpu_gemm.upcast_gemms, gm, options.precision, why) if wanted else ([], 0)
+    # lower(fp32_attention=True) left the attention calls: fp32 arithmetic, as measured (no run-time measurement)
+    attention = dispatch_attention_calls(gm, options.precision, measured=False)[1] if _fp32_attention(options) else []
     if small:
         why += f"; {small} smaller GEMM call(s) (< {cpu_gemm.MIN_GEMM_FLOPS / 1e6:g} MFLOP per matrix product) stay native"
     choice = LoweringChoice(node=f"{len(nodes)} {options.precision} GEMM call(s)", lowering="upcast_gemm",
                             chosen=bool(nodes), why=why)
-    set_graph_facts(gm, lowered=graph_meta.lowered + tuple(nodes), lowering=graph_meta.lowering + (choice.to_dict(),))
+    set_graph_facts(gm, lowered=graph_meta.lowered + tuple(nodes),
+                    lowering=graph_meta.lowering + (choice.to_dict(),) + tuple(attention))
 
 
 def _fp8_stages(gm: torch.fx.GraphModule, done: list[str], rule_set: Rules, options: ConvertOptions, recipe: str,

@@ -36,6 +36,7 @@ from converter.kernels.upcast import (
     dispatch_attention,
     dispatch_linear,
     dispatch_matmul,
+    upcast_attention,
     upcast_linear,
     upcast_matmul,
 )
@@ -45,7 +46,7 @@ from converter.passes.fp32_math import RUNTIME_HELPERS, runtime_source
 __all__ = ["PreparedGraph", "prepare_graph", "is_guard_path", "forwards", "library_imports", "check_defaults"]
 
 #: functions the converted graph may call whose torch-only modules model.py carries verbatim
-_UPCAST_KERNELS = (upcast_linear, upcast_matmul, dispatch_linear, dispatch_matmul, dispatch_attention)
+_UPCAST_KERNELS = (upcast_linear, upcast_matmul, upcast_attention, dispatch_linear, dispatch_matmul, dispatch_attention)
 _CARRIED_KERNELS = (fp8_linear, *_UPCAST_KERNELS)
 
 def _is_guard_module(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:

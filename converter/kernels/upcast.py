@@ -37,8 +37,8 @@ fp32). A portable graph's half ``scaled_dot_product_attention`` calls :func:`dis
 such a CPU runs :class:`UpcastAttention`: the whole attention in fp32 arithmetic on the exactly upcast half
 q, k and v, rounded once to half at the output (and each gradient once), so it is at least as accurate as
 the fused half kernel (which keeps q·kᵀ and the softmax in fp32 too, and rounds the probabilities to half
-before P·V) and cannot overflow fp16. Like the fused kernel it saves q, k, v (and the mask) and one fp32
-log-sum-exp per row, and its backward recomputes the probabilities from them with one more GEMM. Measured
+before P·V) and cannot overflow fp16. It saves q, k, v and the mask (the fused kernel also keeps its output
+and a log-sum-exp per row), and its backward recomputes the probabilities with one more GEMM. Measured
 (forward + backward, one thread, bf16 in): B8 H8 T128 E64 18.2 ms against the fused kernel's 38.5 ms, output
 SQNR against fp32 49.5 dB against 48.8, gradients 45.2-51.7 dB against 44.4-50.2; B2 H4 T16 E32 0.30 ms
 against 0.87 ms. A row the mask hides entirely gives zeros, as the fused kernel gives. Dropout runs the same
@@ -60,7 +60,7 @@ import torch.utils.checkpoint
 
 __all__ = ["UPCAST_DTYPES", "MIN_SLOWDOWN", "UPCAST_ON_CPU", "UpcastLinear", "UpcastMatmul", "upcast_linear",
            "upcast_matmul", "dispatch_linear", "dispatch_matmul", "matmul_seconds", "cpu_upcast_wanted", "MAX_UNFUSED_SCORES_BYTES",
-           "UpcastAttention", "dispatch_attention"]
+           "UpcastAttention", "dispatch_attention", "upcast_attention"]
 
 #: the operand dtypes these functions upcast (anything else runs the plain op)
 UPCAST_DTYPES = (torch.bfloat16, torch.float16)
@@ -250,37 +250,41 @@ def _scores(q32: torch.Tensor, k32: torch.Tensor, attn_mask: Optional[torch.Tens
     return scores
 
 
-def _row_lse(scores: torch.Tensor) -> torch.Tensor:
-    """Each row's log-sum-exp, +inf for a row the mask hides entirely (so that ``exp(scores - lse)`` is 0 there,
-    as the fused kernel gives; softmax alone gives NaN). A NaN that comes from the operands stays NaN."""
-    lse = torch.logsumexp(scores, -1, keepdim=True)
-    return lse.masked_fill_(lse == -math.inf, math.inf)
+def _probs(q32: torch.Tensor, k32: torch.Tensor, attn_mask: Optional[torch.Tensor], is_causal: bool, scale: float,
+           *, inplace: bool = True) -> torch.Tensor:
+    """fp32 ``softmax(q·kᵀ·scale + mask)``. A row the mask hides entirely gives zeros, as the fused kernel gives
+    (softmax alone gives NaN there); a NaN that comes from the operands stays NaN. ``inplace=False`` when autograd
+    records it (softmax's backward reads its output)."""
+    scores = _scores(q32, k32, attn_mask, is_causal, scale)
+    hidden = None if attn_mask is None else scores.amax(-1, keepdim=True) == -math.inf
+    probs = torch.softmax(scores, -1)
+    if hidden is None:
+        return probs
+    return probs.masked_fill_(hidden, 0.0) if inplace else probs.masked_fill(hidden, 0.0)
 
 
 class UpcastAttention(torch.autograd.Function):
     """Attention of half q, k, v (the same leading dimensions) in fp32 arithmetic, rounded once to half.
 
-    Saves q, k, v, the mask and one fp32 log-sum-exp per row (what the fused kernel saves but its output);
-    backward recomputes the probabilities from them. ``attn_mask``: None, bool or float, broadcast over the
-    scores, not differentiated. No dropout (:func:`dispatch_attention` handles it)."""
+    Saves q, k, v and the mask (the fused kernel also keeps its output and a log-sum-exp per row); backward
+    recomputes the probabilities. ``attn_mask``: None, bool or float, broadcast over the scores, not
+    differentiated. No dropout (:func:`dispatch_attention` handles it)."""
 
     @staticmethod
     def forward(ctx, query, key, value, attn_mask, is_causal: bool, scale: float):
         """Scores, probabilities and ``P·V`` in fp32; the output in ``query``'s dtype."""
         q32, k32, v32 = (t.to(torch.float32) for t in (query, key, value))
-        scores = _scores(q32, k32, attn_mask, is_causal, scale)
-        lse = _row_lse(scores)
-        out = torch.matmul(scores.sub_(lse).exp_(), v32).to(query.dtype)
+        out = torch.matmul(_probs(q32, k32, attn_mask, is_causal, scale), v32).to(query.dtype)
         ctx.is_causal, ctx.scale = is_causal, scale
-        ctx.save_for_backward(query, key, value, attn_mask, lse)
+        ctx.save_for_backward(query, key, value, attn_mask)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         """``dV = Pᵀ·dO``, ``dS = P ∘ (dO·Vᵀ - rowsum(P ∘ dO·Vᵀ))``, ``dQ = dS·K·scale``, ``dK = dSᵀ·Q·scale``, in fp32."""
-        query, key, value, attn_mask, lse = ctx.saved_tensors
+        query, key, value, attn_mask = ctx.saved_tensors
         q32, k32, v32 = (t.to(torch.float32) for t in (query, key, value))
-        probs = _scores(q32, k32, attn_mask, ctx.is_causal, ctx.scale).sub_(lse).exp_()
+        probs = _probs(q32, k32, attn_mask, ctx.is_causal, ctx.scale)
         g32 = grad_out.to(torch.float32)
         grad_v = torch.matmul(probs.transpose(-2, -1), g32).to(value.dtype)
         dp = torch.matmul(g32, v32.transpose(-2, -1))
@@ -293,16 +297,13 @@ class UpcastAttention(torch.autograd.Function):
 def _attention_dropout(query, key, value, attn_mask, dropout_p: float, is_causal: bool, scale: float) -> torch.Tensor:
     """The same fp32 math through autograd, with dropout on the probabilities (as the fused op applies it)."""
     q32, k32, v32 = (t.to(torch.float32) for t in (query, key, value))
-    scores = _scores(q32, k32, attn_mask, is_causal, scale)
-    probs = torch.softmax(scores, -1)
-    if attn_mask is not None:  # rows the mask hides entirely: zeros (out of place: softmax's backward reads probs)
-        probs = probs.masked_fill(scores.amax(-1, keepdim=True) == -math.inf, 0.0)
+    probs = _probs(q32, k32, attn_mask, is_causal, scale, inplace=False)
     return torch.matmul(torch.dropout(probs, dropout_p, True), v32).to(query.dtype)
 
 
-def _attention_here(query, key, value, attn_mask, is_causal: bool, enable_gqa: bool) -> bool:
-    """Does this call run :class:`UpcastAttention`: half operands of one shape family on a CPU whose half GEMM is
-    slow, arguments the fp32 math takes exactly, scores in bounds?"""
+def _attention_here(query, key, value, attn_mask, is_causal: bool, enable_gqa: bool, measured: bool) -> bool:
+    """Does this call run :class:`UpcastAttention`: half operands of one shape family on a CPU (``measured``: whose
+    half GEMM is slow), arguments the fp32 math takes exactly, scores in bounds?"""
     if enable_gqa or not all(isinstance(t, torch.Tensor) for t in (query, key, value)):
         return False
     if query.device.type != "cpu" or not (_half_pair(query, key) and _half_pair(query, value)) or query.is_nested:
@@ -313,7 +314,7 @@ def _attention_here(query, key, value, attn_mask, is_causal: bool, enable_gqa: b
         return False
     if math.prod(query.shape[:-1]) * key.shape[-2] * 4 > MAX_UNFUSED_SCORES_BYTES:
         return False
-    return cpu_upcast_wanted(query.dtype)
+    return cpu_upcast_wanted(query.dtype) if measured else True
 
 
 def dispatch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
@@ -325,11 +326,23 @@ def dispatch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal,
                                                                 scale=scale, enable_gqa=enable_gqa)
     else:
-        return _dispatch_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        return _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, True)
 
 
-def _dispatch_attention(query, key, value, attn_mask, dropout_p: float, is_causal: bool, scale, enable_gqa: bool):
-    if not _attention_here(query, key, value, attn_mask, is_causal, enable_gqa):
+def upcast_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                     dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
+                     enable_gqa: bool = False) -> torch.Tensor:
+    """:func:`dispatch_attention` without the run-time measurement: :class:`UpcastAttention` on any CPU (a conversion
+    for the CPU measured its half GEMM slow, ``convert(device="cpu")``), the fused op elsewhere."""
+    if torch.jit.is_scripting():
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal,
+                                                                scale=scale, enable_gqa=enable_gqa)
+    else:
+        return _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, False)
+
+
+def _attention(query, key, value, attn_mask, dropout_p: float, is_causal: bool, scale, enable_gqa: bool, measured: bool):
+    if not _attention_here(query, key, value, attn_mask, is_causal, enable_gqa, measured):
         return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal,
                                                                 scale=scale, enable_gqa=enable_gqa)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)

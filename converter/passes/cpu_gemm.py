@@ -38,6 +38,7 @@ from converter.kernels.upcast import (
     dispatch_attention,
     dispatch_linear,
     dispatch_matmul,
+    upcast_attention,
     upcast_linear,
     upcast_matmul,
 )
@@ -153,4 +154,5 @@ def native_gemms(gm: torch.fx.GraphModule) -> int:
     many. The ONNX export writes plain half MatMuls and attention (an ONNX runtime picks its own kernels)
     instead of tracing the kernels' upcasts into Casts or one device's branch into the file."""
     return retarget_calls(gm, {upcast_linear: F.linear, upcast_matmul: torch.matmul, dispatch_linear: F.linear,
-                               dispatch_matmul: torch.matmul, dispatch_attention: F.scaled_dot_product_attention})
+                               dispatch_matmul: torch.matmul, dispatch_attention: F.scaled_dot_product_attention,
+                               upcast_attention: F.scaled_dot_product_attention})

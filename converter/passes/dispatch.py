@@ -30,11 +30,11 @@ import torch.fx
 import torch.nn.functional as F
 
 from converter.ir.meta import META_DECISION, META_INFO
-from converter.kernels.upcast import dispatch_attention
+from converter.kernels.upcast import dispatch_attention, upcast_attention
 from converter.passes.cpu_gemm import DISPATCH_TARGETS, MIN_GEMM_FLOPS, upcast_gemms
 from converter.passes.lower import LoweringChoice
 
-__all__ = ["DISPATCH_KERNELS", "dispatch_kernels"]
+__all__ = ["DISPATCH_KERNELS", "dispatch_kernels", "dispatch_attention_calls"]
 
 #: False: portable graphs keep the plain calls (the fused attention and native GEMMs everywhere; benchmarks' ablation)
 DISPATCH_KERNELS = True
@@ -43,7 +43,10 @@ _SDPA = (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_atten
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _ATTENTION_WHY = ("runs dispatch_attention: on a CPU whose half GEMM measures slower than fp32's (no AMX) the fused half "
                   "kernel is 2-4x slower, so it runs in fp32 arithmetic on the exactly upcast operands (rounded once; "
-                  "q, k, v and a log-sum-exp saved, as the fused kernel saves); the fused op elsewhere")
+                  "q, k, v saved, less than the fused kernel saves); the fused op elsewhere")
+_UPCAST_ATTENTION_WHY = ("runs upcast_attention: this CPU's half GEMM measured slower than its fp32 GEMM, where the fused "
+                         "half kernel is 2-4x slower: in fp32 arithmetic on the exactly upcast operands (rounded once; "
+                         "q, k, v saved, less than the fused kernel saves)")
 _GEMM_WHY = ("a portable graph: on a CPU whose half GEMM measures slower than its fp32 GEMM (no AMX) it runs as fp32 "
              "GEMMs on upcast operands, half results, half operands saved; on CUDA and fast-half CPUs the native GEMM")
 
@@ -56,7 +59,7 @@ def dispatch_kernels(gm: torch.fx.GraphModule, precision: str) -> tuple[list[str
     if not DISPATCH_KERNELS:
         return changed, choices
     if precision in ("fp16", "bf16"):
-        changed, choices = _attention(gm, precision)
+        changed, choices = dispatch_attention_calls(gm, precision)
         gemms, small = upcast_gemms(gm, precision, _GEMM_WHY, targets=DISPATCH_TARGETS)
         changed += gemms
         why = _GEMM_WHY + (f"; {small} smaller GEMM call(s) (< {MIN_GEMM_FLOPS / 1e6:g} MFLOP per matrix product) "
@@ -66,7 +69,13 @@ def dispatch_kernels(gm: torch.fx.GraphModule, precision: str) -> tuple[list[str
     return changed, choices
 
 
-def _attention(gm: torch.fx.GraphModule, precision: str) -> tuple[list[str], list[dict[str, Any]]]:
+def dispatch_attention_calls(gm: torch.fx.GraphModule, precision: str, *,
+                             measured: bool = True) -> tuple[list[str], list[dict[str, Any]]]:
+    """Point each ``precision`` (fp16/bf16) ``scaled_dot_product_attention`` call at ``dispatch_attention`` (the same
+    arguments). ``measured=False``: at ``upcast_attention`` (no run-time measurement), for ``convert(device="cpu")``
+    on a CPU whose half GEMM measured slow. Returns the names of the nodes changed and their choices
+    (``dispatch_attention`` / ``upcast_attention``)."""
+    kernel, why = (dispatch_attention, _ATTENTION_WHY) if measured else (upcast_attention, _UPCAST_ATTENTION_WHY)
     changed, choices = [], []
     for node in gm.graph.nodes:
         info, decision = node.meta.get(META_INFO), node.meta.get(META_DECISION)
@@ -74,10 +83,10 @@ def _attention(gm: torch.fx.GraphModule, precision: str) -> tuple[list[str], lis
                 or decision.precision != precision or len(node.args) > len(_SDPA_PARAMS)
                 or set(node.kwargs) - set(_SDPA_PARAMS)):
             continue
-        node.target = dispatch_attention  # the same arguments
-        node.meta[META_DECISION] = decision.noted("lower", _ATTENTION_WHY)
+        node.target = kernel  # the same arguments
+        node.meta[META_DECISION] = decision.noted("lower", why)
         changed.append(node.name)
-        choices.append(LoweringChoice(node.name, "dispatch_attention", True, _ATTENTION_WHY).to_dict())
+        choices.append(LoweringChoice(node.name, kernel.__name__, True, why).to_dict())
     if changed:
         gm.graph.lint()
         gm.recompile()

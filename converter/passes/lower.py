@@ -88,7 +88,7 @@ from converter.ir.ops import canonical_op
 from converter.passes.capture.annotation import classify
 from converter.passes.capture.values import flat_specs, spec_of
 
-__all__ = ["lower", "DEVICES", "RECOMPUTE_ATTENTION", "MAX_UNFUSED_SCORES_BYTES", "LoweringChoice", "recompute_plan"]
+__all__ = ["lower", "DEVICES", "RECOMPUTE_ATTENTION", "FP32_ATTENTION", "MAX_UNFUSED_SCORES_BYTES", "LoweringChoice", "recompute_plan"]
 
 DEVICES = ("cpu", "cuda")
 #: whether a lowered attention runs inside a checkpoint region of its own (backward recomputes its scores and
@@ -96,6 +96,10 @@ DEVICES = ("cpu", "cuda")
 #: saves, q, k and v, at the price of a second attention forward and a checkpoint call). ``None`` (the
 #: default): the cost model of :func:`recompute_plan` decides per call; True/False force it (benchmarks).
 RECOMPUTE_ATTENTION: Optional[bool] = None
+#: whether ``device="cpu"`` runs attention in fp32 arithmetic (``upcast_attention``, :mod:`converter.passes.dispatch`)
+#: instead of this bf16 lowering: ``None`` (the default) where the CPU's half GEMM measured slow
+#: (:mod:`converter.passes.cpu_gemm`); True/False force it (benchmarks)
+FP32_ATTENTION: Optional[bool] = None
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
 _LOWERED_PRECISIONS = ("bf16",)
@@ -225,10 +229,13 @@ def recompute_plan(gm: torch.fx.GraphModule, calls: list[tuple[torch.fx.Node, di
 
 
 @pauses_gc
-def lower(gm: torch.fx.GraphModule, *, device: Optional[str], opt_level: str = "O1") -> list[str]:
+def lower(gm: torch.fx.GraphModule, *, device: Optional[str], opt_level: str = "O1", fp32_attention: bool = False) -> list[str]:
     """Apply the lowerings for ``device`` (None: none); returns the names of the nodes replaced.
 
-    The cost model's choices (:class:`LoweringChoice`) go to the graph meta's ``lowering`` field."""
+    ``fp32_attention`` (a CPU whose half GEMM measured slower than fp32's, :mod:`converter.passes.cpu_gemm`): the
+    attention calls are not lowered here; after rewrite they call ``dispatch_attention``, which runs them in fp32
+    arithmetic (:mod:`converter.passes.dispatch`). The cost model's choices (:class:`LoweringChoice`) go to the
+    graph meta's ``lowering`` field."""
     if device is None:
         return []
     if device not in DEVICES:
@@ -248,7 +255,7 @@ def lower(gm: torch.fx.GraphModule, *, device: Optional[str], opt_level: str = "
             if _half_io_norm(node, decision, device):
                 lowered.append(node.name)
             continue
-        if info.op != "scaled_dot_product_attention" or device != "cpu":
+        if info.op != "scaled_dot_product_attention" or device != "cpu" or fp32_attention:
             continue
         if decision.precision not in _LOWERED_PRECISIONS:
             continue

@@ -146,6 +146,10 @@ def tuned_for(report: ReportView, escape: Callable[[str], str]) -> str:
     kept_fused = [c for c in report.extra.get("lowering") or [] if isinstance(c, dict) and c.get("lowering") == "lower_attention"]
     if kept_fused:
         what += f" · {len(kept_fused)} attention call(s) kept fused: their score matrices are over the size bound"
+    fp32_attention = sum(1 for c in report.extra.get("lowering") or [] if isinstance(c, dict)
+                         and c.get("lowering") == "upcast_attention")
+    if fp32_attention:  # this CPU's half GEMM is slow: attention in fp32 arithmetic (converter.passes.dispatch)
+        what += f" · {fp32_attention} attention call(s) in fp32 arithmetic on the upcast half q, k, v (UpcastAttention)"
     upcast = [c for c in report.extra.get("lowering") or [] if isinstance(c, dict) and c.get("lowering") == "upcast_gemm"]
     for choice in upcast:  # converter.passes.cpu_gemm: the half GEMMs' kernels, measured on this CPU
         how = "run as fp32 GEMMs on upcast operands" if choice.get("chosen") else "native"
