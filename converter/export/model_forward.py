@@ -32,21 +32,13 @@ from converter.fp8.kernels import fp8_linear
 from converter.ir.graphmodule import TwoModeGraphModule
 from converter.ir.meta import META_CAST, META_DECISION, META_INFO
 from converter.ir.ops import library_op
-from converter.kernels.upcast import (
-    dispatch_attention,
-    dispatch_linear,
-    dispatch_matmul,
-    upcast_attention,
-    upcast_linear,
-    upcast_matmul,
-)
+from converter.kernels.upcast import GRAPH_KERNELS as _UPCAST_KERNELS
 from converter.passes.checkpoint import with_checkpoints
 from converter.passes.fp32_math import RUNTIME_HELPERS, runtime_source
 
 __all__ = ["PreparedGraph", "prepare_graph", "is_guard_path", "forwards", "library_imports", "check_defaults"]
 
 #: functions the converted graph may call whose torch-only modules model.py carries verbatim
-_UPCAST_KERNELS = (upcast_linear, upcast_matmul, upcast_attention, dispatch_linear, dispatch_matmul, dispatch_attention)
 _CARRIED_KERNELS = (fp8_linear, *_UPCAST_KERNELS)
 
 def _is_guard_module(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:

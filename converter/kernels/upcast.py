@@ -60,7 +60,7 @@ import torch.utils.checkpoint
 
 __all__ = ["UPCAST_DTYPES", "MIN_SLOWDOWN", "UPCAST_ON_CPU", "UpcastLinear", "UpcastMatmul", "upcast_linear",
            "upcast_matmul", "dispatch_linear", "dispatch_matmul", "matmul_seconds", "cpu_upcast_wanted", "MAX_UNFUSED_SCORES_BYTES",
-           "UpcastAttention", "dispatch_attention", "upcast_attention"]
+           "UpcastAttention", "dispatch_attention", "upcast_attention", "GRAPH_KERNELS"]
 
 #: the operand dtypes these functions upcast (anything else runs the plain op)
 UPCAST_DTYPES = (torch.bfloat16, torch.float16)
@@ -352,3 +352,7 @@ def _attention(query, key, value, attn_mask, dropout_p: float, is_causal: bool, 
         return _attention_dropout(query, key, value, attn_mask, dropout_p, is_causal, scale)
     return torch.utils.checkpoint.checkpoint(_attention_dropout, query, key, value, attn_mask, dropout_p, is_causal, scale,
                                              use_reentrant=False, preserve_rng_state=True)
+
+
+#: the functions a converted graph calls from this module (model.py carries the module when it calls one)
+GRAPH_KERNELS = (upcast_linear, upcast_matmul, upcast_attention, dispatch_linear, dispatch_matmul, dispatch_attention)
