@@ -389,3 +389,33 @@ def test_cli_device_cuda_writes_a_model_that_runs_on_the_gpu(tmp_path, capfd):
     assert sqnr(want, got) > 25.0, sqnr(want, got)
     kinds = Counter(p.dtype for p in model.parameters())
     assert kinds, "model.py has no parameters"
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_a_portable_graphs_kernels_take_the_fused_and_native_ops_on_the_gpu(precision, monkeypatch):
+    """A portable conversion's dispatching kernels (converter/passes/dispatch.py), moved to the GPU, run the fused
+    attention and the native GEMMs, bit-equal to the plain ops, even when forced to the CPU path (their choice
+    is per device): the same graph with its kernels pointed back at the plain ops gives the same bits."""
+    from converter.kernels import upcast
+    from converter.passes import cpu_gemm
+
+    monkeypatch.setattr(cpu_gemm, "MIN_GEMM_FLOPS", 0)
+    monkeypatch.setattr(upcast, "UPCAST_ON_CPU", True)
+    sample = load_sample("tiny_transformer")
+    torch.manual_seed(0)
+    model = sample.build_model()
+    conv = converter.convert(model, sample.example_inputs(), precision=precision)
+    names = [getattr(n.target, "__name__", "") for n in conv.module.graph.nodes if n.op == "call_function"]
+    # block 0's SDPA, the 11 linears, block 1's explicit attention matmuls
+    assert (names.count("dispatch_attention"), names.count("dispatch_linear"), names.count("dispatch_matmul")) == (1, 11, 2)
+    module = copy.deepcopy(conv.module).to(DEVICE)
+    plain = copy.deepcopy(module)
+    assert cpu_gemm.native_gemms(plain) == 14
+    args, _ = split_inputs(sample.example_inputs())
+    args = [a.to(DEVICE) for a in args]
+    with torch.no_grad():
+        got, want = first_tensor(module(*args)), first_tensor(plain(*args))
+    if DEVICE == "cuda":
+        assert torch.equal(got, want), (got - want).abs().max()
+    else:  # MPCONVERT_TEST_DEVICE=cpu: the forced CPU path, fp32 arithmetic, close to the plain half ops
+        assert sqnr(want.float(), got.float()) >= 35, sqnr(want.float(), got.float())

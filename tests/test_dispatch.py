@@ -327,7 +327,7 @@ def test_an_hf_bert_with_attention_dropout_trains_through_the_dispatching_kernel
 
 @pytest.mark.slow
 @pytest.mark.parametrize("device", [None, "cpu"])
-@pytest.mark.parametrize("name", ["t5", "bart", "llama"])
+@pytest.mark.parametrize("name", ["t5", "llama"])
 def test_stock_models_with_the_cpu_kernels_match_autocast_in_outputs_and_gradients(name, device, monkeypatch):
     """tests/test_defaults_caches.py's stock-model check (output and gradient SQNR against fp32 at least
     autocast's − 1 dB) with the kernels' CPU path on, portable and converted for the CPU. T5's unscaled attention
@@ -362,7 +362,7 @@ def test_a_portable_graph_with_its_cpu_kernels_compiles_without_graph_breaks(mon
     torch._dynamo.reset()
     explained = torch._dynamo.explain(conv.module)(x)
     assert explained.graph_break_count == 0 and explained.graph_count == 1, [str(b.reason) for b in explained.break_reasons]
-    compiled = torch.compile(copy.deepcopy(conv.module), backend="inductor")
+    compiled = torch.compile(copy.deepcopy(conv.module), backend="aot_eager")  # AOTAutograd traces the Functions
     (loss, grads), (want, want_grads) = _grads(compiled, x), _grads(conv.module, x)
     torch._dynamo.reset()
     grads = {k.removeprefix("_orig_mod."): g for k, g in grads.items()}  # a compiled module's parameter names
