@@ -55,7 +55,7 @@ from converter.passes.decide import decide
 from converter.passes.dispatch import dispatch_attention_calls, dispatch_kernels
 from converter.passes.fp8 import apply_fp8, check_patterns, fp8_floors, fp8_rule_set, gate_fp8, resolved_recipe
 from converter.passes.fp32_math import DEFAULT_FP32_MATH, fp32_math
-from converter.passes.lower import LoweringChoice, lower
+from converter.passes.lower import lower
 from converter.passes.rewrite import rewrite
 from converter.passes.simplify import fold_counts, simplify
 from converter.passes.verify import check_forward
@@ -548,12 +548,8 @@ def _cpu_gemm_kernels(gm: torch.fx.GraphModule, done: list[str], options: Conver
     nodes, small = _run_stage("cpu_gemm", done, cpu_gemm.upcast_gemms, gm, options.precision, why) if wanted else ([], 0)
     # lower(fp32_attention=True) left the attention calls: fp32 arithmetic, as measured (no run-time measurement)
     attention = dispatch_attention_calls(gm, options.precision, measured=False)[1] if _fp32_attention(options) else []
-    if small:
-        why += f"; {small} smaller GEMM call(s) (< {cpu_gemm.MIN_GEMM_FLOPS / 1e6:g} MFLOP per matrix product) stay native"
-    choice = LoweringChoice(node=f"{len(nodes)} {options.precision} GEMM call(s)", lowering="upcast_gemm",
-                            chosen=bool(nodes), why=why)
-    set_graph_facts(gm, lowered=graph_meta.lowered + tuple(nodes),
-                    lowering=graph_meta.lowering + (choice.to_dict(),) + tuple(attention))
+    choice = cpu_gemm.gemm_choice("upcast_gemm", options.precision, nodes, small, why)
+    set_graph_facts(gm, lowered=graph_meta.lowered + tuple(nodes), lowering=graph_meta.lowering + (choice,) + tuple(attention))
 
 
 def _fp8_stages(gm: torch.fx.GraphModule, done: list[str], rule_set: Rules, options: ConvertOptions, recipe: str,

@@ -42,9 +42,10 @@ from converter.kernels.upcast import (
     upcast_linear,
     upcast_matmul,
 )
+from converter.passes.lower import LoweringChoice
 
 __all__ = ["MIN_SLOWDOWN", "MIN_GEMM_FLOPS", "UPCAST_HALF_GEMMS", "UPCAST_TARGETS", "DISPATCH_TARGETS", "upcast_wanted",
-           "gemm_flops", "upcast_gemms", "native_gemms"]
+           "gemm_flops", "upcast_gemms", "gemm_choice", "native_gemms"]
 #: a GEMM call whose one matrix product (2·M·K·N at the example's shapes) is below this stays native: the
 #: kernel's fixed cost (an autograd Function, the upcasts) outweighs the faster fp32 GEMM. Measured on the 2-core
 #: Xeon, forward + backward of one linear, upcast / native: 1.72 at 1 MFLOP (32x128x128), 1.49 at 4 MFLOP,
@@ -146,6 +147,16 @@ def upcast_gemms(gm: torch.fx.GraphModule, precision: str, why: str, targets: Op
         gm.graph.lint()
         gm.recompile()
     return done, small
+
+
+def gemm_choice(lowering: str, precision: str, nodes: list[str], small: int, why: str) -> dict:
+    """The ``report.json["lowering"]`` entry of one graph's GEMM kernels (``upcast_gemm`` for ``device="cpu"``,
+    ``dispatch_gemm`` for a portable graph): how many calls :func:`upcast_gemms` rewrote, why, and how many stayed
+    native for their size."""
+    if small:
+        why += f"; {small} smaller GEMM call(s) (< {MIN_GEMM_FLOPS / 1e6:g} MFLOP per matrix product) stay native"
+    return LoweringChoice(node=f"{len(nodes)} {precision} GEMM call(s)", lowering=lowering, chosen=bool(nodes),
+                          why=why).to_dict()
 
 
 def native_gemms(gm: torch.fx.GraphModule) -> int:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from converter.ir.meta import META_DECISION, META_INFO
 from converter.kernels.upcast import dispatch_attention, upcast_attention
-from converter.passes.cpu_gemm import DISPATCH_TARGETS, MIN_GEMM_FLOPS, upcast_gemms
+from converter.passes.cpu_gemm import DISPATCH_TARGETS, gemm_choice, upcast_gemms
 from converter.passes.lower import LoweringChoice
 
 __all__ = ["DISPATCH_KERNELS", "dispatch_kernels", "dispatch_attention_calls"]
@@ -62,10 +62,7 @@ def dispatch_kernels(gm: torch.fx.GraphModule, precision: str) -> tuple[list[str
         changed, choices = dispatch_attention_calls(gm, precision)
         gemms, small = upcast_gemms(gm, precision, _GEMM_WHY, targets=DISPATCH_TARGETS)
         changed += gemms
-        why = _GEMM_WHY + (f"; {small} smaller GEMM call(s) (< {MIN_GEMM_FLOPS / 1e6:g} MFLOP per matrix product) "
-                           "stay native" if small else "")
-        choices.append(LoweringChoice(node=f"{len(gemms)} {precision} GEMM call(s)", lowering="dispatch_gemm",
-                                      chosen=bool(gemms), why=why).to_dict())
+        choices.append(gemm_choice("dispatch_gemm", precision, gemms, small, _GEMM_WHY))
     return changed, choices
 
 
