@@ -233,8 +233,8 @@ def lower(gm: torch.fx.GraphModule, *, device: Optional[str], opt_level: str = "
     """Apply the lowerings for ``device`` (None: none); returns the names of the nodes replaced.
 
     ``fp32_attention`` (a CPU whose half GEMM measured slower than fp32's, :mod:`converter.passes.cpu_gemm`): the
-    attention calls are not lowered here; after rewrite they call ``dispatch_attention``, which runs them in fp32
-    arithmetic (:mod:`converter.passes.dispatch`). The cost model's choices (:class:`LoweringChoice`) go to the
+    attention calls are not lowered here; after rewrite they call ``upcast_attention``, which runs them in fp32
+    arithmetic (:func:`converter.passes.dispatch.dispatch_attention_calls`). The cost model's choices (:class:`LoweringChoice`) go to the
     graph meta's ``lowering`` field."""
     if device is None:
         return []
