@@ -55,14 +55,14 @@ __all__ = [
 #: ``mpconvert explain OUT_DIR NODE`` and ``--help`` answer without importing torch, and converting
 #: a model does not pay for the training wrapper.
 _LAZY = {
-    "convert": "converter.api",
-    "audit": "converter.api",
+    "convert": "converter.partition",
+    "audit": "converter.partition",
     "Conversion": "converter.api",
     "PassError": "converter.api",
     "FrozenModeError": "converter.api",
     "SlowHalfWarning": "converter.api",
     "normalize_precision": "converter.api",
-    "apply": "converter.inplace",
+    "apply": "converter.partition",
     "conversion_of": "converter.inplace",
     "restore": "converter.inplace",
     "FallbackWarning": "converter.inplace",

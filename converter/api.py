@@ -50,6 +50,7 @@ from converter.options import FIELDS, ConvertOptions, build_options
 from converter.passes import cpu_gemm
 from converter.passes import lower as lower_stage
 from converter.passes.capture import Captured, capture, guard_cache_calls, guard_cache_calls_keeping
+from converter.passes.capture.annotation import scope_module_paths
 from converter.passes.checkpoint import checkpoint_regions, regions_in
 from converter.passes.decide import decide
 from converter.passes.dispatch import dispatch_attention_calls, dispatch_kernels
@@ -348,6 +349,16 @@ class Conversion:
     options: ConvertOptions = field(default_factory=ConvertOptions)  # what it was converted with: to redo it
     timings: dict = field(default_factory=dict)
     calibration: Optional[list] = None  # the calibration batches, kept so that a variant is calibrated the same way
+    #: the regions, glue and graph breaks of a model converted region by region (:mod:`converter.partition`);
+    #: None when it was captured whole
+    partition: Optional[Any] = None
+    #: where this conversion sits in a larger model: (module path, ((path, class), ...) of its ancestors), or None
+    scope: Optional[tuple] = None
+
+    @property
+    def graph_breaks(self) -> list:
+        """The :class:`~converter.partition.GraphBreak` records ([] when captured whole)."""
+        return list(self.partition.breaks) if self.partition is not None else []
 
     @property
     def precision(self) -> str:
@@ -363,7 +374,9 @@ class Conversion:
 
     @property
     def decisions(self) -> Mapping[str, Decision]:
-        """Node name -> decision, for every compute node."""
+        """Node name -> decision, for every compute node (``region/node`` for a model converted region by region)."""
+        if self.partition is not None:
+            return {f"{r.path}/{name}": d for r in self.partition.regions for name, d in r.conversion.decisions.items()}
         return {n.name: n.meta[META_DECISION] for n in self.module.graph.nodes if META_DECISION in n.meta and n.meta.get(META_INFO) and n.meta[META_INFO].kind != "passive"}
 
     def save(self, out_dir: Union[str, Path], *, force: bool = False, model_file: Optional[str] = None,
@@ -389,7 +402,15 @@ class Conversion:
         options = self.redo_options(precision=precision)
         if options.precision == self.precision:
             return self
-        return convert(self.original, self.example_inputs, rules=self.rules, calibration=self.calibration, options=options)
+        if self.partition is not None:
+            from converter.passes.capture import CaptureError
+
+            raise CaptureError({"partial": "converted region by region"}, advice=(
+                f"the model has {len(self.partition.breaks)} graph break(s) (first: {self.partition.breaks[0].module or 'the root'} "
+                f"at {self.partition.breaks[0].location or '?'}: {self.partition.breaks[0].reason}), so it is not one graph; "
+                "ONNX needs one: remove the break, or export its converted regions"))
+        return convert(self.original, self.example_inputs, rules=self.rules, calibration=self.calibration, options=options,
+                       scope=self.scope)
 
     def export_onnx(self, path: Union[str, Path], *, precision: Union[None, str, torch.dtype] = None, **kwargs) -> Any:
         """Export to ONNX and verify it (:func:`converter.export.onnx.export_onnx`).
@@ -436,10 +457,11 @@ def place_settings(options: ConvertOptions) -> PlaceSettings:
 
 def pipeline(model: torch.nn.Module, example_inputs: Any, options: ConvertOptions, *,
              rules: Union[None, str, Path, Iterable, Rules] = None, calibration: Optional[list] = None,
-             codegen: bool = True, simplify_graph: bool = True) -> tuple[Captured, Rules, dict]:
+             codegen: bool = True, simplify_graph: bool = True, scope: Optional[tuple] = None) -> tuple[Captured, Rules, dict]:
     """capture → decide → lower → place → (calibrate) → rewrite → simplify → fp32_math → (codegen) with
     ``options``; returns the capture (its ``gm`` converted), the rules and the stage timings.
-    ``simplify_graph=False`` keeps the no-op nodes (benchmarks/graph_step.py times both).
+    ``simplify_graph=False`` keeps the no-op nodes (benchmarks/graph_step.py times both). ``scope``: the
+    module path (and ancestors) of ``model`` inside a larger model, which its module paths get (partial capture).
 
     A model captured as a train graph and an eval graph (it branches on ``self.training``) has both
     converted with the same rules and combined into one :class:`TwoModeGraphModule`."""
@@ -452,6 +474,10 @@ def pipeline(model: torch.nn.Module, example_inputs: Any, options: ConvertOption
     if options.strict_modes and captured.modes is not None and captured.modes.frozen:
         raise FrozenModeError(f"the converted module would be {captured.modes}; make the model's train mode traceable "
                               "(see the cause), or convert without strict_modes (CLI: without --strict-modes) to accept it")
+    if scope is not None:
+        for graph in (captured.gm, captured.eval_gm):
+            if graph is not None:
+                scope_module_paths(graph, *scope)
     done.append("capture")
     timings["capture_s"] = time.perf_counter() - t0
     graphs = [captured.gm] if captured.eval_gm is None else [captured.gm, captured.eval_gm]
@@ -621,7 +647,7 @@ def _report(captured: Captured, rule_set: Rules, timings: dict, options: Convert
 
 def convert(model: torch.nn.Module, example_inputs: Any, *, rules: Union[None, str, Path, Iterable, Rules] = None,
             calibration: Optional[Iterable] = None, options: Optional[ConvertOptions] = None,
-            **keywords: Any) -> Conversion:
+            scope: Optional[tuple] = None, **keywords: Any) -> Conversion:
     """Convert ``model`` to mixed precision.
 
     ``options``: a :class:`~converter.options.ConvertOptions` (``precision``, ``tracer``, ``placement``,
@@ -649,13 +675,18 @@ def convert(model: torch.nn.Module, example_inputs: Any, *, rules: Union[None, s
     independent module. The O2 :class:`~converter.train.trainer.MixedPrecisionTrainer` gives the
     parameters storage of their own. ``model`` itself is left exactly as it was by conversion: its
     modes, ``config``, buffers, parameters and hooks, also when it fails.
+
+    This converts the model as one graph (a model no tracer captures raises :class:`CaptureError`);
+    ``converter.convert`` (:func:`converter.partition.convert`) converts such a model region by region unless
+    ``partial=False``. ``scope``: (module path, ancestors) of ``model`` inside a larger model (set by partial
+    capture: its module paths become the model's).
     """
     options = build_options(options, keywords, caller="convert")
     batches = None
     if calibration is not None:  # kept for variants; an endless iterator is read up to max_batches only
         limit = (options.calibration_options or CalibrationOptions()).max_batches
         batches = list(calibration if limit is None else itertools.islice(calibration, limit))
-    captured, rule_set, timings = pipeline(model, example_inputs, options, rules=rules, calibration=batches)
+    captured, rule_set, timings = pipeline(model, example_inputs, options, rules=rules, calibration=batches, scope=scope)
     lowering = captured.gm.meta[GM_GRAPH].lowering
     upcast = any(c.get("lowering") in ("upcast_gemm", "dispatch_gemm") and c.get("chosen") for c in lowering)
     # the GEMMs run as fp32 GEMMs when this CPU's half GEMM is slow (passes.cpu_gemm, passes.dispatch): nothing to advise
@@ -671,7 +702,7 @@ def convert(model: torch.nn.Module, example_inputs: Any, *, rules: Union[None, s
     report.extra["device_advice"] = advice
     return Conversion(module=captured.gm, report=report, tracer=captured.tracer, rules=rule_set, original=model,
                       example_inputs=(captured.args, captured.kwargs), options=options, timings=timings,
-                      calibration=batches)
+                      calibration=batches, scope=scope)
 
 
 #: the options :func:`audit` takes as keywords: no calibration runs there

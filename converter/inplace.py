@@ -208,9 +208,14 @@ class ConvertedForward:
     """The ``forward`` that :func:`apply` puts on the model instance (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, conversion: Conversion, *, original: Any = None,
-                 max_recaptures: int = DEFAULT_MAX_RECAPTURES):
+                 max_recaptures: int = DEFAULT_MAX_RECAPTURES, cast_inputs: bool = False, recapture_values: bool = False):
         self.model = model
         self.conversion = conversion
+        #: a region of a partial conversion (converter.partition): floating inputs of another dtype than the
+        #: capture's (bf16 from the glue's autocast) are cast back at entry, exactly
+        self.cast_inputs = cast_inputs
+        #: a call with other Python scalars than the graph baked in (a temperature) is re-captured, not run as is
+        self.recapture_values = recapture_values
         self.instance_forward = original  # an instance attribute forward the model had before, if any
         self.original = original if original is not None else type(model).forward.__get__(model)
         self._binder = inspect.signature(self.original)
@@ -257,6 +262,8 @@ class ConvertedForward:
     # -- calling -----------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.cast_inputs:
+            args, kwargs = self._entry_cast(args, kwargs)
         if self._no_cache:
             kwargs, cache = self._cache_call(args, kwargs)
             if cache is not None:
@@ -268,6 +275,19 @@ class ConvertedForward:
                 return self._fallback(why, args, kwargs)
             return other._run(args, kwargs, owner=self)
         return self._run(args, kwargs, owner=self)
+
+    def _entry_cast(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The call's floating tensors in the dtype the graph was captured with, where they differ (an exact cast up)."""
+        ex_args, ex_kwargs = self.conversion.example_inputs
+
+        def fix(value: Any, want: Any) -> Any:
+            if (isinstance(value, torch.Tensor) and isinstance(want, torch.Tensor) and value.dtype != want.dtype
+                    and value.is_floating_point() and want.is_floating_point()):
+                return value.to(want.dtype)
+            return value
+
+        return (tuple(fix(a, ex_args[i] if i < len(ex_args) else None) for i, a in enumerate(args)),
+                {k: fix(v, ex_kwargs.get(k)) for k, v in kwargs.items()})
 
     def _run(self, args: tuple, kwargs: dict, *, owner: "ConvertedForward") -> Any:
         """Run this converted graph on a call that it serves (``owner``: the model's forward, which counts it)."""
@@ -293,7 +313,7 @@ class ConvertedForward:
         for other in self.recaptures:
             if other._mismatch(args, kwargs) is None:
                 return other
-        if _sizes(args, kwargs) in self._failed:
+        if self._key(args, kwargs) in self._failed:
             return None
         if len(self.recaptures) + len(self._failed) >= self.max_recaptures:  # failed tries count: each costs a capture
             if self.max_recaptures and not self._limit_warned:
@@ -311,7 +331,7 @@ class ConvertedForward:
         try:
             other = self._recapture(args, kwargs)
         except Exception as exc:  # noqa: BLE001 - the call still runs, as the original forward, and says why
-            self._failed[_sizes(args, kwargs)] = f"{type(exc).__name__}: {exc}"
+            self._failed[self._key(args, kwargs)] = f"{type(exc).__name__}: {exc}"
             warnings.warn(f"mpconvert: converting {type(self.model).__name__} again for {why} failed "
                           f"({type(exc).__name__}: {str(exc)[:300]}); such calls run the original fp32 forward",
                           RecaptureWarning, stacklevel=3)
@@ -337,12 +357,20 @@ class ConvertedForward:
         try:
             with torch.enable_grad(), torch.autocast(device_type=device_type, enabled=False):
                 new = convert(self.model, example, rules=conv.rules, calibration=conv.calibration,
-                              options=conv.redo_options())
+                              options=conv.redo_options(), scope=conv.scope)
         finally:
             self.model.__dict__.pop("forward", None)
             if current is not missing:
                 self.model.__dict__["forward"] = current
-        return ConvertedForward(self.model, new, original=self.instance_forward, max_recaptures=0)
+        return ConvertedForward(self.model, new, original=self.instance_forward, max_recaptures=0,
+                                cast_inputs=self.cast_inputs, recapture_values=self.recapture_values)
+
+    def _key(self, args: tuple, kwargs: dict) -> tuple:
+        """Which calls a failed re-capture stands for: their shapes (and Python scalars, where those re-capture)."""
+        if not self.recapture_values:
+            return _sizes(args, kwargs)
+        return tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else _short_repr(t)
+                     for t in pytree.tree_leaves((args, kwargs)))
 
     def _fallback(self, why: str, args: tuple, kwargs: dict) -> Any:
         if why not in self._warned:
@@ -478,7 +506,8 @@ class ConvertedForward:
                         span = f"{low}..{high}" if high is not None else f">= {low}"
                         return _ShapeMismatch(f"{label} of shape {tuple(g.shape)} (dim {i} is served for sizes {span})")
             elif not _same_constant(w, g):
-                return f"{label}={_short_repr(g)} (captured with {_short_repr(w)})"
+                why = f"{label}={_short_repr(g)} (captured with {_short_repr(w)})"
+                return _ShapeMismatch(why) if self.recapture_values else why
         return None
 
 

@@ -36,10 +36,11 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from converter.inplace import apply, conversion_of
+from converter.inplace import conversion_of
 from converter.ir.errors import MpconvertError
 from converter.ir.meta import GM_PARAM_DTYPES
 from converter.options import ConvertOptions, build_options
+from converter.partition import apply
 from converter.train.trainer import MixedPrecisionTrainer
 
 try:  # the unified package first, then the standalone one

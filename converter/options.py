@@ -70,6 +70,11 @@ class ConvertOptions:
       files' ``fp8_recipe`` setting, else tensorwise). ``precision="fp8"`` is ``precision="bf16"`` with
       ``fp8_recipe="auto"`` (unless one is given): fp8 is compute for GEMMs only, everything else follows
       the bf16 rules, storage included (:mod:`converter.passes.fp8`).
+    * ``partial``: a model that no tracer captures whole (data-dependent loops, ``.item()``, numpy, Python
+      ``random``, module state written in forward) is converted region by region: the largest submodules that
+      capture are converted graphs, the rest of its forward runs eagerly under ``torch.autocast``
+      (:mod:`converter.partition`); False refuses such a model (one graph, e.g. for ONNX). Default True:
+      never refuse a model that runs eagerly.
     * ``calibration_options``: how a calibration runs (a
       :class:`~converter.numerics.options.CalibrationOptions`, or a mapping of its fields, stored as one);
       used only when calibration data is given. None: the defaults.
@@ -88,6 +93,7 @@ class ConvertOptions:
     strict_modes: bool = False
     calibration_options: Any = None
     fp8_recipe: Optional[str] = None
+    partial: bool = True
 
     def __post_init__(self) -> None:
         precision = self.precision
@@ -105,7 +111,7 @@ class ConvertOptions:
         _choice("opt_level", self.opt_level, OPT_LEVELS)
         if self.device is not None:
             _choice("device", self.device, DEVICES, or_none=True)
-        for name in ("keep_io_types", "dynamic", "strict_modes"):
+        for name in ("keep_io_types", "dynamic", "strict_modes", "partial"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise OptionsError(f"{name} must be True or False, got {value!r}")

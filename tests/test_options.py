@@ -197,9 +197,9 @@ _SHARED = {"--precision", "--rules", "--tracer", "--entry", "--batch", "--seq-le
            "--empty-weights", "--load-weights", "--opt-level", "--device", "--tune-for", "--static", "-q", "--quiet",
            "--json", "--debug"}
 FLAGS = {
-    "convert": _SHARED | {"--max-shard-size", "--no-measure", "--strict-modes", "--out", "--calibrate", "--calibration-data",
+    "convert": _SHARED | {"--max-shard-size", "--no-measure", "--strict-modes", "--no-breaks", "--out", "--calibrate", "--calibration-data",
                           "--tolerance", "--onnx", "--onnx-precision", "--force", "--version"},
-    "audit": _SHARED | {"--strict-modes", "--out", "--force"},
+    "audit": _SHARED | {"--strict-modes", "--no-breaks", "--out", "--force"},
     "explain": _SHARED,
     "rules check": {"-q", "--quiet", "--json", "--debug"},
 }

@@ -71,7 +71,7 @@ def _source(path: str, entry: Optional[str], batch: Optional[int], seq_len: Opti
 def cmd_convert(ns: argparse.Namespace, ui: Terminal) -> int:
     """``mpconvert MODEL``: convert, then write MODEL_mp/ (model.py, weights, train.py, reports)."""
     options = ConvertOptions(precision=ns.precision, tracer=ns.tracer, opt_level=ns.opt_level, device=ns.device,
-                             dynamic=not ns.static, strict_modes=ns.strict_modes)
+                             dynamic=not ns.static, strict_modes=ns.strict_modes, partial=not ns.no_breaks)
     source = _source(ns.model, ns.entry, ns.batch, ns.seq_len, ns.trust_remote_code, ns.empty_weights)
     calibrating = ns.calibrate or ns.tolerance is not None or ns.calibration_data is not None
     rule_files, calibration_data, measure = ns.rules, ns.calibration_data, not ns.no_measure
@@ -161,14 +161,14 @@ def convert_model(ui: Terminal, mf, options: ConvertOptions, rules, *, calibrati
                   measure: bool = True):
     """:func:`converter.api.convert` on the loaded model, its report's warnings said on stderr, measured
     against fp32 and autocast unless ``measure`` is False (or the model has no weights)."""
-    from converter import api
+    from converter import api, partition
     from converter.passes.capture import CaptureError
     from converter.report.common import header_warnings
 
     with ui.status(f"Converting {mf.name} to {options.precision}…"), warnings.catch_warnings():
         warnings.simplefilter("ignore", api.SlowHalfWarning)  # said once below, from the report
         try:
-            conv = api.convert(mf.model, mf.example_inputs, rules=rules, calibration=calibration, options=options)
+            conv = partition.convert(mf.model, mf.example_inputs, rules=rules, calibration=calibration, options=options)
         except CaptureError as exc:
             raise capture_error(exc, mf, options.tracer) from exc
     for warning in header_warnings(conv.report):  # what report.md/html put first, one line each
@@ -287,7 +287,7 @@ def _onnx_failure(onnx: bool, onnx_result: dict, payload: dict) -> Optional[str]
 def cmd_audit(ns: argparse.Namespace, ui: Terminal) -> int:
     """``mpconvert audit MODEL``: the report only, written to MODEL_audit/."""
     options = ConvertOptions(precision=ns.precision, tracer=ns.tracer, opt_level=ns.opt_level, device=ns.device,
-                             dynamic=not ns.static, strict_modes=ns.strict_modes)
+                             dynamic=not ns.static, strict_modes=ns.strict_modes, partial=not ns.no_breaks)
     source = _source(ns.model, ns.entry, ns.batch, ns.seq_len, ns.trust_remote_code, ns.empty_weights)
     rules = load_rules(ns.rules)
     out = output_dir(ns.out, source.path, "_audit", force=ns.force, inputs=[source.path, *(ns.rules or [])])
@@ -316,7 +316,7 @@ def cmd_audit(ns: argparse.Namespace, ui: Terminal) -> int:
 
 def _audit(ui: Terminal, mf, options: ConvertOptions, rules):
     """:func:`converter.api.audit` on the loaded model (its folder source recorded in the report)."""
-    from converter.api import audit
+    from converter.partition import audit
     from converter.passes.capture import CaptureError
 
     with ui.status(f"Auditing {mf.name} ({options.precision})…"):

@@ -105,6 +105,10 @@ def _model_options(p: argparse.ArgumentParser, command: str) -> None:
         p.add_argument("--no-measure", dest="no_measure", action="store_true",
                        help="skip measuring memory and numerics against fp32 and torch.autocast for the report")
     if command in ("convert", "audit"):
+        p.add_argument("--no-breaks", dest="no_breaks", action="store_true",
+                       help="refuse (exit 2) a model that no tracer captures whole, instead of converting it region by "
+                            "region with its graph breaks reported (default: the code between converted regions runs "
+                            "eagerly under torch.autocast); for users who need one graph (ONNX)")
         p.add_argument("--strict-modes", dest="strict_modes", action="store_true",
                        help="refuse (exit 2) a model whose train mode cannot be traced, instead of converting it frozen in "
                             "one mode where train()/eval() change nothing (default: converted, with a warning)")

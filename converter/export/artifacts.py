@@ -376,6 +376,9 @@ def emit(
         raise EmitError("--device cuda was given but CUDA is not available on this machine; use --device cpu")
     notes = messages if messages is not None else []
     shard_size = parse_size(max_shard_size)
+    if getattr(conv, "partition", None) is not None:  # converted region by region: user code + region graphs
+        return _emit_partial(conv, out_dir, force=force, model_file=model_file, verify=verify, extra=extra, notes=notes,
+                             max_shard_size=shard_size)
     source = generate_model_source(conv, model_file=model_file)
     notes.extend(warning(text) for text in source.warnings)
     train_py = render_train_py(conv, model_file=model_file)
@@ -401,6 +404,27 @@ def emit(
             notes.append(verify_emitted(conv, tmp, device="cpu", tensors=source.tensors))
             if str(device).startswith("cuda"):
                 notes.append(verify_emitted(conv, tmp, device=device, tensors=source.tensors))
+        if extra is not None:
+            extra(tmp)
+
+    return publish_directory(out_dir, fill, force=force)
+
+
+def _emit_partial(conv, out_dir: Path, *, force: bool, model_file: Optional[str], verify: bool,
+                  extra: Optional[Callable[[Path], Any]], notes: list, max_shard_size: int) -> Path:
+    """:func:`emit` for a model converted region by region (:mod:`converter.export.partial_py`)."""
+    from converter.export.partial_py import generate_partial_source, verify_partial, write_partial
+
+    made = generate_partial_source(conv, model_file=model_file)
+    notes.extend(made.warnings)
+    train_py = render_train_py(conv, model_file=str(made.model_file))
+
+    def fill(tmp: Path) -> None:
+        write_partial(tmp, made, max_shard_size=max_shard_size)
+        _write_text(tmp / "train.py", train_py)
+        notes.extend(_write_reports(conv.report, tmp))
+        if verify:
+            notes.append(verify_partial(conv, tmp))
         if extra is not None:
             extra(tmp)
 

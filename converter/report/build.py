@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.fx
@@ -64,7 +64,7 @@ from converter.report.html import to_html
 from converter.report.markdown import to_markdown
 from converter.rules.precedence import PRECEDENCE
 
-__all__ = ["Report", "build_report", "summary_line", "SCHEMA", "PRECEDENCE", "MODULE_RULE_FP32_SHARE"]
+__all__ = ["Report", "build_report", "merge_reports", "summary_line", "SCHEMA", "PRECEDENCE", "MODULE_RULE_FP32_SHARE"]
 
 SCHEMA = 1
 _PRECISIONS = ("fp16", "bf16", "fp32")
@@ -97,6 +97,8 @@ class Report:
     fp32_math: dict = field(default_factory=dict)
     #: capture's train/eval note, typed (code reads ``modes.kind``; report.json has its text as ``modes``)
     modes: Optional[ModesNote] = None
+    #: the regions, glue and breaks of a model converted region by region (converter.partition.Partition), or None
+    partition: Any = None
 
     def to_dict(self) -> dict:
         out = {
@@ -116,6 +118,8 @@ class Report:
             "calibration": self.calibration,
             "fp32_math": self.fp32_math,
             "rules": self.rules,
+            "graph_breaks": [b.to_dict() for b in self.partition.breaks] if self.partition is not None else [],
+            "regions": [r.to_dict() for r in self.partition.regions] if self.partition is not None else [],
         }
         for key, value in self.extra.items():
             out.setdefault(key, value)
@@ -179,6 +183,8 @@ def summary_line(summary: dict, precision: str) -> str:
         f"Converted {half}/{summary['compute_nodes']} compute nodes "
         f"({100 * summary['half_flop_fraction']:.1f}% of FLOPs) to {target} with {summary['casts']} casts, "
         f"{mib:.2f} MiB per forward ({_weight_part(summary)})"
+        + (f"; {summary['break_count']} graph break(s), {100 * summary.get('captured_flop_fraction', 0.0):.1f}% of FLOPs "
+           "in converted graphs" if summary.get("break_count") else "")
         + "".join(f"; warning: {w['message']}" for w in summary.get("warnings", ()))
     )
 
@@ -484,6 +490,8 @@ def build_report(gm: torch.fx.GraphModule, *, precision: str, tracer: str, rules
         "out_bytes": sum(r["out_bytes"] for r in nodes),
         "warnings": _module_rule_warnings(nodes, total_flops)
         + [{"kind": "fp32_math_reduced", "message": text} for text in fp32_math["warnings"]],
+        "captured_flop_fraction": 1.0,
+        "break_count": 0,
     }
     return Report(
         precision=precision,
@@ -501,3 +509,53 @@ def build_report(gm: torch.fx.GraphModule, *, precision: str, tracer: str, rules
         fp32_math=fp32_math,
         modes=modes,
     )
+
+
+#: summary fields that add up over the regions of a partial conversion
+_SUMMED = ("nodes", "compute_nodes", "casts", "cast_bytes", "weight_casts", "weight_cast_bytes",
+           "weight_casts_dropped_in_o2", "flops", "half_flops", "unmatched_nodes", "out_bytes")
+_MEMORY_SUMMED = ("param_count", "param_bytes_o1", "param_bytes_o2", "params_half_in_o2", "buffer_bytes",
+                  "o1_weight_copy_bytes")
+
+
+def _scoped(path: str, name: str) -> str:
+    return f"{path}/{name}"
+
+
+def merge_reports(parts: list[tuple[str, Report]], *, partition: Any, precision: str, rules: dict, opt_level: str,
+                  device: Optional[str], timings: dict, capture_errors: dict) -> Report:
+    """One report for a model converted region by region: each region's rows (node names ``region/node``,
+    module paths the model's), summaries added up, and the partition (breaks, captured FLOP share)."""
+    nodes: list[dict] = []
+    casts: list[dict] = []
+    modules: list[dict] = []
+    by_precision = {p: 0 for p in _PRECISIONS}
+    summary: dict = {key: 0 for key in _SUMMED}
+    memory: dict = {key: 0 for key in _MEMORY_SUMMED}
+    memory["o2_fp32_params"] = {}
+    unmatched: set = set()
+    warnings: list = []
+    for path, report in parts:
+        nodes += [{**row, "name": _scoped(path, row["name"])} for row in report.nodes]
+        casts += [{**row, "name": _scoped(path, row["name"]), "src": _scoped(path, row["src"]),
+                   "consumers": [_scoped(path, c) for c in row.get("consumers") or ()]} for row in report.casts]
+        modules += report.modules
+        for key in _SUMMED:
+            summary[key] += report.summary.get(key, 0) or 0
+        for key, count in report.summary["by_precision"].items():
+            by_precision[key] = by_precision.get(key, 0) + count
+        unmatched |= set(report.summary.get("unmatched_ops") or ())
+        warnings += report.summary.get("warnings") or []
+        for key in _MEMORY_SUMMED:
+            value = report.memory.get(key)
+            memory[key] = None if value is None or memory[key] is None else memory[key] + value
+        memory["o2_fp32_params"].update({f"{path}.{k}": v for k, v in (report.memory.get("o2_fp32_params") or {}).items()})
+    summary.update(by_precision=by_precision, unmatched_ops=sorted(unmatched), warnings=warnings,
+                   opt_level="O2" if opt_level == "O2" else "O1",
+                   half_flop_fraction=(summary["half_flops"] / summary["flops"]) if summary["flops"] else 0.0,
+                   captured_flop_fraction=partition.captured_flop_fraction, break_count=len(partition.breaks))
+    tracers = sorted({report.tracer for _, report in parts})
+    return Report(precision=precision, tracer="+".join(tracers) or "eager", summary=summary, nodes=nodes, casts=casts,
+                  rules=rules, model=parts[0][1].model if parts else "", ops=_op_table(nodes), modules=modules,
+                  memory=memory, partition=partition,
+                  extra={"timings": timings, "opt_level": opt_level, "device": device, "capture_errors": capture_errors})

@@ -47,6 +47,7 @@ class ReportView(Protocol):
     calibration: dict
     fp32_math: dict
     modes: Optional[ModesNote]
+    partition: Any
 
     @property
     def line(self) -> str: ...
@@ -364,3 +365,24 @@ def fp8_layer_rows(report: ReportView) -> list[dict]:
                      "overflow": per_tensor(layer.get("overflow") or {}, fmt_pct),
                      "flops": fmt_flops(layer.get("flops"))})
     return rows
+
+
+#: the columns of the graph-breaks table (report.md, report.html)
+BREAK_COLUMNS = ("module", "class", "where", "why", "runs", "FLOPs")
+
+
+def break_rows(report: ReportView) -> list[tuple[str, str, str, str, str, int]]:
+    """One row per graph break of a partial conversion (none when captured whole), for the renderers."""
+    partition = getattr(report, "partition", None)
+    if partition is None:
+        return []
+    return [(b.module or "(root)", b.module_type, b.location or "?", b.reason, b.runs, b.flops) for b in partition.breaks]
+
+
+def breaks_note(report: ReportView) -> str:
+    """The sentence above the graph-breaks table."""
+    s = report.summary
+    regions = len(report.partition.regions) if getattr(report, "partition", None) is not None else 0
+    return (f"No tracer captured the whole model: {regions} region(s) run converted graphs "
+            f"({100 * s.get('captured_flop_fraction', 0.0):.1f}% of the FLOPs on the example); the code of the modules "
+            "below runs eagerly under torch.autocast, as written.")

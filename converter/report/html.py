@@ -16,11 +16,14 @@ from importlib import resources
 from typing import Any, Optional
 
 from converter.report.common import (
+    BREAK_COLUMNS,
     COLORS,
     FP8_NOTE,
     FP32_MATH_NOTE,
     ORDER,
     ReportView,
+    break_rows,
+    breaks_note,
     calibration_rows,
     db_sort_key,
     fmt_bytes,
@@ -439,6 +442,14 @@ def to_html(report: ReportView) -> str:
     )
 
 
+def _breaks_html(report: ReportView) -> str:
+    head = "".join(f"<th>{_e(c)}</th>" for c in BREAK_COLUMNS)
+    body = "".join("<tr>" + "".join(f'<td class="mono">{_e(str(c))}</td>' for c in row[:5])
+                   + f"<td class=n>{row[5]:,}</td></tr>" for row in break_rows(report))
+    return (f"<p class=note>{_e(breaks_note(report))}</p>"
+            f'<div class="tablewrap"><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>')
+
+
 def _sections(report: ReportView) -> list[tuple[str, str, str]]:
     """(id, title, inner HTML) of every section, in page order."""
     s = report.summary
@@ -446,6 +457,7 @@ def _sections(report: ReportView) -> list[tuple[str, str, str]]:
     return [
         ("summary", "Summary", _cards(report) + f'<p class="note">Rule files: <span class="mono">{_e(files)}</span>. '
          f'Precedence: {_e(describe())}.</p>'),
+        *([("breaks", f"Graph breaks ({len(break_rows(report))})", _breaks_html(report))] if break_rows(report) else []),
         ("picture", "Precision picture",
          "<p class=note>Every compute node in graph order, one row per module; hover a cell for its rule, click to jump to its row.</p>"
          + _legend() + f'<div class="strip">{_strip_svg(report)}</div>'),

@@ -5,9 +5,12 @@ import re
 from typing import Any, Iterable
 
 from converter.report.common import (
+    BREAK_COLUMNS,
     FP8_NOTE,
     FP32_MATH_NOTE,
     ReportView,
+    break_rows,
+    breaks_note,
     calibration_rows,
     fmt_bytes,
     fmt_db,
@@ -46,7 +49,7 @@ def md_escape(value: Any) -> str:
 def to_markdown(report: ReportView) -> str:
     """report.md: the summary line, memory, numerics, ops, modules, casts and every node."""
     out: list[str] = []
-    for section in (_header, _summary, _user_intent, _fp32_math, _memory, _numerics, _calibration, _fp8, _ops, _unmatched, _modules, _casts, _nodes):
+    for section in (_header, _summary, _graph_breaks, _user_intent, _fp32_math, _memory, _numerics, _calibration, _fp8, _ops, _unmatched, _modules, _casts, _nodes):
         out.extend(section(report))
     return "\n".join(out)
 
@@ -67,6 +70,14 @@ def _header(report: ReportView) -> list[str]:
             line for warning in header_warnings(report) for line in (f"> **Warning:** {md_escape(warning.text)}", "")] + [
             line for text in [ranges_text(report.extra.get("dynamic_ranges") or {})] if text
             for line in (f"Input sizes: {md_escape(text)}", "")]
+
+
+def _graph_breaks(report: ReportView) -> list[str]:
+    rows = break_rows(report)
+    if not rows:
+        return []
+    return ["## Graph breaks", "", md_escape(breaks_note(report)), "",
+            _table(list(BREAK_COLUMNS), ([md_escape(str(c)) for c in row[:5]] + [f"{row[5]:,}"] for row in rows)), ""]
 
 
 def _summary(report: ReportView) -> list[str]:

@@ -109,7 +109,14 @@ import torch.fx
 
 from converter.ir.meta import ModesNote
 from converter.ir.state import preserved_state
-from converter.passes.capture.advice import CaptureError, cache_advice, control_flow_advice, short_reason
+from converter.passes.capture.advice import (
+    CaptureError,
+    break_reason,
+    cache_advice,
+    control_flow_advice,
+    failure_location,
+    short_reason,
+)
 from converter.passes.capture.annotation import annotate, opaque_leaves
 from converter.passes.capture.cache import (
     CACHE_ARGUMENTS,
@@ -186,21 +193,26 @@ def capture(
     with preserved_state(model):
         cache = cache_off(model, args, kwargs)
         traced = model if cache is None else shell(model, config={"use_cache": False})
-        result, used, shapes, advice = _first_capture(order, traced, args, kwargs, dynamic, dynamic_shapes, errors)
+        failures: list[BaseException] = []
+        result, used, shapes, advice = _first_capture(order, traced, args, kwargs, dynamic, dynamic_shapes, errors, failures)
         if result is not None and used == "export" and order[0] == "export" and "fx" not in errors:
             errors["fx"] = (f"not tried: {type(model).__name__} is a Hugging Face PreTrainedModel, which "
                             "symbolic_trace cannot trace (Python control flow on inputs and config); used torch.export")
         if result is None:
-            raise CaptureError(errors, advice=advice or cache_advice(errors))
+            located = [failure_location(exc)[0] for exc in failures]
+            cache = cache_advice(errors)
+            raise CaptureError(errors, advice=advice or cache, location=next((loc for loc in located if loc), ""),
+                               reason="returns a key/value cache" if cache and not advice else
+                               break_reason(failures[0]) if failures else "")
         captured = _finish_capture(result, used, shapes, tracer, traced, args, kwargs, dynamic, dynamic_shapes, errors)
         captured.cache = cache or ""
         return captured
 
 
 def _first_capture(order: tuple, model: torch.nn.Module, args: tuple, kwargs: dict, dynamic: bool, dynamic_shapes: Any,
-                   errors: dict) -> tuple:
+                   errors: dict, failures: list) -> tuple:
     """(result of the first tracer in ``order`` that works or None, its name, its shapes, advice); each
-    failure goes into ``errors`` with its reason."""
+    failure goes into ``errors`` with its reason, and its exception into ``failures``."""
     advice: Optional[str] = None
     result = used = shapes = None
     for name in order:
@@ -210,6 +222,7 @@ def _first_capture(order: tuple, model: torch.nn.Module, args: tuple, kwargs: di
             used = name
             break
         except Exception as exc:  # any tracer failure is reported with its reason, then the next is tried
+            failures.append(exc)
             plain = control_flow_advice(exc)
             advice = advice or plain
             errors[name] = plain or short_reason(exc)

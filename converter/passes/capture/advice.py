@@ -13,16 +13,21 @@ import torch
 from converter.ir.errors import MpconvertError
 
 __all__ = ["CaptureError", "short_reason", "SKIP_FRAMES", "user_location", "control_flow_advice", "user_frame",
-           "cache_advice"]
+           "cache_advice", "failure_location", "break_reason"]
 
 
 class CaptureError(MpconvertError, RuntimeError):
     """Neither tracer could capture the model; ``reasons`` maps tracer name to a one-line reason."""
 
-    def __init__(self, reasons: dict[str, str], *, advice: Optional[str] = None):
+    def __init__(self, reasons: dict[str, str], *, advice: Optional[str] = None, location: str = "",
+                 reason: str = ""):
         self.reasons = dict(reasons)
         #: plain words on what to change in the model (data-dependent control flow), or None
         self.advice = advice
+        #: the user's ``file:line`` that broke capture ("" when no frame of the user's was found)
+        self.location = location
+        #: the cause in one phrase ("data-dependent control flow", ...), what a graph break reports
+        self.reason = reason or next(iter(self.reasons.values()), "")
         if advice is not None:
             super().__init__(f"could not capture the model (tracer {' and '.join(reasons)}): {advice}")
             return
@@ -63,15 +68,8 @@ def control_flow_advice(exc: BaseException) -> Optional[str]:
     )
     if not data_dependent:
         return None
-    where, code = "", ""
-    found = _USER_FRAME.findall(text)
-    if found:
-        path, line, _, code = found[-1]
-        where = f" at {path.rsplit('/', 1)[-1]}:{line}"
-    else:
-        frame = user_frame(exc.__traceback__)
-        if frame is not None:
-            where, code = f" at {frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}", frame.line or ""
+    location, code = failure_location(exc)
+    where = f" at {location}" if location else ""
     shown = f" (`{code.strip()}`)" if code.strip() else ""
     if not code.strip() or _BRANCH.search(code):
         return (
@@ -84,6 +82,33 @@ def control_flow_advice(exc: BaseException) -> Optional[str]:
         "captured graph cannot record. Keep it a tensor operation, move it out of forward (compute it before or "
         "after calling the model), or split the model at that point and convert each part; a branch on it needs torch.cond"
     )
+
+
+def failure_location(exc: BaseException) -> tuple[str, str]:
+    """(``file:line``, the code on that line) of the user's frame where a tracer failed, or ("", "").
+
+    torch.export prints the user's stack into its message (the last ``File ..., line N`` is the
+    innermost); otherwise the traceback's innermost frame outside torch and this package."""
+    found = _USER_FRAME.findall(str(exc))
+    found = [f for f in found if not f[0].startswith(SKIP_FRAMES) and "/transformers/" not in f[0]] or found
+    if found:
+        path, line, _, code = found[-1]
+        return f"{path.rsplit('/', 1)[-1]}:{line}", code or ""
+    frame = user_frame(exc.__traceback__)
+    if frame is not None:
+        return f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}", frame.line or ""
+    return "", ""
+
+
+def break_reason(exc: BaseException) -> str:
+    """Why a tracer failed, in one phrase (a graph break's ``reason``)."""
+    advice = control_flow_advice(exc)
+    if advice is not None:
+        return advice.split(" at ", 1)[0].split(":", 1)[0].split(" (", 1)[0]
+    text = short_reason(exc)
+    if "numpy" in text.lower():
+        return f"numpy in forward ({text[:120]})"
+    return text[:160]
 
 
 def user_frame(tb) -> Optional[Any]:

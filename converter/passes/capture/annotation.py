@@ -7,6 +7,7 @@ op alias ``weight_matmul`` (:mod:`converter.ir.weight_gemm`), which rules may na
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from typing import Optional
@@ -156,3 +157,18 @@ def _rename_module_ops(gm: torch.fx.GraphModule) -> None:
             if candidate and candidate[0].isdigit():
                 candidate = "m_" + candidate
             nodes[0]._rename(candidate)
+
+
+def scope_module_paths(gm: torch.fx.GraphModule, path: str, ancestors: tuple[tuple[str, str], ...]) -> None:
+    """Make ``gm``'s module paths those of the larger model it is a part of: a graph captured from the submodule
+    at ``path`` (partial capture) names ``layers.0.attn`` as ``encoder.layers.0.attn``, so that module rules and the
+    report see the model's own paths. ``ancestors``: the (path, class name) of every module above it, root first."""
+    def full(sub: str) -> str:
+        return f"{path}.{sub}" if sub else path
+
+    for node in gm.graph.nodes:
+        info = node.meta.get(META_INFO)
+        if info is None:
+            continue
+        stack = ancestors + tuple((full(sub), cls) for sub, cls in info.module_stack)
+        node.meta[META_INFO] = dataclasses.replace(info, module=full(info.module), module_stack=stack)
