@@ -51,6 +51,7 @@ import torch.utils._pytree as pytree
 from converter.api import Conversion, convert
 from converter.ir.errors import MpconvertError
 from converter.ir.graphmodule import EVAL_PREFIX, TwoModeGraphModule
+from converter.ir.precision import half_dtype
 from converter.options import ConvertOptions, build_options
 from converter.passes.capture.cache import CACHE_ARGUMENTS
 
@@ -373,14 +374,22 @@ class ConvertedForward:
                      for t in pytree.tree_leaves((args, kwargs)))
 
     def _fallback(self, why: str, args: tuple, kwargs: dict) -> Any:
+        # weights stored in half (O2 training) cannot run the fp32 code as it is: autocast runs it with them
+        half = any(p.dtype in (torch.float16, torch.bfloat16) for p in self.model.parameters())
+        how = f"forward under torch.autocast({self.conversion.precision}) (its weights are stored in half)" if half \
+            else "fp32 forward"
         if why not in self._warned:
             self._warned.add(why)
             warnings.warn(
-                f"mpconvert: {type(self.model).__name__}.forward was called with {why}; running the original fp32 "
-                "forward for this call (pass such inputs to converter.apply to convert them)",
+                f"mpconvert: {type(self.model).__name__}.forward was called with {why}; running the original {how} "
+                "for this call (pass such inputs to converter.apply to convert them)",
                 FallbackWarning, stacklevel=3)
         self.calls["fallback"] += 1
-        return self.original(*args, **kwargs)
+        if not half:
+            return self.original(*args, **kwargs)
+        device_type = _autocast_type(self._device() or self._graphs.home)
+        with torch.autocast(device_type=device_type, dtype=half_dtype(self.conversion.precision)):
+            return self.original(*args, **kwargs)
 
     def _cache_call(self, args: tuple, kwargs: dict) -> tuple[dict, Optional[str]]:
         """(the call's keyword arguments, why it asks for a key/value cache or None).

@@ -53,7 +53,7 @@ from converter.ir.precision import half_dtype
 from converter.numerics.options import CalibrationOptions
 from converter.options import ConvertOptions, build_options
 from converter.passes.capture import CaptureError, normalize_inputs
-from converter.passes.capture.probe import ModuleProbe, Probe, probe
+from converter.passes.capture.probe import Impurity, ModuleProbe, Probe, probe
 from converter.passes.capture.shells import shell
 from converter.report.build import merge_reports
 from converter.rules.loader import load_rules
@@ -209,7 +209,7 @@ def impure_root(model: torch.nn.Module, example_inputs: Any) -> Optional[Probe]:
         return None
     args, kwargs = normalize_inputs(example_inputs)
     found = probe(model, args, kwargs)
-    return found if found is not None and found.impure("") else None
+    return found if found is not None and found.impure("") is not None else None
 
 
 def _ancestors(model: torch.nn.Module, path: str) -> tuple[tuple[str, str], ...]:
@@ -230,20 +230,20 @@ _WRITE = re.compile(r"\bself\.(\w+)\s*(?:[-+*/|&]|//)?=(?!=)")
 _RANDOM = re.compile(r"\b(random\.|np\.random|numpy\.random)")
 
 
-def _source_location(module: torch.nn.Module, why: str) -> str:
-    """``file:line`` in ``module``'s forward of the draw or write ``why`` names (its ``def`` line if none is found)."""
-    forward = type(module).forward
+def _source_location(model: torch.nn.Module, impurity: Impurity) -> str:
+    """``file:line`` of the draw or write in the forward of the module that makes it (its ``def`` line if the source
+    does not show it)."""
+    forward = type(model.get_submodule(impurity.origin) if impurity.origin else model).forward
     try:
         lines, start = inspect.getsourcelines(forward)
         path = inspect.getsourcefile(forward) or "?"
     except (OSError, TypeError):
         return ""
-    written = set(re.findall(r"self\.(\w+)", why))
     for offset, line in enumerate(lines):
         code = line.split("#", 1)[0]
-        if "random" in why and _RANDOM.search(code):
+        if impurity.kind == "random" and _RANDOM.search(code):
             return f"{path.rsplit('/', 1)[-1]}:{start + offset}"
-        if any(m.group(1) in written for m in _WRITE.finditer(code)):
+        if any(m.group(1) in impurity.written for m in _WRITE.finditer(code)):
             return f"{path.rsplit('/', 1)[-1]}:{start + offset}"
     return f"{path.rsplit('/', 1)[-1]}:{start}"
 
@@ -252,15 +252,9 @@ def _root_break(model: torch.nn.Module, cause: Any, probed: Probe, precision: st
     if isinstance(cause, CaptureError):
         location, reason = cause.location, cause.reason
     else:
-        reason = probed.impure("")
-        location = _source_location(_impure_source(model, probed), reason)
+        impurity = probed.impure("")
+        reason, location = impurity.reason(""), _source_location(model, impurity)
     return GraphBreak("", type(model).__name__, location, reason, _runs(precision), probed.total_flops)
-
-
-def _impure_source(model: torch.nn.Module, probed: Probe) -> torch.nn.Module:
-    """The innermost module whose own code draws or writes (an ancestor's reason only says it contains it)."""
-    paths = [p for p, e in probed.modules.items() if e.impure and not e.impure.startswith("contains ")]
-    return model.get_submodule(max(paths, key=len)) if paths else model
 
 
 def _shapes(module: torch.nn.Module) -> list:
@@ -279,7 +273,7 @@ def _twin(model: torch.nn.Module, path: str, probed: Probe) -> Optional[ModulePr
                 and _shapes(model.get_submodule(other)) == shapes):
             return dataclasses.replace(entry, path=path, calls=0, flops=0,
                                        eval_flops=(entry.flops or entry.eval_flops) // max(entry.calls, 1),
-                                       impure=probed.impure(path) or entry.impure)
+                                       impurity=probed.impure(path) or entry.impurity)
     return None
 
 
@@ -318,19 +312,17 @@ def convert_partial(model: torch.nn.Module, example_inputs: Any, *, rules: Any, 
         if not flops:
             continue  # does no arithmetic: it runs eagerly where its parent calls it
         sub = model.get_submodule(path)
-        why, location = entry.impure, ""
-        if why:
-            location = _source_location(sub if not why.startswith("contains ") else
-                                        _impure_source(model, Probe({p: e for p, e in probed.modules.items()
-                                                                     if p.startswith(path + ".")})), why)
+        why, location = "", ""
+        if entry.impurity is not None:
+            why, location = entry.impurity.reason(path), _source_location(model, entry.impurity)
         else:
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", SlowHalfWarning)  # said once, for the whole model
                     conv = api.convert(sub, entry.inputs, rules=rule_set, calibration=entry.batch_inputs or None,
                                    options=region_options, scope=(path, _ancestors(model, path)))
-            except CaptureError as exc:
-                why, location = exc.reason, exc.location
+            except CaptureError as exc:  # where torch's own code failed (nn.LSTM on a PackedSequence): the user's call
+                why, location = exc.reason, exc.location or entry.call_site
             except MpconvertError:
                 raise  # the user's to fix (rules, an fp16 overflow...), as for a whole model
             except Exception as exc:  # noqa: BLE001 - this part runs eagerly, and the report says why

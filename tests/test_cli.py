@@ -268,10 +268,22 @@ def example_inputs():
 """
 
 
-def test_untraceable_model(work, capfd):
+def test_untraceable_model_converts_with_its_break(work, capfd):
+    """A model that runs eagerly is never refused: its Linear is a converted region, its forward the glue."""
+    write(work, "untraceable.py", UNTRACEABLE)
+    code, out, err = run(capfd, "untraceable.py")
+    assert code == 0, (code, out, err)
+    assert "1 graph break(s), 100.0% of FLOPs in converted graphs" in out, out
+    report = json.loads((work / "untraceable_mp" / "report.json").read_text())
+    (brk,) = report["graph_breaks"]
+    assert brk["module"] == "" and brk["location"] == "untraceable.py:15", brk
+    assert report["summary"]["by_precision"]["bf16"] == 1, report["summary"]
+
+
+def test_untraceable_model_with_no_breaks(work, capfd):
     write(work, "untraceable.py", UNTRACEABLE)
     # capfd also sees file descriptor 2, where torch's own logging writes during the failed export
-    line = assert_bad_input(*run(capfd, "untraceable.py"), "neither tracer could capture Weird")
+    line = assert_bad_input(*run(capfd, "untraceable.py", "--no-breaks"), "neither tracer could capture Weird")
     # both tracers were tried and both failed: plain advice naming the line, and fx's own reason
     assert "untraceable.py:15" in line and "out of forward" in line and "split the model" in line
     assert "fx: " in line and "Proxy" in line
@@ -281,7 +293,8 @@ def test_untraceable_model(work, capfd):
 
 def test_forced_tracer_failure_suggests_the_other(work, capfd):
     write(work, "untraceable.py", UNTRACEABLE)
-    assert_bad_input(*run(capfd, "untraceable.py", "--tracer", "fx"), "the fx tracer could not capture", "--tracer export")
+    assert_bad_input(*run(capfd, "untraceable.py", "--tracer", "fx", "--no-breaks"), "the fx tracer could not capture",
+                     "--tracer export")
     assert snapshot(work) == ["untraceable.py"]
 
 

@@ -275,10 +275,14 @@ def test_untraceable_model_raises_capture_error():
             return x * int(os.getpid() > 0 and x.mean().item() > 100)
 
     with pytest.raises(converter.CaptureError) as info:
-        converter.convert(Bad(), (torch.randn(3),))
+        converter.convert(Bad(), (torch.randn(3),), partial=False)
     assert set(info.value.reasons) == {"fx", "export"}
     with pytest.raises(converter.CaptureError, match="fx"):
-        converter.convert(Bad(), (torch.randn(3),), tracer="fx")
+        converter.convert(Bad(), (torch.randn(3),), tracer="fx", partial=False)
+    # by default it converts: nothing in it captures (no submodule), so all of it is the glue, under autocast
+    conv = converter.convert(Bad(), (torch.randn(3),))
+    assert conv.partition.regions == () and [b.module for b in conv.graph_breaks] == [""], conv.graph_breaks
+    assert conv.report.summary["captured_flop_fraction"] == 0.0
 
 
 def test_opt_level_o2_placement_treats_weight_casts_as_free():

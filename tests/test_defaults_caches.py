@@ -137,7 +137,7 @@ def test_an_example_with_use_cache_false_is_served_with_and_without_the_keyword(
 def test_an_example_that_asks_for_the_cache_gets_advice():
     model = _stock("llama")
     with pytest.raises(converter.CaptureError, match="forward returns a key/value cache object .* leave use_cache"):
-        converter.convert(model, {"input_ids": _ids(), "use_cache": True}, precision="bf16")
+        converter.convert(model, {"input_ids": _ids(), "use_cache": True}, precision="bf16", partial=False)
 
 
 def _forward_backward(model: torch.nn.Module, example: dict, weights: torch.Tensor, *, amp: bool = False):

@@ -15,6 +15,7 @@ import io
 import json
 import math
 import random
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -68,20 +69,34 @@ def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.detach().float().reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
 
 
-def output_and_grads(module: torch.nn.Module, mf, *, autocast: str = "") -> tuple[torch.Tensor, torch.Tensor]:
-    """Outputs and parameter gradients (in named_parameters order, zeros where unused) of one eval-mode step on the
-    first training batch (its sizes need not be the example's)."""
+#: batches the numerics are measured on, each on its own: a research model's output is small (a few logits per
+#: example), and a discrete choice (ACT's halting step, an NMS keep) that flips on one batch moves its SQNR by
+#: far more than rounding does; the median over the batches is the rounding's
+BATCHES = 5
+
+
+def outputs_and_grads(module: torch.nn.Module, mf, *, autocast: str = "") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per training batch (the first BATCHES; their sizes need not be the example's): the outputs and the parameter
+    gradients (named_parameters order, zeros where unused) of an eval-mode step."""
     module.eval()
-    module.zero_grad(set_to_none=True)
-    args, batch = next(iter(mf.train_batches()))
-    kwargs: dict = {}
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(autocast)
-    with torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext():
-        out = module(*args, **kwargs)
-        loss = mf.loss_fn(out, batch)
-    loss.backward()
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in module.named_parameters()]
-    return flat(floats(out)), flat(grads)
+    found = []
+    for _, (args, batch) in zip(range(BATCHES), mf.train_batches()):
+        module.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext():
+            out = module(*args)
+            loss = mf.loss_fn(out, batch)
+        loss.backward()
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in module.named_parameters()]
+        found.append((flat(floats(out)), flat(grads)))
+    return found
+
+
+def median_sqnr(ref: list, got: list, index: int) -> float:
+    """The median over the batches of the SQNR of output (``index`` 0) or gradients (1); a batch whose output differs
+    in size (NMS kept another box count) counts as -inf, a flip."""
+    return statistics.median(sqnr(r[index], g[index]) if r[index].shape == g[index].shape else -math.inf
+                             for r, g in zip(ref, got))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,7 +135,7 @@ def test_cli_converts_and_reports_its_breaks(cli_runs, name):
     # half precision ran: bf16 nodes carrying most of the converted graphs' FLOPs
     assert summary["by_precision"]["bf16"] > 0 and summary["half_flop_fraction"] >= 0.5, (name, summary)
     assert {"model.py", "user_model.py", "model.safetensors", "train.py", "report.md"} <= {p.name for p in out.iterdir()}
-    assert "## Graph breaks" in (out / "report.md").read_text()
+    assert ("## Graph breaks" in (out / "report.md").read_text()) == bool(breaks), name
 
 
 def test_no_breaks_refuses_in_one_line(tmp_path, capfd):
@@ -224,15 +239,17 @@ def test_outputs_and_gradients_match_autocast(name, precision):
         warnings.simplefilter("ignore")
         conv = converter.convert(mf.build_model(), (args, kwargs), precision=precision)
         assert bool(conv.graph_breaks) != (name in WHOLE), f"{name}: graph breaks {conv.graph_breaks}"
-        ref_out, ref_grad = output_and_grads(mf.build_model(), mf)
-        auto_out, auto_grad = output_and_grads(mf.build_model(), mf, autocast=precision)
-        out, grad = output_and_grads(conv.module, mf)
+        ref = outputs_and_grads(mf.build_model(), mf)
+        auto = outputs_and_grads(mf.build_model(), mf, autocast=precision)
+        # a model captured whole is one GraphModule, which does not re-capture other sizes itself; the applied model does
+        served = conv.module if name not in WHOLE else converter.apply(mf.build_model(), (args, kwargs), precision=precision)
+        ours = outputs_and_grads(served, mf)
     summary = conv.report.summary
     assert summary["by_precision"][precision] > 0 and summary["half_flop_fraction"] >= 0.5, (name, summary)
-    db, auto_db = sqnr(ref_out, out), sqnr(ref_out, auto_out)
-    gdb, auto_gdb = sqnr(ref_grad, grad), sqnr(ref_grad, auto_grad)
-    assert db >= auto_db - 1.0, f"{name} {precision}: output SQNR {db:.1f} dB, autocast {auto_db:.1f} dB"
-    assert gdb >= auto_gdb - 1.0, f"{name} {precision}: gradient SQNR {gdb:.1f} dB, autocast {auto_gdb:.1f} dB"
+    db, auto_db = median_sqnr(ref, ours, 0), median_sqnr(ref, auto, 0)
+    gdb, auto_gdb = median_sqnr(ref, ours, 1), median_sqnr(ref, auto, 1)
+    assert db >= auto_db - 1.0, f"{name} {precision}: output SQNR {db:.1f} dB, autocast {auto_db:.1f} dB (medians)"
+    assert gdb >= auto_gdb - 1.0, f"{name} {precision}: gradient SQNR {gdb:.1f} dB, autocast {auto_gdb:.1f} dB (medians)"
     assert db < HALF_CEILING_DB and gdb < HALF_CEILING_DB, f"{name}: SQNR {db:.1f}/{gdb:.1f} dB: did half precision run?"
 
 
@@ -269,7 +286,9 @@ def test_trains_fp16_o2_as_often_as_gradscaler(name):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         conv = converter.convert(mf.build_model(), (args, kwargs), precision="fp16", opt_level="O2")
-        module = conv.module
+        # a model captured whole is one GraphModule, which does not re-capture other sizes itself; the applied model does
+        module = conv.module if name not in WHOLE else converter.apply(mf.build_model(), (args, kwargs), precision="fp16",
+                                                                       opt_level="O2")
         module.train()
         opt = torch.optim.SGD(module.parameters(), lr=0.01)
         trainer = converter.MixedPrecisionTrainer(module, opt, precision="fp16", master_weights=True)

@@ -376,7 +376,7 @@ def test_fx_region_emits_to_model_py_and_runs_like_the_module(tmp_path, referenc
 
 def test_overflow_check_enters_each_autocast_region_once():
     """The fp16 overflow check runs the graph twice in lockstep: an autocast call made twice left autocast on."""
-    from converter.api import _first_overflow
+    from converter.numerics.overflow import first_overflow as _first_overflow
     from converter.passes.capture import capture
 
     torch.manual_seed(0)

@@ -30,7 +30,7 @@ from converter.export.model_signature import EmitCodeGen, export_codegen
 from converter.export.source_text import check_attribute_path, comment_text
 from converter.fp8.kernels import fp8_linear
 from converter.ir.graphmodule import TwoModeGraphModule
-from converter.ir.meta import META_CAST, META_DECISION, META_INFO
+from converter.ir.meta import GM_GRAPH, META_CAST, META_DECISION, META_INFO
 from converter.ir.ops import library_op
 from converter.kernels.upcast import GRAPH_KERNELS as _UPCAST_KERNELS
 from converter.passes.checkpoint import with_checkpoints
@@ -117,7 +117,8 @@ def _forward_source(gm: torch.fx.GraphModule, prepared: PreparedGraph, original:
     graph = prepared.graph
     pytree_info = getattr(source._codegen, "pytree_info", None)
     if pytree_info is not None and pytree_info.in_spec is not None:
-        graph._codegen, io_note = export_codegen(source, graph, original)
+        facts = gm.meta.get(GM_GRAPH)
+        graph._codegen, io_note = export_codegen(source, graph, original, narrowed=facts.narrowed if facts is not None else {})
     else:
         graph._codegen = EmitCodeGen(None, [], None)
         io_note = "The forward takes the same arguments as the original model's forward and returns the same structure."

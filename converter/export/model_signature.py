@@ -10,7 +10,7 @@ plain Python containers.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
 import torch.fx
@@ -125,9 +125,11 @@ class EmitCodeGen(CodeGen):
         return self._output(output_args)
 
 
-def export_codegen(source: torch.fx.Graph, graph: torch.fx.Graph, original: Optional[nn.Module]) -> tuple[EmitCodeGen, str]:
+def export_codegen(source: torch.fx.Graph, graph: torch.fx.Graph, original: Optional[nn.Module], *,
+                   narrowed: Optional[Mapping[str, tuple[int, ...]]] = None) -> tuple[EmitCodeGen, str]:
     """Code generation for a graph captured by torch.export: the original argument names, explicit
-    indexing into nested inputs, and the original output structure. Returns (codegen, io note)."""
+    indexing into nested inputs, and the original output structure. Returns (codegen, io note).
+    ``narrowed``: input -> dims a guard of the model pins (checked as fixed at the example's size)."""
     pytree_info = source._codegen.pytree_info
     children = _spec_children(pytree_info.in_spec)
     if pytree_info.in_spec.type is not tuple or len(children) != 2:
@@ -151,7 +153,7 @@ def export_codegen(source: torch.fx.Graph, graph: torch.fx.Graph, original: Opti
         node.target = node.name  # bound here or in the prologue, never as an argument
         if node.name != path:
             prologue.append(f"{node.name} = {path}")
-    prologue += guard_lines(placeholders, paths)  # the sizes the graph serves (converter.export.shape_guards)
+    prologue += guard_lines(placeholders, paths, narrowed=narrowed)  # the sizes the graph serves (export.shape_guards)
     out_spec = pytree_info.out_spec
 
     def output(output_args) -> str:

@@ -115,7 +115,8 @@ def generate_partial_source(conv, *, model_file: Optional[str]) -> PartialSource
         for name, tensor in made.tensors.items():
             if name not in own:
                 tensors[f"{CONSTANT_PREFIX}{index}.{name}"] = tensor
-        specs.append({"index": index, "path": region.path, "file": file_name, **_input_spec(sub.forward)})
+        specs.append({"index": index, "path": region.path, "file": file_name, "class": made.class_name,
+                      **_input_spec(sub.forward)})
     breaks = "".join(f"- {b.module or '(root)'} ({b.module_type}) at {b.location or '?'}: {b.reason}; runs {b.runs}\n"
                      for b in partition.breaks)
     files["model.py"] = render_template(

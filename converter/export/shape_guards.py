@@ -23,7 +23,7 @@ such dim). Other expressions of several symbols are left to the ops.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import sympy
 import torch
@@ -126,11 +126,14 @@ def _dim_lines(size: Any, read: str, where: str, sources: _Sources) -> list[str]
     return lines
 
 
-def guard_lines(placeholders: list[torch.fx.Node], paths: list[str]) -> list[str]:
+def guard_lines(placeholders: list[torch.fx.Node], paths: list[str], *,
+                narrowed: Optional[Mapping[str, tuple[int, ...]]] = None) -> list[str]:
     """Prologue statements that check each tensor input's rank and sizes (see module docstring).
 
     ``placeholders``: the graph's input nodes (with export's ``meta["val"]``); ``paths``: the
     Python expression the forward reads each from (``input_ids``, ``xs[1]``), in the same order.
+    ``narrowed``: path -> dims the graph keeps symbolic but a guard in the model's code pins to the
+    example's size (``idx.size(1) // 8 == 2`` of a chunk loop): checked as fixed at that size.
     """
     lines: list[str] = []
     sources = _Sources()
@@ -143,6 +146,10 @@ def guard_lines(placeholders: list[torch.fx.Node], paths: list[str]) -> list[str
         label = path.replace("{", "{{").replace("}", "}}")
         lines.append(_check(f"{name}.dim() != {rank}",
                             f"{label}: expected a {rank}-d tensor, got {{{name}.dim()}}-d"))
+        pinned = set((narrowed or {}).get(path, ()))
         for i, size in enumerate(value.shape):
+            hint = getattr(getattr(size, "node", None), "hint", None)
+            if i in pinned and isinstance(hint, int):
+                size = hint  # a guard of the model's code pins it: served at the example's size only
             lines += _dim_lines(size, f"{name}.shape[{i}]", f"{label}: dim {i}", sources)
     return lines

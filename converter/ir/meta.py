@@ -152,7 +152,7 @@ class MetaKey:
 CONTRACT: tuple[MetaKey, ...] = (
     MetaKey(META_INFO, "node", "NodeInfo", ("capture", "lower", "rewrite"),
             ("ir", "decide", "place", "calibrate", "search", "measure", "fp32_math", "report", "export", "train", "api",
-             "verify", "simplify", "checkpoint", "intent", "fp8"),
+             "verify", "simplify", "checkpoint", "intent", "fp8", "overflow"),
             "what capture learned: op, module, kind, outputs, opaque_leaf (a module FX could not trace into, "
             "read by capture instead of the wording of why); lower and rewrite describe the nodes they make"),
     MetaKey(META_DECISION, "node", "Decision", ("decide", "lower", "place", "calibrate", "fp8"),
@@ -160,7 +160,7 @@ CONTRACT: tuple[MetaKey, ...] = (
             "the node's precision and its provenance; later stages amend it with Decision.noted (fp8 replaces the "
             "rule of a linear one of its gates keeps bf16)"),
     MetaKey(META_CAST, "node", "CastRecord", ("rewrite",),
-            ("measure", "report", "export", "train", "api", "simplify", "checkpoint"),
+            ("measure", "report", "export", "train", "overflow", "simplify", "checkpoint"),
             "on every cast node: what it converts and which rule made it necessary"),
     MetaKey(META_VALUE, "node", "TensorSpec | tuple | torch.dtype | str", ("capture", "lower", "rewrite"),
             ("ir", "decide", "place", "calibrate", "report", "export", "simplify", "fp8"),
@@ -194,7 +194,7 @@ CONTRACT: tuple[MetaKey, ...] = (
             "lower's list and its cost model's choices (lower sets lowering), simplify's folds, the fp32_math "
             "setting and region count, the checkpoint summary, the fp8 recipe, layers, SQNR floors, per-layer numerics and "
             "fallback (set_graph_facts replaces them)"),
-    MetaKey(GM_PARAM_DTYPES, "graph", "dict[str, torch.dtype]", ("rewrite", "api"), ("report", "export", "train", "api", "lightning"),
+    MetaKey(GM_PARAM_DTYPES, "graph", "dict[str, torch.dtype]", ("rewrite", "api", "partition"), ("report", "export", "train", "api", "lightning"),
             "fqn -> the dtype each parameter may be stored in (O2); the emitted model.py sets it too"),
     MetaKey(GM_PARAM_STORAGE, "graph", "dict[str, str]", ("rewrite",), ("report",),
             "fqn -> why O2 keeps a parameter that the graph casts to half in fp32 storage"),
@@ -466,6 +466,9 @@ class GraphMeta:
     fp8_thresholds: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
     fp8_numerics: Optional[tuple[Any, ...]] = None
     fp8_fallback: tuple[Mapping[str, Any], ...] = ()
+    #: input (``idx``, ``xs[1]``) -> the dims the graph keeps symbolic that a guard in the model's code pins to the
+    #: example's size (capture's ``narrowed_dims``): model.py checks them as fixed
+    narrowed: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
 
 def set_graph_facts(gm: torch.fx.GraphModule, **facts: Any) -> None:

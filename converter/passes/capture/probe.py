@@ -14,7 +14,7 @@ and bakes into the graph instead, silently:
 (so the user's modules keep their attributes), in train mode (what capture traces), under
 ``no_grad`` with every RNG put back afterwards, and records per module (by its dotted path):
 
-* ``impure``: why a capture of that module would bake something in (it drew Python/numpy random
+* ``impurity``: why a capture of that module would bake something in (it drew Python/numpy random
   numbers during its call, or wrote one of its own attributes), or nothing;
 * ``flops``: the FLOPs its calls ran (``torch.utils.flop_counter``, inclusive of its children);
 * ``calls``: how often it was called, and (``record=True``) the inputs of its first call, which
@@ -35,12 +35,34 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from converter.ir.state import preserved_state
+from converter.passes.capture.advice import user_location
 from converter.passes.capture.shells import shell
 
-__all__ = ["Probe", "ModuleProbe", "probe", "attribute_fingerprint"]
+__all__ = ["Probe", "ModuleProbe", "Impurity", "probe", "attribute_fingerprint"]
 
 #: what a module's ``__dict__`` holds that is torch's bookkeeping, not the user's state
 _TORCH_TABLES = frozenset(vars(torch.nn.Module())) | {"forward"}
+
+
+@dataclass(frozen=True)
+class Impurity:
+    """Why capturing a module would bake something in: its call drew Python-side random numbers (``kind``
+    ``"random"``, ``source`` the generator) or wrote its own attributes (``"state"``, ``written``); ``origin`` is the
+    module whose own code does it (an ancestor's capture would contain it)."""
+
+    kind: str
+    origin: str
+    source: str = ""
+    written: tuple[str, ...] = ()
+
+    def reason(self, path: str) -> str:
+        """The one phrase a graph break of the module at ``path`` reports."""
+        if self.kind == "random":
+            what = f"draws Python-side random numbers ({self.source}), which a captured graph would bake in as one draw"
+        else:
+            shown = ", ".join(f"self.{name}" for name in self.written[:3])
+            what = f"forward writes module state ({shown}), which a captured graph would not write"
+        return what if self.origin == path else f"contains {self.origin}, which {what}"
 
 
 @dataclass
@@ -53,8 +75,10 @@ class ModuleProbe:
     flops: int = 0
     #: the FLOPs of its calls in eval mode (recording only): a module train mode skipped still has a size
     eval_flops: int = 0
-    #: why capturing this module would bake something in ("" when nothing)
-    impure: str = ""
+    #: why capturing this module would bake something in (None when nothing)
+    impurity: Optional[Impurity] = None
+    #: the user's ``file:line`` that made its first call (the innermost frame outside torch and this package)
+    call_site: str = ""
     #: the (args, kwargs) of its first call on the example, when recorded
     inputs: Optional[tuple] = None
     #: the (args, kwargs) of its first call on each of the other batches, when recorded
@@ -72,9 +96,9 @@ class Probe:
         root = self.modules.get("")
         return root.flops if root is not None else 0
 
-    def impure(self, path: str) -> str:
+    def impure(self, path: str) -> Optional[Impurity]:
         found = self.modules.get(path)
-        return found.impure if found is not None else ""
+        return found.impurity if found is not None else None
 
 
 def attribute_fingerprint(module: torch.nn.Module) -> dict[str, Any]:
@@ -137,6 +161,8 @@ def probe(model: torch.nn.Module, args: tuple, kwargs: dict, *, record: bool = F
             entry.calls += 1
         if record and path not in runs[-1]:
             runs[-1][path] = (tuple(call_args), dict(call_kwargs))
+            if not entry.call_site:
+                entry.call_site = user_location(sys._getframe(1))
         stack.append((path, attribute_fingerprint(module), _rng_state(), counter.get_total_flops()))
 
     def after(module, call_args, call_kwargs, output):
@@ -149,18 +175,15 @@ def probe(model: torch.nn.Module, args: tuple, kwargs: dict, *, record: bool = F
             entry.flops += counter.get_total_flops() - flops
         elif counting[0] == 1:
             entry.eval_flops += counter.get_total_flops() - flops
-        if entry.impure:
+        if entry.impurity is not None:
             return
         # torch's own modules keep caches of their own (nn.LSTM's _flat_weights): not the user's state
         written = [] if _is_torch_module(module) else _written(attrs, attribute_fingerprint(module))
         now = _rng_state()
         if now[0] != rng[0] or now[1] != rng[1]:
-            source = "random" if now[0] != rng[0] else "numpy.random"
-            entry.impure = (f"draws Python-side random numbers ({source}), which a captured graph would bake in as one "
-                            "draw")
+            entry.impurity = Impurity("random", path, source="random" if now[0] != rng[0] else "numpy.random")
         elif written:
-            shown = ", ".join(f"self.{name}" for name in written[:3])
-            entry.impure = f"forward writes module state ({shown}), which a captured graph would not write"
+            entry.impurity = Impurity("state", path, written=tuple(written))
 
     handles = [m.register_forward_pre_hook(before, with_kwargs=True) for m in copy.modules()]
     handles += [m.register_forward_hook(after, with_kwargs=True, always_call=True) for m in copy.modules()]
@@ -199,10 +222,10 @@ def probe(model: torch.nn.Module, args: tuple, kwargs: dict, *, record: bool = F
 def _propagate(found: dict[str, ModuleProbe]) -> None:
     """An ancestor of an impure module is impure too (a capture of it would contain the child's draw or write)."""
     for path, entry in list(found.items()):
-        if not entry.impure or not path:
+        if entry.impurity is None or not path:
             continue
         parts = path.split(".")
         for i in range(len(parts) - 1, -1, -1):
             parent = found.get(".".join(parts[:i]))
-            if parent is not None and not parent.impure:
-                parent.impure = f"contains {path}, which {entry.impure.split(',')[0]}"
+            if parent is not None and parent.impurity is None:
+                parent.impurity = entry.impurity
