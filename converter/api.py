@@ -234,6 +234,14 @@ def _run_stage(name: str, done: list[str], fn, *args, **kwargs):
     return result
 
 
+def read_batches(calibration: Optional[Iterable], options: ConvertOptions) -> Optional[list]:
+    """The calibration batches as a list (kept for variants; an endless iterator is read up to ``max_batches`` only)."""
+    if calibration is None:
+        return None
+    limit = (options.calibration_options or CalibrationOptions()).max_batches
+    return list(calibration if limit is None else itertools.islice(calibration, limit))
+
+
 def place_settings(options: ConvertOptions) -> PlaceSettings:
     """The placement settings of a conversion with ``options`` (what calibration re-places with)."""
     return PlaceSettings(target=options.precision, strategy=options.placement, keep_io_types=options.keep_io_types,
@@ -271,7 +279,7 @@ def pipeline(model: torch.nn.Module, example_inputs: Any, options: ConvertOption
         gm.meta[GM_GRAPH] = GraphMeta(tracer=captured.tracer, precision=options.precision,
                                         capture_errors=tuple(f"{k}: {v}" for k, v in captured.errors.items()),
                                         rule_files=rule_set.files,
-                                        narrowed={k: tuple(int(d) for d in v) for k, v in captured.narrowed_dims.items()})
+                                        pinned=dict(captured.pinned_dims))
         t1 = time.perf_counter()
         _convert_graph(gm, done, rule_set, options, calibration=calibration, simplify_graph=simplify_graph)
         t2 = time.perf_counter()
@@ -468,10 +476,7 @@ def convert(model: torch.nn.Module, example_inputs: Any, *, rules: Union[None, s
     capture: its module paths become the model's).
     """
     options = build_options(options, keywords, caller="convert")
-    batches = None
-    if calibration is not None:  # kept for variants; an endless iterator is read up to max_batches only
-        limit = (options.calibration_options or CalibrationOptions()).max_batches
-        batches = list(calibration if limit is None else itertools.islice(calibration, limit))
+    batches = read_batches(calibration, options)
     captured, rule_set, timings = pipeline(model, example_inputs, options, rules=rules, calibration=batches, scope=scope)
     lowering = captured.gm.meta[GM_GRAPH].lowering
     upcast = any(c.get("lowering") in ("upcast_gemm", "dispatch_gemm") and c.get("chosen") for c in lowering)

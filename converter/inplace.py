@@ -251,6 +251,9 @@ class ConvertedForward:
             self.calls["cache"] = 0
         gm = conversion.module
         self._graphs = _Graphs(gm, self._device() or torch.device("cpu"))
+        self._plans: dict[int, tuple] = {}  # id(graph) -> _bind_plan(graph)
+        #: the calls (mode, and each argument's dtype and shape or value) this graph was checked to serve
+        self._served: set[tuple] = set()
         self._bind(gm)
         own = {id(p) for p in model.parameters()}
         foreign = [name for name, p in gm.named_parameters() if id(p) not in own]
@@ -269,12 +272,17 @@ class ConvertedForward:
             kwargs, cache = self._cache_call(args, kwargs)
             if cache is not None:
                 return self._decode(cache, args, kwargs)
+        key = _call_key(self.model.training, args, kwargs)
+        if key is not None and key in self._served:  # a call like one this graph served: no check to redo
+            return self._run(args, kwargs, owner=self)
         why = self._mismatch(args, kwargs)
         if why is not None:
             other = self._recaptured(why, args, kwargs) if isinstance(why, _ShapeMismatch) else None
             if other is None:
                 return self._fallback(why, args, kwargs)
             return other._run(args, kwargs, owner=self)
+        if key is not None and len(self._served) < _SERVED_KEYS:
+            self._served.add(key)
         return self._run(args, kwargs, owner=self)
 
     def _entry_cast(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -292,7 +300,8 @@ class ConvertedForward:
 
     def _run(self, args: tuple, kwargs: dict, *, owner: "ConvertedForward") -> Any:
         """Run this converted graph on a call that it serves (``owner``: the model's forward, which counts it)."""
-        gm = self._graphs.get(self._device() or self._graphs.home)
+        device = self._device()
+        gm = self._graphs.get(device or self._graphs.home)
         missing = self._bind(gm)
         if missing:
             return owner._fallback(f"a model whose structure changed since apply() (it has no {', '.join(missing[:3])}; "
@@ -302,7 +311,7 @@ class ConvertedForward:
         positional, keywords = self._captured_keys
         call_args = tuple(named[name] for name in positional)
         call_kwargs = {name: named[name] for name in keywords}
-        device_type = _autocast_type(self._graphs.home if self._device() is None else self._device())
+        device_type = _autocast_type(self._graphs.home if device is None else device)
         if torch.is_autocast_enabled(device_type):
             with torch.autocast(device_type=device_type, enabled=False):
                 return gm(*call_args, **call_kwargs)
@@ -438,15 +447,17 @@ class ConvertedForward:
     def _bind(self, gm: torch.fx.GraphModule) -> list[str]:
         """Point ``gm`` at the model's current parameters and buffers, and copy its train/eval flags.
 
-        Returns the graph's tensors that the model no longer has (its structure changed)."""
-        modules = dict(self.model.named_modules(remove_duplicate=False))
-        missing = []
-        for path, sub in gm.named_modules(remove_duplicate=False):
-            owner = modules.get(path)
-            if owner is None:
-                missing.extend(f"{path}.{name}" for name in sub._parameters)
-                continue
-            sub.training = owner.training
+        Returns the graph's tensors that the model no longer has (its structure changed). Which model submodule
+        owns each graph submodule is worked out once per graph, and again only when a module of the model was
+        replaced or removed since (every call checks each parent-child link, a dict lookup each)."""
+        plan = self._plans.get(id(gm))
+        if plan is None or plan[0] is not gm or not all(parent._modules.get(name) is child for parent, name, child in plan[1]):
+            plan = self._plans[id(gm)] = self._bind_plan(gm)
+        _, _, pairs, missing = plan
+        missing = list(missing)
+        for path, sub, owner in pairs:
+            if sub.training != owner.training:  # nn.Module.__setattr__ is slow: set only what changed
+                sub.training = owner.training
             for table in ("_parameters", "_buffers"):
                 mine, theirs = getattr(sub, table), getattr(owner, table)
                 for name, value in mine.items():
@@ -456,8 +467,23 @@ class ConvertedForward:
                         missing.append(f"{path}.{name}" if path else name)
                     elif theirs[name] is not value:
                         mine[name] = theirs[name]
-        gm.training = self.model.training
+        if gm.training != self.model.training:
+            gm.training = self.model.training
         return missing
+
+    def _bind_plan(self, gm: torch.fx.GraphModule) -> tuple:
+        """(gm, the model's (parent, name, child) links, the graph's (path, submodule, owner) triples, the tensors of
+        graph submodules the model has no module for)."""
+        modules = dict(self.model.named_modules(remove_duplicate=False))
+        links = [(parent, name, child) for parent in modules.values() for name, child in parent._modules.items()]
+        pairs, missing = [], []
+        for path, sub in gm.named_modules(remove_duplicate=False):
+            owner = modules.get(path)
+            if owner is None:
+                missing.extend(f"{path}.{name}" for name in sub._parameters)
+            else:
+                pairs.append((path, sub, owner))
+        return gm, links, pairs, missing
 
     def _mismatch(self, args: tuple, kwargs: dict) -> Optional[str]:
         """Why the captured graph cannot run this call (None: it can)."""
@@ -517,6 +543,27 @@ class ConvertedForward:
             elif not _same_constant(w, g):
                 why = f"{label}={_short_repr(g)} (captured with {_short_repr(w)})"
                 return _ShapeMismatch(why) if self.recapture_values else why
+        return None
+
+
+#: how many call signatures a graph remembers as served (a workload of many sizes is checked call by call past it)
+_SERVED_KEYS = 64
+
+
+def _leaf_key(value: Any) -> tuple:
+    if isinstance(value, torch.Tensor):
+        return (value.dtype, value.shape, value.device)
+    if value is None or type(value) in (bool, int, float, str):
+        return (type(value), value)
+    raise TypeError  # a structure or an object: no key, the call is checked in full
+
+
+def _call_key(training: bool, args: tuple, kwargs: dict) -> Optional[tuple]:
+    """What decides whether a graph serves a call, when every argument is a tensor or a plain scalar: the mode,
+    each tensor's dtype, shape and device, each scalar's value (None: some argument is a structure)."""
+    try:
+        return (training, tuple(_leaf_key(a) for a in args), tuple((k, _leaf_key(v)) for k, v in kwargs.items()))
+    except TypeError:
         return None
 
 

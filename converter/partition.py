@@ -36,12 +36,11 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import itertools
 import re
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -50,7 +49,6 @@ from converter.api import Conversion, SlowHalfWarning
 from converter.ir.errors import MpconvertError
 from converter.ir.meta import GM_PARAM_DTYPES
 from converter.ir.precision import half_dtype
-from converter.numerics.options import CalibrationOptions
 from converter.options import ConvertOptions, build_options
 from converter.passes.capture import CaptureError, normalize_inputs
 from converter.passes.capture.probe import Impurity, ModuleProbe, Probe, probe
@@ -59,7 +57,7 @@ from converter.report.build import merge_reports
 from converter.rules.loader import load_rules
 
 __all__ = ["convert", "audit", "apply", "GraphBreak", "Region", "Partition", "convert_partial", "impure_root",
-           "GlueForward", "is_partial"]
+           "GlueForward"]
 
 
 @dataclass(frozen=True)
@@ -116,6 +114,18 @@ class Partition:
         return min(1.0, self.captured_flops / self.total_flops)
 
 
+def _one_graph(model: torch.nn.Module, example_inputs: Any, whole: Callable[[], Any]) -> tuple[Any, Any]:
+    """(``whole()``'s result, None) when the model is one graph; else (None, why not): the probe that found a
+    Python-side draw or a state write, or the :class:`CaptureError` of the whole model."""
+    cause: Any = impure_root(model, example_inputs)
+    if cause is None:
+        try:
+            return whole(), None
+        except CaptureError as exc:
+            cause = exc
+    return None, cause
+
+
 def convert(model: torch.nn.Module, example_inputs: Any, *, rules: Any = None, calibration: Any = None,
             options: Optional[ConvertOptions] = None, scope: Optional[tuple] = None, **keywords: Any) -> Conversion:
     """``converter.convert``: :func:`converter.api.convert` (arguments and result as there), and, when the model is
@@ -124,16 +134,11 @@ def convert(model: torch.nn.Module, example_inputs: Any, *, rules: Any = None, c
     options = build_options(options, keywords, caller="convert")
     if not options.partial or scope is not None:
         return api.convert(model, example_inputs, rules=rules, calibration=calibration, options=options, scope=scope)
-    batches = None
-    if calibration is not None:  # read once: both paths see the same batches (an endless iterator up to max_batches)
-        limit = (options.calibration_options or CalibrationOptions()).max_batches
-        batches = list(calibration if limit is None else itertools.islice(calibration, limit))
-    cause: Any = impure_root(model, example_inputs)
-    if cause is None:
-        try:
-            return api.convert(model, example_inputs, rules=rules, calibration=batches, options=options)
-        except CaptureError as exc:
-            cause = exc
+    batches = api.read_batches(calibration, options)  # read once: both paths see the same batches
+    done, cause = _one_graph(model, example_inputs,
+                             lambda: api.convert(model, example_inputs, rules=rules, calibration=batches, options=options))
+    if done is not None:
+        return done
     return convert_partial(model, example_inputs, rules=rules, calibration=batches, options=options, cause=cause)
 
 
@@ -144,12 +149,9 @@ def audit(model: torch.nn.Module, example_inputs: Any, *, rules: Any = None, opt
     options = build_options(options, keywords, caller="audit", allowed=api.AUDIT_FIELDS)
     if not options.partial:
         return api.audit(model, example_inputs, rules=rules, options=options)
-    cause: Any = impure_root(model, example_inputs)
-    if cause is None:
-        try:
-            return api.audit(model, example_inputs, rules=rules, options=options)
-        except CaptureError as exc:
-            cause = exc
+    done, cause = _one_graph(model, example_inputs, lambda: api.audit(model, example_inputs, rules=rules, options=options))
+    if done is not None:
+        return done
     return convert_partial(model, example_inputs, rules=rules, calibration=None, options=options, cause=cause).report
 
 
@@ -162,24 +164,20 @@ def apply(model: torch.nn.Module, example_inputs: Any, *, rules: Any = None, cal
 
     max_recaptures = keywords.pop("max_recaptures", inplace.DEFAULT_MAX_RECAPTURES)
     options = build_options(options, keywords, caller="apply")
-    if options.partial:
-        cause: Any = impure_root(model, example_inputs)
-        if cause is None:
-            try:
-                return inplace.apply(model, example_inputs, rules=rules, calibration=calibration, options=options,
-                                     max_recaptures=max_recaptures)
-            except CaptureError as exc:
-                cause = exc
-        conv = convert_partial(model, example_inputs, rules=rules, calibration=calibration, options=options, cause=cause)
-        install(model, conv.partition)
-        return model
-    return inplace.apply(model, example_inputs, rules=rules, calibration=calibration, options=options,
-                         max_recaptures=max_recaptures)
 
+    def whole() -> torch.nn.Module:
+        return inplace.apply(model, example_inputs, rules=rules, calibration=batches, options=options,
+                             max_recaptures=max_recaptures)
 
-def is_partial(conv: Any) -> bool:
-    """Whether ``conv`` (a Conversion) was converted region by region."""
-    return getattr(conv, "partition", None) is not None
+    batches = api.read_batches(calibration, options)
+    if not options.partial:
+        return whole()
+    done, cause = _one_graph(model, example_inputs, whole)
+    if done is not None:
+        return done
+    conv = convert_partial(model, example_inputs, rules=rules, calibration=batches, options=options, cause=cause)
+    install(model, conv.partition)
+    return model
 
 
 def _runs(precision: str) -> str:

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
+import venv
 from pathlib import Path
 from types import ModuleType
 
@@ -99,3 +101,29 @@ class CastCounter(TorchDispatchMode):
                     self.casts += 1
                     self.bytes += moved
         return out
+
+
+#: what torch needs importable in the torch-only venv of the emitted-file tests
+TORCH_DISTRIBUTIONS = ("torch", "functorch", "torchgen", "typing_extensions", "sympy", "mpmath", "networkx", "jinja2",
+                       "markupsafe", "filelock", "fsspec")
+
+
+def torch_only_python(base: Path, *, extra: tuple[str, ...] = ()) -> str:
+    """A venv without system site-packages whose only addition is a .pth file naming a folder that links torch and its
+    own dependencies (and the ``extra`` distributions): transformers and converter are not importable."""
+    env_dir = base / "torch_only_venv"
+    venv.create(env_dir, with_pip=False, system_site_packages=False, symlinks=True)
+    python = str(env_dir / "bin" / "python")
+    site = subprocess.check_output([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                   text=True).strip()
+    links = base / "torch_site"
+    links.mkdir()
+    for name in TORCH_DISTRIBUTIONS + extra:
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None:
+            continue
+        origin = Path(spec.origin)
+        target = origin.parent if origin.name == "__init__.py" else origin
+        (links / target.name).symlink_to(target)
+    Path(site, "torch_only.pth").write_text(f"{links}\n")
+    return python

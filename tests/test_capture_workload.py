@@ -674,8 +674,15 @@ def test_cli_control_flow_and_dynamic_options(tmp_path):
             return (torch.randn(4, 8),)
         """))
     env_cmd = [sys.executable, "-m", "converter"]
-    run = subprocess.run([*env_cmd, str(model_file), "--out", str(tmp_path / "o1")], check=False, capture_output=True, text=True,
-                         cwd=tmp_path, timeout=300)
+    # by default the branch is the glue and the Linear a converted region, its break reported with the line
+    run = subprocess.run([*env_cmd, str(model_file), "--out", str(tmp_path / "o0"), "--no-measure"], check=False,
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "1 graph break(s)" in run.stdout, run.stdout
+    assert json.loads((tmp_path / "o0" / "report.json").read_text())["graph_breaks"][0]["location"] == "branchy.py:12"
+    # --no-breaks: the all-or-nothing refusal, in one line naming the branch
+    run = subprocess.run([*env_cmd, str(model_file), "--out", str(tmp_path / "o1"), "--no-breaks"], check=False,
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert run.returncode == 2, run.stderr
     lines = [line for line in run.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "branchy.py:12" in lines[0] and "torch.cond" in lines[0], run.stderr

@@ -19,13 +19,12 @@ import statistics
 import subprocess
 import sys
 import textwrap
-import venv
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import sqnr
+from helpers import sqnr, torch_only_python
 
 import converter
 from converter.cli.main import main as cli_main
@@ -147,9 +146,6 @@ def test_no_breaks_refuses_in_one_line(tmp_path, capfd):
     assert not (tmp_path / "out").exists()
 
 
-_TORCH_DISTRIBUTIONS = ("torch", "functorch", "torchgen", "typing_extensions", "sympy", "mpmath", "networkx", "jinja2",
-                        "markupsafe", "filelock", "fsspec", "numpy")
-
 _STANDALONE = textwrap.dedent("""
     import importlib.util, sys, traceback
     for banned in ("converter", "transformers"):
@@ -175,27 +171,6 @@ _STANDALONE = textwrap.dedent("""
 """)
 
 
-def _torch_only_python(base: Path) -> str:
-    """A venv without our package or transformers: torch and its dependencies (and numpy, which the research
-    models' own glue code imports) linked in through a .pth file."""
-    env_dir = base / "venv"
-    venv.create(env_dir, with_pip=False, system_site_packages=False, symlinks=True)
-    python = str(env_dir / "bin" / "python")
-    site = subprocess.check_output([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                   text=True).strip()
-    links = base / "site"
-    links.mkdir()
-    for name in _TORCH_DISTRIBUTIONS:
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.origin is None:
-            continue
-        origin = Path(spec.origin)
-        target = origin.parent if origin.name == "__init__.py" else origin
-        (links / target.name).symlink_to(target)
-    Path(site, "torch_only.pth").write_text(f"{links}\n")
-    return python
-
-
 def test_model_py_runs_in_a_torch_only_venv(cli_runs, tmp_path):
     """Each emitted model.py (user code + region graphs) loads without our package and gives conv.module's outputs:
     the in-process load is checked bit for bit against conv.module when the folder is written."""
@@ -214,7 +189,7 @@ def test_model_py_runs_in_a_torch_only_venv(cli_runs, tmp_path):
             torch.manual_seed(0)
             result = model(*args, **kwargs)
         want[name] = [t for t in (result if isinstance(result, (tuple, list)) else [result]) if isinstance(t, torch.Tensor)]
-    python = _torch_only_python(tmp_path)
+    python = torch_only_python(tmp_path, extra=("numpy",))  # numpy: the research models' own code imports it
     torch.save(jobs, tmp_path / "jobs.pt")
     (tmp_path / "run.py").write_text(_STANDALONE)
     proc = subprocess.run([python, str(tmp_path / "run.py"), str(tmp_path / "jobs.pt"), str(tmp_path / "got.pt")],

@@ -45,12 +45,11 @@ import subprocess
 import sys
 import textwrap
 import time
-import venv
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, first_tensor, sqnr
+from helpers import ROOT, first_tensor, sqnr, torch_only_python
 from zoo_models import HF_CLASSES, ZOO, build, build_inputs, hf_config, second_size
 
 import converter
@@ -356,31 +355,6 @@ def cli_runs(workdir) -> dict:
     return runs
 
 
-_TORCH_DISTRIBUTIONS = ("torch", "functorch", "torchgen", "typing_extensions", "sympy", "mpmath", "networkx", "jinja2",
-                        "markupsafe", "filelock", "fsspec")
-
-
-def _torch_only_python(base: Path) -> str:
-    """A venv without system site-packages whose only addition is a .pth file naming a folder that
-    links torch and its own dependencies: transformers, numpy and converter are not importable."""
-    env_dir = base / "torch_only_venv"
-    venv.create(env_dir, with_pip=False, system_site_packages=False, symlinks=True)
-    python = str(env_dir / "bin" / "python")
-    site = subprocess.check_output([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                   text=True).strip()
-    links = base / "torch_site"
-    links.mkdir()
-    for name in _TORCH_DISTRIBUTIONS:
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.origin is None:
-            continue
-        origin = Path(spec.origin)
-        target = origin.parent if origin.name == "__init__.py" else origin
-        (links / target.name).symlink_to(target)
-    Path(site, "torch_only.pth").write_text(f"{links}\n")
-    return python
-
-
 _STANDALONE = textwrap.dedent(
     """
     import importlib.util, sys, traceback
@@ -425,7 +399,7 @@ _STANDALONE = textwrap.dedent(
 def standalone(cli_runs, workdir) -> dict:
     """name -> output of the emitted model.py on the example (and name.second on the second size),
     run by one subprocess in the torch-only venv."""
-    python = _torch_only_python(workdir)
+    python = torch_only_python(workdir)
     jobs = {}
     for name, (code, _s, _e, out) in cli_runs.items():
         if code == 0:

@@ -189,7 +189,7 @@ CONTRACT: tuple[MetaKey, ...] = (
             "the user's precision intent over the node (its innermost autocast region, _keep_in_fp32_modules), "
             "first applicable wins; capture and regions tag through converter.passes.intent, decide reads through "
             "its applicable_intent; outranks every rule file"),
-    MetaKey(GM_GRAPH, "graph", "GraphMeta", ("api", "lower", "ir"), ("report",),
+    MetaKey(GM_GRAPH, "graph", "GraphMeta", ("api", "lower", "ir"), ("report", "export"),
             "graph-level facts, declared fields of a frozen record: tracer, precision, capture errors, rule files; "
             "lower's list and its cost model's choices (lower sets lowering), simplify's folds, the fp32_math "
             "setting and region count, the checkpoint summary, the fp8 recipe, layers, SQNR floors, per-layer numerics and "
@@ -467,8 +467,8 @@ class GraphMeta:
     fp8_numerics: Optional[tuple[Any, ...]] = None
     fp8_fallback: tuple[Mapping[str, Any], ...] = ()
     #: input (``idx``, ``xs[1]``) -> the dims the graph keeps symbolic that a guard in the model's code pins to the
-    #: example's size (capture's ``narrowed_dims``): model.py checks them as fixed
-    narrowed: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    #: example's size (capture's ``pinned_dims``: ``idx.size(1) // 8 == 2``): model.py checks them as fixed
+    pinned: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
 
 def set_graph_facts(gm: torch.fx.GraphModule, **facts: Any) -> None:

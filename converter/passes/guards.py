@@ -36,7 +36,7 @@ from typing import Any, Optional
 import sympy
 import torch
 
-__all__ = ["dim_ranges", "narrowed_dims", "tied_dims", "Tie"]
+__all__ = ["dim_ranges", "narrowed_dims", "pinned_dims", "tied_dims", "Tie"]
 
 
 def _symbol(size: Any) -> Optional[sympy.Symbol]:
@@ -98,6 +98,40 @@ def _range(shape_env: Any, sym: sympy.Symbol) -> tuple[int, Optional[int]]:
     lower, upper = getattr(bound, "lower", None), getattr(bound, "upper", None)
     low = int(lower) if isinstance(lower, (int, sympy.Integer)) else 0
     return low, (int(upper) if isinstance(upper, (int, sympy.Integer)) else None)  # int_oo: unbounded
+
+
+def _fails_at_multiples(expr: Any, sym: sympy.Symbol, hints: dict) -> bool:
+    """Whether the equality ``expr`` fails at twice and three times the example's size of ``sym``: a pin to that size
+    (``s // 8 == 2`` of a chunk loop unrolled twice), not a divisibility (``s % 8 == 0`` holds there)."""
+    for value in (2 * hints[sym], 3 * hints[sym]):
+        try:
+            holds = expr.xreplace({**hints, sym: sympy.Integer(value)})
+        except Exception:  # an expression sympy cannot evaluate: a pin (the safe answer)
+            return True
+        if holds is sympy.true:
+            return False
+    return True
+
+
+def pinned_dims(named_values: list[tuple[str, Any]]) -> dict[str, tuple[int, ...]]:
+    """``{input name: dims}`` of the narrowed dims (:func:`narrowed_dims`) that a guard pins to the example's size
+    itself: it fails at multiples of that size too. The emitted model.py serves such a dim at that size only; a dim
+    only a divisibility narrows keeps its checks (a multiple of 8 for a UNet's image size)."""
+    symbols, shape_env = _symbols(named_values)
+    if shape_env is None:
+        return {}
+    replacements = dict(getattr(shape_env, "replacements", {}))
+    hints = _hints(shape_env)
+    out: dict[str, set[int]] = {}
+    for guard in getattr(shape_env, "guards", ()):
+        expr = guard.expr.xreplace(replacements) if replacements else guard.expr
+        if not isinstance(expr, sympy.Eq) or not expr.free_symbols <= set(hints):
+            continue
+        for sym in expr.free_symbols & set(symbols):
+            if sym in hints and _fails_at_multiples(expr, sym, hints):
+                for name, dim in symbols[sym]:
+                    out.setdefault(name, set()).add(dim)
+    return {name: tuple(sorted(dims)) for name, dims in out.items()}
 
 
 def narrowed_dims(named_values: list[tuple[str, Any]]) -> dict[str, dict[int, str]]:

@@ -154,6 +154,8 @@ class Captured:
     narrowed_dims: dict = field(default_factory=dict)
     #: input name -> {dim: {"min", "max", "why"}} for dynamic dims served only within a range
     dynamic_ranges: dict = field(default_factory=dict)
+    #: input name -> the dims of ``narrowed_dims`` a guard pins to the example's size (model.py checks them as fixed)
+    pinned_dims: dict = field(default_factory=dict)
     #: input name -> {dim: [other input, its dim]}: dynamic dims that must equal another input's (``labels``
     #: and ``input_ids``: a guard relates them, so they were exported as one ``Dim``)
     tied_dims: dict = field(default_factory=dict)
@@ -253,7 +255,8 @@ def _finish_capture(result: tuple, used: str, shapes: Shapes, tracer: str, model
         mark_kept_modules(graph, model)  # transformers' _keep_in_fp32_modules (converter.passes.intent)
     return Captured(gm=gm, tracer=used, args=args, kwargs=kwargs, errors=errors,
                     dynamic_dims=shapes.dims, shapes_note=shapes.note, modes=modes, eval_gm=eval_gm,
-                    narrowed_dims=shapes.narrowed, dynamic_ranges=shapes.ranges, tied_dims=shapes.tied)
+                    narrowed_dims=shapes.narrowed, dynamic_ranges=shapes.ranges, tied_dims=shapes.tied,
+                    pinned_dims=shapes.pinned)
 
 
 def _capture_one(name: str, model: torch.nn.Module, args: tuple, kwargs: dict, shapes: Shapes) -> tuple:

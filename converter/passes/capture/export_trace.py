@@ -24,7 +24,7 @@ from converter.passes.autograd_fns import OpaqueFunctions, restore_function_call
 from converter.passes.capture.advice import short_reason
 from converter.passes.capture.values import Shapes, placeholder_values, placeholders, spec_of
 from converter.passes.checkpoint import CheckpointMarks, tag_export_graph
-from converter.passes.guards import dim_ranges, narrowed_dims, tied_dims
+from converter.passes.guards import dim_ranges, narrowed_dims, pinned_dims, tied_dims
 from converter.passes.intent import AutocastMarks
 from converter.passes.recurrent import RecurrentOps, restore_aten_ops
 from converter.passes.regions import inline_regions
@@ -54,6 +54,9 @@ def trace_export(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: Shap
     named = list(zip(_input_names(gm, model, args, kwargs), (n.meta.get("val") for n in placeholders(gm))))
     # dims a recorded guard pins to a few sizes are not served: the converted module would refuse others
     shapes.narrowed = narrowed_dims(named)
+    # of those, the dims a guard pins to the example's size itself (not a divisibility): model.py checks them as fixed
+    shapes.pinned = {name: kept for name, dims in pinned_dims(named).items()
+                     if (kept := tuple(d for d in dims if d in shapes.narrowed.get(name, {})))}
     # a finite range (BERT's 2..max_position_embeddings) is served: the dim stays dynamic, with its range
     shapes.ranges = {name: kept for name, dims in dim_ranges(named, gm).items()
                      if (kept := {d: r for d, r in dims.items() if d not in shapes.narrowed.get(name, {})})}

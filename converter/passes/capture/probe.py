@@ -127,6 +127,12 @@ def _is_torch_module(module: torch.nn.Module) -> bool:
     return type(module).__module__.split(".", 1)[0] == "torch"
 
 
+def _is_library_module(module: torch.nn.Module) -> bool:
+    """A module whose class an installed package defines (transformers, diffusers...), not the user's own code."""
+    source = getattr(sys.modules.get(type(module).__module__), "__file__", None) or ""
+    return "site-packages" in source or "dist-packages" in source
+
+
 def _numpy_state() -> Any:
     np = sys.modules.get("numpy")
     if np is None:
@@ -177,8 +183,11 @@ def probe(model: torch.nn.Module, args: tuple, kwargs: dict, *, record: bool = F
             entry.eval_flops += counter.get_total_flops() - flops
         if entry.impurity is not None:
             return
-        # torch's own modules keep caches of their own (nn.LSTM's _flat_weights): not the user's state
-        written = [] if _is_torch_module(module) else _written(attrs, attribute_fingerprint(module))
+        # torch's own modules keep caches of their own (nn.LSTM's _flat_weights), and libraries private bookkeeping
+        # (transformers' _output_capturing_hooks_installed): not the user's state
+        written = [] if _is_torch_module(module) else [
+            name for name in _written(attrs, attribute_fingerprint(module))
+            if not (name.startswith("_") and _is_library_module(module))]
         now = _rng_state()
         if now[0] != rng[0] or now[1] != rng[1]:
             entry.impurity = Impurity("random", path, source="random" if now[0] != rng[0] else "numpy.random")

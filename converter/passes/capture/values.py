@@ -27,6 +27,8 @@ class Shapes:
     dims: dict = field(default_factory=dict)
     #: input name -> {dim: why}: dims the graph keeps symbolic but a guard of the model narrows (not in ``dims``)
     narrowed: dict = field(default_factory=dict)
+    #: input name -> dims of ``narrowed`` that a guard pins to the example's size (not only a divisibility)
+    pinned: dict = field(default_factory=dict)
     #: input name -> {dim: {"min", "max", "why"}}: dims in ``dims`` served only within a range
     ranges: dict = field(default_factory=dict)
     note: str = ""

@@ -1,0 +1,115 @@
+"""Partial capture: the bf16 train step of research models converted region by region, against torch.autocast.
+
+Models (from ``tests/research/``, written as papers' repositories write them): ``moe_dispatch`` (a MoE with a
+token-dispatch loop, ``if tok.numel() == 0: continue``) and ``pabee`` (a patience-based early-exit encoder,
+``torch.equal(pred, last)`` in the layer loop). Variants, each on its own copy of the same weights, each a
+train-mode step (forward, the model file's ``loss_fn``, backward, SGD with momentum) on the same batches:
+
+* ``fp32`` — the original model;
+* ``autocast`` — the original under ``torch.autocast("cpu", dtype=torch.bfloat16)``: the baseline;
+* ``partial`` — ``converter.convert(model, example, precision="bf16")``.module (portable: no device named), whose
+  regions run converted graphs and whose glue runs under autocast; ``partial_cpu`` — the same with ``device="cpu"``.
+
+Interleaved (A B C … A B C …) after warm-up, median of ``--rounds`` samples, one torch thread, thread CPU clock
+(:func:`benchmarks.common.interleaved`). Printed and written (``--json``): median ms per variant, each variant's
+ratio to autocast, and the conversion's graph breaks and captured FLOP share.
+
+Run: ``python benchmarks/partial.py [--rounds 40] [--json benchmarks/results/partial_cpu.json]``.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import interleaved, machine_info, summarize  # noqa: E402
+
+import converter  # noqa: E402
+
+MODELS = ("moe_dispatch", "pabee")
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"research_{name}", ROOT / "tests" / "research" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _step(module: torch.nn.Module, mf, batches: list, *, autocast: bool):
+    opt = torch.optim.SGD(module.parameters(), lr=1e-3, momentum=0.9)
+    state = {"i": 0}
+
+    def step(clock) -> None:
+        inputs, batch = batches[state["i"] % len(batches)]
+        state["i"] += 1
+        opt.zero_grad(set_to_none=True)
+        if autocast:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = mf.loss_fn(module(*inputs), batch)
+        else:
+            loss = mf.loss_fn(module(*inputs), batch)
+        clock.mark("fwd")
+        loss.backward()
+        clock.mark("bwd")
+        opt.step()
+        clock.mark("opt")
+
+    return step
+
+
+def run(name: str, rounds: int) -> dict:
+    mf = _load(name)
+    example = mf.example_inputs()
+    batches = [b for _, b in zip(range(8), mf.train_batches())]
+    base = mf.build_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        portable = converter.convert(copy.deepcopy(base), example, precision="bf16")
+        tuned = converter.convert(copy.deepcopy(base), example, precision="bf16", device="cpu")
+        steps = {
+            "fp32": _step(copy.deepcopy(base).train(), mf, batches, autocast=False),
+            "autocast": _step(copy.deepcopy(base).train(), mf, batches, autocast=True),
+            "partial": _step(portable.module.train(), mf, batches, autocast=False),
+            "partial_cpu": _step(tuned.module.train(), mf, batches, autocast=False),
+        }
+        samples = interleaved(steps, rounds=rounds, warmup=5, clock="cpu")
+    figures = {variant: summarize(s) for variant, s in samples.items()}
+    auto = figures["autocast"]["total_ms"]
+    summary = portable.report.summary
+    return {"model": name, "ms": {v: round(f["total_ms"], 3) for v, f in figures.items()},
+            "vs_autocast": {v: round(f["total_ms"] / auto, 3) for v, f in figures.items()},
+            "break_count": summary["break_count"], "captured_flop_fraction": summary["captured_flop_fraction"],
+            "regions": len(portable.partition.regions), "phases": figures}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--json", type=Path, default=None)
+    ns = parser.parse_args()
+    torch.set_num_threads(1)
+    results = {"machine": machine_info("cpu"), "torch": torch.__version__, "rounds": ns.rounds, "clock": "cpu",
+               "models": [run(name, ns.rounds) for name in ns.models]}
+    print(f"{'model':14s} {'breaks':>6s} {'FLOPs in graphs':>16s} " + " ".join(f"{v:>14s}" for v in
+                                                                            ("fp32", "autocast", "partial", "partial_cpu")))
+    for r in results["models"]:
+        cells = " ".join(f"{r['ms'][v]:7.2f} ({r['vs_autocast'][v]:.2f}x)" for v in ("fp32", "autocast", "partial",
+                                                                                     "partial_cpu"))
+        print(f"{r['model']:14s} {r['break_count']:6d} {100 * r['captured_flop_fraction']:15.1f}% {cells}")
+    if ns.json is not None:
+        ns.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
