@@ -181,18 +181,8 @@ def probe(model: torch.nn.Module, args: tuple, kwargs: dict, *, record: bool = F
             entry.flops += counter.get_total_flops() - flops
         elif counting[0] == 1:
             entry.eval_flops += counter.get_total_flops() - flops
-        if entry.impurity is not None:
-            return
-        # torch's own modules keep caches of their own (nn.LSTM's _flat_weights), and libraries private bookkeeping
-        # (transformers' _output_capturing_hooks_installed): not the user's state
-        written = [] if _is_torch_module(module) else [
-            name for name in _written(attrs, attribute_fingerprint(module))
-            if not (name.startswith("_") and _is_library_module(module))]
-        now = _rng_state()
-        if now[0] != rng[0] or now[1] != rng[1]:
-            entry.impurity = Impurity("random", path, source="random" if now[0] != rng[0] else "numpy.random")
-        elif written:
-            entry.impurity = Impurity("state", path, written=tuple(written))
+        if entry.impurity is None:
+            entry.impurity = _impurity(module, path, attrs, rng)
 
     handles = [m.register_forward_pre_hook(before, with_kwargs=True) for m in copy.modules()]
     handles += [m.register_forward_hook(after, with_kwargs=True, always_call=True) for m in copy.modules()]
@@ -226,6 +216,20 @@ def probe(model: torch.nn.Module, args: tuple, kwargs: dict, *, record: bool = F
             entry.batch_inputs = [run[path] for run in runs[2:] if path in run]
     _propagate(found)
     return Probe(found)
+
+
+def _impurity(module: torch.nn.Module, path: str, attrs: dict, rng: tuple) -> Optional[Impurity]:
+    """What the call of ``module`` that began with attributes ``attrs`` and RNG state ``rng`` did that a trace would
+    bake in (None: nothing). torch's own modules keep caches of their own (nn.LSTM's _flat_weights), and libraries
+    private bookkeeping (transformers' _output_capturing_hooks_installed): not the user's state."""
+    now = _rng_state()
+    if now[0] != rng[0] or now[1] != rng[1]:
+        return Impurity("random", path, source="random" if now[0] != rng[0] else "numpy.random")
+    if _is_torch_module(module):
+        return None
+    written = [name for name in _written(attrs, attribute_fingerprint(module))
+               if not (name.startswith("_") and _is_library_module(module))]
+    return Impurity("state", path, written=tuple(written)) if written else None
 
 
 def _propagate(found: dict[str, ModuleProbe]) -> None:
