@@ -31,9 +31,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import interleaved, machine_info, summarize  # noqa: E402
-
 import converter  # noqa: E402
+from benchmarks.common import interleaved, machine_info, summarize  # noqa: E402
 
 MODELS = ("moe_dispatch", "pabee")
 

@@ -176,6 +176,18 @@ class Conversion:
         return emit(self, Path(out_dir), force=force, model_file=model_file,
                     max_shard_size=DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size)
 
+    def _one_graph(self, what: str) -> None:
+        """Refuse ``what`` for a model converted region by region, in one line naming its first graph break."""
+        if self.partition is None:
+            return
+        from converter.passes.capture import CaptureError
+
+        first = self.partition.breaks[0]
+        raise CaptureError({"partial": "converted region by region"}, advice=(
+            f"the model has {len(self.partition.breaks)} graph break(s) (first: {first.module or 'the root'} at "
+            f"{first.location or '?'}: {first.reason}), so it is not one graph, which {what} needs: remove the break "
+            "(the report says where), or convert a submodule that captures whole"))
+
     def redo_options(self, **changes: Any) -> ConvertOptions:
         """This conversion's options with ``changes``, traced with the tracer that captured it."""
         return dataclasses.replace(self.options, tracer=self.tracer, **changes)
@@ -187,13 +199,7 @@ class Conversion:
         options = self.redo_options(precision=precision)
         if options.precision == self.precision:
             return self
-        if self.partition is not None:
-            from converter.passes.capture import CaptureError
-
-            raise CaptureError({"partial": "converted region by region"}, advice=(
-                f"the model has {len(self.partition.breaks)} graph break(s) (first: {self.partition.breaks[0].module or 'the root'} "
-                f"at {self.partition.breaks[0].location or '?'}: {self.partition.breaks[0].reason}), so it is not one graph; "
-                "ONNX needs one: remove the break, or export its converted regions"))
+        self._one_graph("a variant in another dtype")
         return convert(self.original, self.example_inputs, rules=self.rules, calibration=self.calibration, options=options,
                        scope=self.scope)
 
@@ -209,6 +215,7 @@ class Conversion:
         from converter.export.onnx import choose_precision, export_onnx, variant_notes
         from converter.export.onnx_fp8 import check_fp8_export
 
+        self._one_graph("ONNX")
         requested = None if precision is None else normalize_precision(precision)
         if self.options.fp8_recipe is not None:
             check_fp8_export(self.module, fp8=True, precision=requested, **{k: v for k, v in kwargs.items()

@@ -118,9 +118,13 @@ def converted_forward(model: torch.nn.Module) -> Optional["ConvertedForward"]:
 
 
 def conversion_of(model: torch.nn.Module) -> Optional[Conversion]:
-    """The :class:`~converter.api.Conversion` behind an applied model (None: not applied)."""
+    """The :class:`~converter.api.Conversion` behind an applied model (None: not applied); a model converted region by
+    region in place keeps it on its root's glue forward (:class:`converter.partition.GlueForward`)."""
     forward = converted_forward(model)
-    return forward.conversion if forward is not None else None
+    if forward is not None:
+        return forward.conversion
+    glue = model.__dict__.get("forward")
+    return getattr(glue, "conversion", None)
 
 
 def restore(model: torch.nn.Module) -> torch.nn.Module:

@@ -176,7 +176,8 @@ def apply(model: torch.nn.Module, example_inputs: Any, *, rules: Any = None, cal
     if done is not None:
         return done
     conv = convert_partial(model, example_inputs, rules=rules, calibration=batches, options=options, cause=cause)
-    install(model, conv.partition)
+    install(model, conv.partition, storage_plan=False)  # the plan is conv.module.meta's: the model's own meta is left
+    model.forward.conversion = conv  # converter.conversion_of(model) finds it there
     return model
 
 
@@ -190,6 +191,8 @@ class GlueForward:
     def __init__(self, module: torch.nn.Module, precision: str):
         self.module = module
         self.precision = precision
+        #: the Conversion, on the root's glue of a model converted in place (converter.conversion_of reads it)
+        self.conversion: Optional[Conversion] = None
         self.original = type(module).forward.__get__(module)
         self.__signature__ = inspect.signature(self.original)
         self.__doc__ = getattr(self.original, "__doc__", None)
@@ -352,8 +355,9 @@ def build_module(model: torch.nn.Module, partition: Partition) -> torch.nn.Modul
     return root
 
 
-def install(root: torch.nn.Module, partition: Partition) -> None:
-    """Put the partition on ``root`` (a shell, or the user's model for ``apply``): regions, glue, O2 storage plan."""
+def install(root: torch.nn.Module, partition: Partition, *, storage_plan: bool = True) -> None:
+    """Put the partition on ``root`` (a shell, or the user's model for ``apply``): regions, glue, and (``storage_plan``)
+    the O2 storage plan as ``root.meta``."""
     from converter.inplace import ConvertedForward
 
     for region in partition.regions:
@@ -363,7 +367,7 @@ def install(root: torch.nn.Module, partition: Partition) -> None:
         sub = root.get_submodule(path) if path else root
         sub.forward = GlueForward(sub, partition.precision)
     # O2's storage plan for MixedPrecisionTrainer: each region's, under the model's names (parameter objects are shared)
-    plan = {f"{r.path}.{name}": dtype for r in partition.regions
-            for name, dtype in (r.conversion.module.meta.get(GM_PARAM_DTYPES) or {}).items()}
-    root.meta = {GM_PARAM_DTYPES: plan}
+    if storage_plan:
+        root.meta = {GM_PARAM_DTYPES: {f"{r.path}.{name}": dtype for r in partition.regions
+                                       for name, dtype in (r.conversion.module.meta.get(GM_PARAM_DTYPES) or {}).items()}}
 

@@ -146,6 +146,17 @@ def test_no_breaks_refuses_in_one_line(tmp_path, capfd):
     assert not (tmp_path / "out").exists()
 
 
+def test_onnx_of_a_partial_conversion_names_the_break(tmp_path, capfd):
+    """ONNX needs one graph: --onnx says in one line which break prevents it; the other artifacts are written."""
+    path = tmp_path / "pabee.py"
+    path.write_text((RESEARCH / "pabee.py").read_text())
+    code = cli_main([str(path), "--out", str(tmp_path / "out"), "--onnx", "--no-measure", "--quiet"])
+    err = [line for line in capfd.readouterr().err.splitlines() if line.startswith("mpconvert: error")]
+    assert code == 1 and len(err) == 1, (code, err)
+    assert "graph break" in err[0] and "pabee.py:" in err[0] and "ONNX" in err[0], err[0]
+    assert (tmp_path / "out" / "model.py").is_file() and not (tmp_path / "out" / "model.onnx").exists()
+
+
 _STANDALONE = textwrap.dedent("""
     import importlib.util, sys, traceback
     for banned in ("converter", "transformers"):
@@ -380,3 +391,40 @@ def test_a_model_captured_whole_has_no_partition():
     data = conv.report.to_dict()
     assert data["graph_breaks"] == [] and data["summary"]["captured_flop_fraction"] == 1.0
     assert data["summary"]["break_count"] == 0
+
+
+def test_lightning_trains_a_partial_model_fp16_o2():
+    """The Lightning plugin converts a research model region by region in place and trains it with fp16 O2."""
+    import pytorch_lightning as pl
+
+    from converter.lightning import MixedPrecision
+
+    mf = load("pabee")
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = mf.build_model()
+            self.example_input_array = mf.example_inputs()
+
+        def forward(self, *args):
+            return self.model(*args)
+
+        def training_step(self, batch, index):
+            inputs, target = batch
+            return mf.loss_fn(self(*inputs), target)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    data = [b for _, b in zip(range(4), mf.train_batches())]
+    module = Module()
+    trainer = pl.Trainer(max_steps=4, plugins=[MixedPrecision("16-mixed", opt_level="O2", submodule="model")],
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         accelerator="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
+    conv = converter.conversion_of(module.model)
+    assert trainer.global_step == 4 and conv is not None and conv.graph_breaks, (trainer.global_step, conv)
+    assert torch.float16 in {p.dtype for p in module.model.parameters()}, "O2 stored no weight in fp16"
