@@ -53,6 +53,7 @@ from converter.options import ConvertOptions, build_options
 from converter.passes.capture import CaptureError, normalize_inputs
 from converter.passes.capture.probe import Impurity, ModuleProbe, Probe, probe
 from converter.passes.capture.shells import shell
+from converter.passes.fp8 import fp8_rule_set
 from converter.report.build import merge_reports
 from converter.rules.loader import load_rules
 
@@ -294,7 +295,7 @@ def convert_partial(model: torch.nn.Module, example_inputs: Any, *, rules: Any, 
         if isinstance(cause, CaptureError):
             raise cause
         raise CaptureError({"eager": "the model's forward failed when run eagerly"})
-    rule_set = load_rules(rules) if not hasattr(rules, "matches_for") else rules
+    rule_set = fp8_rule_set(rules) if options.fp8_recipe is not None else load_rules(rules)  # as api.pipeline loads them
     precision = ConvertOptions(precision=options.precision).precision
     breaks = [_root_break(model, cause, probed, precision)]
     regions: list[Region] = []
@@ -334,6 +335,10 @@ def convert_partial(model: torch.nn.Module, example_inputs: Any, *, rules: Any, 
         breaks.append(GraphBreak(path, type(sub).__name__, location, why, _runs(precision), flops))
         glue.append(path)
         queue[:0] = _children(model, path)
+    advice = next((r.conversion.report.extra.get("device_advice") for r in regions
+                   if r.conversion.report.extra.get("device_advice")), None)
+    if advice:  # each region's conversion measured it; said once here
+        warnings.warn(advice, SlowHalfWarning, stacklevel=3)
     partition = Partition(tuple(regions), tuple(breaks), tuple(glue), probed.total_flops, precision)
     module = build_module(model, partition)
     timings = {"partition_s": round(time.perf_counter() - t0, 3)}
