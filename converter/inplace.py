@@ -54,6 +54,7 @@ from converter.ir.graphmodule import EVAL_PREFIX, TwoModeGraphModule
 from converter.ir.precision import half_dtype
 from converter.options import ConvertOptions, build_options
 from converter.passes.capture.cache import CACHE_ARGUMENTS
+from converter.passes.capture.served import ShapeNotServedError, guard_owner
 
 __all__ = ["apply", "conversion_of", "converted_forward", "restore", "ConvertedForward", "FallbackWarning",
            "InPlaceError", "RecaptureWarning", "DEFAULT_MAX_RECAPTURES"]
@@ -254,6 +255,7 @@ class ConvertedForward:
         if self._no_cache:  # + decoding calls (a cache asked for): the original forward under autocast
             self.calls["cache"] = 0
         gm = conversion.module
+        self._guards = guard_owner(gm)  # whose ShapeNotServedError means "this graph refuses the call"
         self._graphs = _Graphs(gm, self._device() or torch.device("cpu"))
         self._plans: dict[int, tuple] = {}  # id(graph) -> _bind_plan(graph)
         #: the calls (mode, and each argument's dtype and shape or value) this graph was checked to serve
@@ -280,14 +282,39 @@ class ConvertedForward:
         if key is not None and key in self._served:  # a call like one this graph served: no check to redo
             return self._run(args, kwargs, owner=self)
         why = self._mismatch(args, kwargs)
-        if why is not None:
-            other = self._recaptured(why, args, kwargs) if isinstance(why, _ShapeMismatch) else None
-            if other is None:
-                return self._fallback(why, args, kwargs)
-            return other._run(args, kwargs, owner=self)
-        if key is not None and len(self._served) < _SERVED_KEYS:
-            self._served.add(key)
-        return self._run(args, kwargs, owner=self)
+        if why is None:
+            served, out = self._try_run(args, kwargs, owner=self)
+            if served:
+                if key is not None and len(self._served) < _SERVED_KEYS:
+                    self._served.add(key)
+                return out
+            why = out
+        return self._serve_elsewhere(why, args, kwargs)
+
+    def _try_run(self, args: tuple, kwargs: dict, *, owner: "ConvertedForward") -> tuple[bool, Any]:
+        """(True, the output), or (False, why) when the graph's own shape guards refuse the call (nothing of it ran)."""
+        try:
+            return True, self._run(args, kwargs, owner=owner)
+        except ShapeNotServedError as exc:
+            if exc.owner not in self._guards:
+                raise
+            owner.calls["converted"] -= 1
+            return False, _ShapeMismatch(f"sizes its graph's guard refuses ({exc.guard})")
+
+    def _serve_elsewhere(self, why: str, args: tuple, kwargs: dict) -> Any:
+        """A call this graph does not serve: a graph converted for its sizes (made before, or now), else the fallback."""
+        if not isinstance(why, _ShapeMismatch):
+            return self._fallback(why, args, kwargs)
+        for other in self.recaptures:
+            if other._mismatch(args, kwargs) is None:
+                served, out = other._try_run(args, kwargs, owner=self)
+                if served:
+                    return out
+        other = self._recaptured(why, args, kwargs)
+        if other is None:
+            return self._fallback(why, args, kwargs)
+        served, out = other._try_run(args, kwargs, owner=self)
+        return out if served else self._fallback(f"{why}, which its graph converted again refuses too", args, kwargs)
 
     def _entry_cast(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """The call's floating tensors in the dtype the graph was captured with, where they differ (an exact cast up)."""
@@ -322,28 +349,25 @@ class ConvertedForward:
         return gm(*call_args, **call_kwargs)
 
     def _recaptured(self, why: str, args: tuple, kwargs: dict) -> Optional["ConvertedForward"]:
-        """The graph converted for these sizes: one made before, or a new one (None: the limit is
-        reached or converting failed, said in ``why`` for the fallback)."""
-        for other in self.recaptures:
-            if other._mismatch(args, kwargs) is None:
-                return other
+        """A new graph converted for these sizes (None: the limit is reached or converting failed, said in a warning)."""
         if self._key(args, kwargs) in self._failed:
             return None
         if len(self.recaptures) + len(self._failed) >= self.max_recaptures:  # failed tries count: each costs a capture
             if self.max_recaptures and not self._limit_warned:
                 self._limit_warned = True
                 warnings.warn(
-                    f"mpconvert: {type(self.model).__name__}.forward was called with {why}; the re-capture limit "
+                    f"mpconvert: {self._called} was called with {why}; the re-capture limit "
                     f"of {self.max_recaptures} captures is reached, so such calls run the original fp32 forward "
                     "(raise converted_forward(model).max_recaptures, or pad the inputs to sizes a graph serves)",
                     RecaptureWarning, stacklevel=3)
             return None
         warnings.warn(
-            f"mpconvert: {type(self.model).__name__}.forward was called with {why}; converting it again for these "
+            f"mpconvert: {self._called} was called with {why}; converting it again for these "
             f"sizes (capture {len(self.recaptures) + len(self._failed) + 1} of at most {self.max_recaptures})", RecaptureWarning,
             stacklevel=3)
         try:
             other = self._recapture(args, kwargs)
+            self._note_recapture(why)
         except Exception as exc:  # noqa: BLE001 - the call still runs, as the original forward, and says why
             self._failed[self._key(args, kwargs)] = f"{type(exc).__name__}: {exc}"
             warnings.warn(f"mpconvert: converting {type(self.model).__name__} again for {why} failed "
@@ -354,11 +378,20 @@ class ConvertedForward:
         self.calls["recaptured"] += 1
         return other
 
+    @property
+    def _called(self) -> str:
+        """What the warnings say was called."""
+        return f"{type(self.model).__name__}.forward"
+
+    def _note_recapture(self, why: str) -> None:
+        """The report line of a graph converted again (its summary warnings, which the CLI's summary line shows)."""
+        self.conversion.report.summary.setdefault("warnings", []).append(
+            {"kind": "recaptured", "message": f"a call with {why} was converted again for its sizes"})
+
     def _recapture(self, args: tuple, kwargs: dict) -> "ConvertedForward":
         """:func:`converter.convert` with this conversion's options on this call's inputs, traced
         through the model's own forward (the converted one is set aside meanwhile), with grad and
         autocast as :func:`apply` would see them; the new graph reads the same parameters."""
-        conv = self.conversion
         named = _named_arguments(self._binder, args, kwargs)
         positional, keywords = self._captured_keys
         detach = lambda value: pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), value)  # noqa: E731
@@ -367,17 +400,22 @@ class ConvertedForward:
         current = self.model.__dict__.pop("forward", missing)
         if self.instance_forward is not None:
             self.model.forward = self.instance_forward
-        device_type = _autocast_type(self._device() or self._graphs.home)
         try:
-            with torch.enable_grad(), torch.autocast(device_type=device_type, enabled=False):
-                new = convert(self.model, example, rules=conv.rules, calibration=conv.calibration,
-                              options=conv.redo_options(), scope=conv.scope)
+            new = self._convert_again(self.model, example)
         finally:
             self.model.__dict__.pop("forward", None)
             if current is not missing:
                 self.model.__dict__["forward"] = current
         return ConvertedForward(self.model, new, original=self.instance_forward, max_recaptures=0,
                                 cast_inputs=self.cast_inputs, recapture_values=self.recapture_values)
+
+    def _convert_again(self, model: torch.nn.Module, example: tuple) -> Conversion:
+        """``model`` converted as this conversion was (rules, calibration, options, tracer), on ``example``."""
+        conv = self.conversion
+        device_type = _autocast_type(self._device() or self._graphs.home)
+        with torch.enable_grad(), torch.autocast(device_type=device_type, enabled=False):
+            return convert(model, example, rules=conv.rules, calibration=conv.calibration, options=conv.redo_options(),
+                           scope=conv.scope)
 
     def _key(self, args: tuple, kwargs: dict) -> tuple:
         """Which calls a failed re-capture stands for: their shapes (and Python scalars, where those re-capture)."""

@@ -133,13 +133,17 @@ def convert(model: torch.nn.Module, example_inputs: Any, *, rules: Any = None, c
     not one graph (no tracer captures it, or a capture would bake in a Python-side draw or a state write its forward
     makes), :func:`convert_partial` unless ``partial=False``."""
     options = build_options(options, keywords, caller="convert")
-    if not options.partial or scope is not None:
+    from converter.serving import serve_every_call
+
+    if scope is not None:
         return api.convert(model, example_inputs, rules=rules, calibration=calibration, options=options, scope=scope)
+    if not options.partial:
+        return serve_every_call(api.convert(model, example_inputs, rules=rules, calibration=calibration, options=options))
     batches = api.read_batches(calibration, options)  # read once: both paths see the same batches
     done, cause = _one_graph(model, example_inputs,
                              lambda: api.convert(model, example_inputs, rules=rules, calibration=batches, options=options))
     if done is not None:
-        return done
+        return serve_every_call(done)
     return convert_partial(model, example_inputs, rules=rules, calibration=batches, options=options, cause=cause)
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import networkx as nx
 
 PACKAGE = Path(__file__).resolve().parent.parent / "converter"
-LAYERS = ["_version", "ir", "rules", "passes", "numerics", "options", "report", "export", "api", "inplace", "partition",
+LAYERS = ["_version", "ir", "rules", "passes", "numerics", "options", "report", "export", "api", "inplace", "serving", "partition",
           "lightning", "cli"]
 RANK = {name: i for i, name in enumerate(LAYERS)}
 #: torch-only kernel packages that model.py carries verbatim: they import nothing of the package

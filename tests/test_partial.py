@@ -344,7 +344,7 @@ def test_forward_updated_counter_evolves_as_the_original():
 
 def test_pinned_dim_served_at_other_lengths(cli_runs):
     """chunked_rwkv asserts T % chunk == 0 and loops T // chunk times (captured whole, its length static): the applied
-    model serves other lengths (converted again), and model.py serves them or refuses in one line naming the dim."""
+    model and conv.module serve other lengths (converted again), and model.py serves them or refuses in one line naming the dim."""
     from converter.export.verify import import_file
 
     mf = load("chunked_rwkv")
@@ -352,6 +352,7 @@ def test_pinned_dim_served_at_other_lengths(cli_runs):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         applied = converter.apply(mf.build_model(), (args, kwargs))
+        module = converter.convert(mf.build_model(), (args, kwargs)).module  # serves them too, converted again
     _, _, out = cli_runs["chunked_rwkv"]
     emitted = import_file(out / "model.py").load()
     for length in (24, 32):
@@ -362,6 +363,7 @@ def test_pinned_dim_served_at_other_lengths(cli_runs):
         call = tuple(longer if a is x else a for a in args)
         ref = mf.build_model().eval()
         applied.eval()
+        module.eval()
         emitted.eval()
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -369,6 +371,7 @@ def test_pinned_dim_served_at_other_lengths(cli_runs):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 auto = flat(floats(ref(*call, **kwargs)))
             got = flat(floats(applied(*call, **kwargs)))
+            from_module = flat(floats(module(*call, **kwargs)))
             try:
                 standalone = flat(floats(emitted(*call, **kwargs)))
             except ValueError as exc:  # model.py refuses a size its graph does not serve: one line naming the dim
@@ -376,6 +379,8 @@ def test_pinned_dim_served_at_other_lengths(cli_runs):
                 standalone = None
         db, auto_db = sqnr(want, got), sqnr(want, auto)
         assert auto_db - 1.0 <= db < HALF_CEILING_DB, f"T={length}: {db:.1f} dB, autocast {auto_db:.1f} dB"
+        module_db = sqnr(want, from_module)
+        assert auto_db - 1.0 <= module_db < HALF_CEILING_DB, f"T={length}: conv.module {module_db:.1f} dB, autocast {auto_db:.1f} dB"
         if standalone is not None:
             assert sqnr(want, standalone) >= auto_db - 1.0, f"T={length}: model.py {sqnr(want, standalone):.1f} dB"
 

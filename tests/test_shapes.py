@@ -3,19 +3,22 @@ emitted model.py checks the input sizes its graph serves, and a dynamic export w
 expressions blow up (Swin) falls back to dynamic batch dims in seconds."""
 from __future__ import annotations
 
+import copy
 import importlib.util
 import time
 
 import pytest
 import torch
-from helpers import sqnr
+from helpers import first_tensor, sqnr
 from torch import nn
 from torch.export import Dim
 
 import converter
 from converter.export.emit import emit
+from converter.inplace import RecaptureWarning
 from converter.passes import size_budget
 from converter.passes.capture import capture
+from converter.passes.capture.served import ShapeNotServedError
 
 # ---------------------------------------------------------------------------------------------
 # RNNs: the sequence length stays dynamic
@@ -324,8 +327,15 @@ def test_a_pinned_dim_is_not_reported_dynamic_and_the_guard_line_is_named():
     assert sorted(narrowed) == [2, 3] and all(f"test_shapes.py:{line} in forward" in w for w in narrowed.values()), narrowed
     with torch.no_grad():
         conv.module(torch.randn(3, 3, 16, 16))  # the batch is served
-        with pytest.raises(Exception, match="Guard failed"):  # the image size is not, as the report says
-            conv.module(torch.randn(2, 3, 24, 24))
+        other = torch.randn(2, 3, 24, 24)
+        with pytest.raises(ShapeNotServedError, match=r"x of shape \(2, 3, 24, 24\)"):  # the graph does not serve it
+            copy.deepcopy(conv.module)(other)
+        with pytest.warns(RecaptureWarning, match="x of shape"):  # conv.module converts it again
+            got = conv.module(other)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            auto = model(other)
+        db, auto_db = sqnr(model(other), got), sqnr(model(other), auto)
+        assert db >= auto_db - 1.0, f"at 24x24: {db:.1f} dB, autocast {auto_db:.1f} dB"
     md = conv.report.to_markdown()
     assert "x dim 2, 3: guard" in md and f"test_shapes.py:{line}" in md, md[:1000]
 
@@ -350,5 +360,13 @@ def test_vision_models_report_only_the_image_dims_they_serve(family):
     assert sorted(narrowed) == [2, 3] and all(f"modeling_{family}.py:" in w and where in w for w in narrowed.values()), narrowed
     with torch.no_grad():
         conv.module(pixel_values=torch.randn(3, 3, 32, 32))  # the batch is served
-        with pytest.raises(Exception, match="Guard failed"):  # the image size is not, as the report says
-            conv.module(pixel_values=torch.randn(2, 3, 48, 48))
+        other = torch.randn(2, 3, 48, 48)
+        with pytest.raises(ShapeNotServedError, match=r"pixel_values of shape \(2, 3, 48, 48\)"):  # the graph does not
+            copy.deepcopy(conv.module)(pixel_values=other)
+        with pytest.warns(RecaptureWarning, match="pixel_values of shape"):  # conv.module converts it again
+            got = first_tensor(conv.module(pixel_values=other))
+        want = first_tensor(model(pixel_values=other))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            auto = first_tensor(model(pixel_values=other))
+        db, auto_db = sqnr(want, got), sqnr(want, auto)
+        assert db >= auto_db - 1.0, f"{family} at 48x48: {db:.1f} dB, autocast {auto_db:.1f} dB"

@@ -152,4 +152,23 @@ def guard_lines(placeholders: list[torch.fx.Node], paths: list[str], *,
             if i in pinned and isinstance(hint, int):
                 size = hint  # a guard of the model's code pins it: served at the example's size only
             lines += _dim_lines(size, f"{name}.shape[{i}]", f"{label}: dim {i}", sources)
+    return lines + _narrowing_lines(placeholders, sources)
+
+
+def _narrowing_lines(placeholders: list[torch.fx.Node], sources: _Sources) -> list[str]:
+    """Checks of the guards the model's code recorded on dynamic dims (``x.size(1) % 4 == 0``: a reshape into
+    chunks), where each of their sizes can be read from the inputs: the graph computes something else, or fails
+    inside an op, for sizes they refuse."""
+    from converter.passes.guards import narrowing_guards
+
+    lines = []
+    for expr, where in narrowing_guards([(n.name, n.meta.get("val")) for n in placeholders]):
+        test = sources.python(expr)
+        if test is None or not expr.free_symbols:
+            continue
+        dims = ", ".join(sorted({sources.label[s] for s in expr.free_symbols}))
+        sizes = ", ".join(f"{{{sources.expr[s]}}}" for s in sorted(expr.free_symbols, key=str))
+        at = f" (the model's code at {where})".replace("{", "{{").replace("}", "}}") if where else ""
+        lines.append(_check(f"not ({test})", f"{dims}: size {sizes}, but the converted graph serves only sizes where "
+                                             f"{test}{at}: {_HINT}, or pad the input to such a size"))
     return lines

@@ -36,7 +36,7 @@ from typing import Any, Optional
 import sympy
 import torch
 
-__all__ = ["dim_ranges", "narrowed_dims", "pinned_dims", "tied_dims", "Tie"]
+__all__ = ["narrowing_guards", "dim_ranges", "narrowed_dims", "pinned_dims", "tied_dims", "Tie"]
 
 
 def _symbol(size: Any) -> Optional[sympy.Symbol]:
@@ -132,6 +132,24 @@ def pinned_dims(named_values: list[tuple[str, Any]]) -> dict[str, tuple[int, ...
                 for name, dim in symbols[sym]:
                     out.setdefault(name, set()).add(dim)
     return {name: tuple(sorted(dims)) for name, dims in out.items()}
+
+
+def narrowing_guards(named_values: list[tuple[str, Any]]) -> list[tuple[Any, str]]:
+    """``[(expr, where)]``: the recorded equality guards that narrow a symbolic dim of ``named_values`` (they fail for
+    other sizes of one of its symbols: ``Eq(Mod(s1, 4), 0)``, ``Eq(s1 // 8, 2)``), in the symbols of the graph's
+    shapes (export's unifications applied), each with the user's ``file:line`` that recorded it, once each."""
+    symbols, shape_env = _symbols(named_values)
+    if shape_env is None:
+        return []
+    replacements = dict(getattr(shape_env, "replacements", {}))
+    hints = _hints(shape_env)
+    out: dict[Any, str] = {}
+    for guard in getattr(shape_env, "guards", ()):
+        expr = guard.expr.xreplace(replacements) if replacements else guard.expr
+        if isinstance(expr, sympy.Eq) and expr.free_symbols <= set(hints) and expr not in out \
+                and any(_pins(expr, sym, hints) for sym in expr.free_symbols & set(symbols)):
+            out[expr] = _where(guard)
+    return list(out.items())
 
 
 def narrowed_dims(named_values: list[tuple[str, Any]]) -> dict[str, dict[int, str]]:

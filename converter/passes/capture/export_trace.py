@@ -22,6 +22,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from converter.ir.meta import META_VALUE
 from converter.passes.autograd_fns import OpaqueFunctions, restore_function_calls
 from converter.passes.capture.advice import short_reason
+from converter.passes.capture.served import name_guard_failures
 from converter.passes.capture.values import Shapes, placeholder_values, placeholders, spec_of
 from converter.passes.checkpoint import CheckpointMarks, tag_export_graph
 from converter.passes.guards import dim_ranges, narrowed_dims, pinned_dims, tied_dims
@@ -38,6 +39,7 @@ def trace_export(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: Shap
     written; ``shapes`` receives the dynamic dims, the narrowed ones and their ranges, and how they were chosen."""
     ep = _export_dynamic(model, args, kwargs, shapes)
     gm = _module_of(ep)
+    name_guard_failures(gm)  # a call of sizes the graph does not serve: one line, and the signal to capture again
     restore_function_calls(gm)  # custom autograd Functions: their calls, not the stand-in ops
     # ep.module() replaces train()/eval() on the instance by ones that raise NotImplementedError;
     # the graph reads self.training instead (converter.passes.modes), so the class's methods serve
