@@ -47,6 +47,7 @@ from typing import Any, Optional
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
+from torch.nn.modules import module as torch_module
 
 from converter.api import Conversion, convert
 from converter.ir.errors import MpconvertError
@@ -231,6 +232,10 @@ class ConvertedForward:
         self._example = _named_arguments(self._binder, args, kwargs)
         self.__signature__ = _advertised(self._binder, self._example)
         self._captured_keys = (tuple(self._example)[: self._positional], tuple(kwargs))
+        #: the captured positional arguments are the forward's first parameters, in order: a call passing exactly them
+        #: (and the captured keywords) needs no binding
+        self._in_order = tuple(self._binder.parameters)[: self._positional] == self._captured_keys[0] and all(
+            p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in tuple(self._binder.parameters.values())[: self._positional])
         self._dynamic = dict(conversion.report.extra.get("dynamic_dims") or {})
         #: input -> {dim: (min, max)}: dynamic dims served only within a range (max None: no upper bound)
         self._ranges = {name: {int(d): (r["min"], r["max"]) for d, r in dims.items()}
@@ -319,6 +324,10 @@ class ConvertedForward:
     def _entry_cast(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """The call's floating tensors in the dtype the graph was captured with, where they differ (an exact cast up)."""
         ex_args, ex_kwargs = self.conversion.example_inputs
+        if not kwargs and len(args) == len(ex_args) and all(
+                not isinstance(a, torch.Tensor) or not isinstance(w, torch.Tensor) or a.dtype == w.dtype
+                for a, w in zip(args, ex_args)):
+            return args, kwargs  # the common case: nothing to cast
 
         def fix(value: Any, want: Any) -> Any:
             if (isinstance(value, torch.Tensor) and isinstance(want, torch.Tensor) and value.dtype != want.dtype
@@ -338,15 +347,20 @@ class ConvertedForward:
             return owner._fallback(f"a model whose structure changed since apply() (it has no {', '.join(missing[:3])}; "
                                    "call converter.apply again)", args, kwargs)
         owner.calls["converted"] += 1
-        named = _named_arguments(self._binder, args, kwargs)
         positional, keywords = self._captured_keys
-        call_args = tuple(named[name] for name in positional)
-        call_kwargs = {name: named[name] for name in keywords}
+        if len(args) == len(positional) and self._in_order and len(kwargs) == len(keywords) and all(k in kwargs for k in keywords):
+            call_args, call_kwargs = args, {name: kwargs[name] for name in keywords}  # as captured: no binding to redo
+        else:
+            named = _named_arguments(self._binder, args, kwargs)
+            call_args = tuple(named[name] for name in positional)
+            call_kwargs = {name: named[name] for name in keywords}
+        # the graph's own forward, without nn.Module's call machinery, unless a hook is registered on it or globally
+        call = gm if gm._forward_hooks or gm._forward_pre_hooks or _global_hooks() else gm.forward
         device_type = _autocast_type(self._graphs.home if device is None else device)
         if torch.is_autocast_enabled(device_type):
             with torch.autocast(device_type=device_type, enabled=False):
-                return gm(*call_args, **call_kwargs)
-        return gm(*call_args, **call_kwargs)
+                return call(*call_args, **call_kwargs)
+        return call(*call_args, **call_kwargs)
 
     def _recaptured(self, why: str, args: tuple, kwargs: dict) -> Optional["ConvertedForward"]:
         """A new graph converted for these sizes (None: the limit is reached or converting failed, said in a warning)."""
@@ -480,9 +494,13 @@ class ConvertedForward:
             return self.original(*args, **kwargs)
 
     def _device(self) -> Optional[torch.device]:
+        probe = self.__dict__.get("_probe")
+        if probe is not None:  # a Parameter keeps its identity through .to() (its data moves): read it again
+            return probe.device
         for tensor in self.model.parameters():
+            self._probe = tensor
             return tensor.device
-        for tensor in self.model.buffers():
+        for tensor in self.model.buffers():  # .to() replaces buffers: looked up on every call
             return tensor.device
         return None
 
@@ -586,6 +604,12 @@ class ConvertedForward:
                 why = f"{label}={_short_repr(g)} (captured with {_short_repr(w)})"
                 return _ShapeMismatch(why) if self.recapture_values else why
         return None
+
+
+def _global_hooks() -> bool:
+    """Whether module hooks are registered globally (torch's FLOP counter, profilers): a graph is then called as a module."""
+    return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
+                or torch_module._global_forward_hooks_always_called)
 
 
 #: how many call signatures a graph remembers as served (a workload of many sizes is checked call by call past it)

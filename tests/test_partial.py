@@ -433,3 +433,123 @@ def test_lightning_trains_a_partial_model_fp16_o2():
     conv = converter.conversion_of(module.model)
     assert trainer.global_step == 4 and conv is not None and conv.graph_breaks, (trainer.global_step, conv)
     assert torch.float16 in {p.dtype for p in module.model.parameters()}, "O2 stored no weight in fp16"
+
+
+def test_hf_trainer_trains_a_partial_model_bf16(tmp_path):
+    """HF Trainer (bf16 on CPU: accelerate wraps forward in autocast) trains a MoE with a dispatch loop converted region
+    by region in place: the loss goes down, the regions ran their converted graphs (no fallback), every parameter of
+    the glue and of the regions was updated, and the checkpoint holds the trained weights."""
+    import transformers
+
+    mf = load("moe_dispatch")
+
+    class MoELM(torch.nn.Module):  # what a user writes to give Trainer a loss
+        def __init__(self):
+            super().__init__()
+            self.net = mf.build_model()
+
+        def forward(self, input_ids, attention_mask, labels=None):
+            logits, aux = self.net(input_ids, attention_mask)
+            return {"loss": mf.loss_fn((logits, aux), (labels, attention_mask)), "logits": logits}
+
+    model = MoELM()
+    ids, mask = mf.example_inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        converter.apply(model, ((), {"input_ids": ids, "attention_mask": mask, "labels": ids}), precision="bf16")
+    conv = converter.conversion_of(model)
+    assert conv is not None and conv.graph_breaks and len(conv.partition.regions) >= 8, conv.partition
+    assert any(d.precision == "bf16" for d in conv.decisions.values()), "no region node runs bf16"
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    gen = torch.Generator().manual_seed(5)
+    rows = []
+    for _ in range(4):
+        b_ids, b_mask = mf._batch(gen)
+        rows += [{"input_ids": b_ids[i], "attention_mask": b_mask[i], "labels": b_ids[i]} for i in range(len(b_ids))]
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(rows)
+
+        def __getitem__(self, i):
+            return rows[i]
+
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), use_cpu=True, bf16=True, max_steps=8, per_device_train_batch_size=4,
+        learning_rate=3e-3, logging_steps=1, save_steps=8, report_to=[], seed=0, dataloader_num_workers=0,
+        disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Rows())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 8 and losses[-1] < losses[0] - 0.1, f"loss did not go down: {losses}"
+    fallbacks = {path: sub.forward.calls["fallback"] for path, sub in model.named_modules()
+                 if isinstance(sub.__dict__.get("forward"), converter.inplace.ConvertedForward)}
+    assert fallbacks and not any(fallbacks.values()), fallbacks
+    after = model.state_dict()
+    unchanged = [k for k, v in after.items() if v.is_floating_point() and torch.equal(v, before[k])]
+    # an expert no token of these batches was routed to would keep its weights; every other tensor trains
+    assert not [k for k in unchanged if ".experts." not in k], unchanged
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tmp_path / "out" / "checkpoint-8" / "model.safetensors"))
+    bad = [k for k, v in saved.items() if not torch.equal(v, after[k])]
+    assert sorted(saved) == sorted(after) and not bad, bad
+
+
+def test_calibration_redecides_the_overflowing_node_inside_its_region():
+    """Calibration runs per region, on the inputs each region received from the calibration batches: an expert whose
+    fc2 overflows fp16 is refused without calibration (naming the region's node) and re-decided with it, that node
+    only; the conversion's output is then finite and as close to fp32 as autocast's bf16 would be."""
+    from converter.api import Fp16OverflowError
+
+    mf = load("moe_dispatch")
+    model = mf.build_model()
+    with torch.no_grad():
+        model.moe_layers[0].experts[1].fc2.weight.mul_(1e5)  # its outputs reach ~7e4 > 65504
+    example = mf.example_inputs()
+    gen = torch.Generator().manual_seed(11)
+    batches = [mf._batch(gen) for _ in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(Fp16OverflowError, match="fc2"):
+            converter.convert(model, example, precision="fp16")
+        conv = converter.convert(model, example, precision="fp16", calibration=batches,
+                                 calibration_options={"progress": False})
+    assert conv.graph_breaks, "the MoE dispatch loop is a graph break"
+    changed = {name for name, d in conv.decisions.items() if d.rule.table == "calibration"}
+    assert changed == {"moe_layers.0.experts.1/fc2"}, changed
+    assert conv.decisions["moe_layers.0.experts.1/fc2"].precision in ("bf16", "fp32")
+    region = next(r for r in conv.partition.regions if r.path == "moe_layers.0.experts.1")
+    assert region.conversion.calibration, "the region was not calibrated on its own inputs"
+    assert any(d.precision == "fp16" for d in conv.decisions.values()), "no node left in fp16"
+    conv.module.eval()
+    model.eval()
+    with torch.no_grad():
+        want = model(*example)[0]
+        got = conv.module(*example)[0].float()
+    assert bool(torch.isfinite(got).all()), "the calibrated conversion overflowed"
+    db = sqnr(want, got)
+    assert 25.0 <= db < HALF_CEILING_DB, f"calibrated fp16 partial conversion: {db:.1f} dB against fp32"
+
+
+def test_the_accuracy_search_meets_the_tolerance_in_every_region():
+    """calibration_options={"tolerance": ...} runs the accuracy search in each region, on that region's own inputs:
+    every region meets it (some by keeping nodes in fp32), and the kept nodes are fp32 in the partial conversion."""
+    mf = load("pabee")
+    model = mf.build_model()
+    example = mf.example_inputs()
+    batches = [b for _, (b, _) in zip(range(3), mf.train_batches())]
+    tolerance = 45.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        conv = converter.convert(model, example, precision="fp16", calibration=batches,
+                                 calibration_options={"progress": False, "tolerance": tolerance})
+    assert conv.graph_breaks and len(conv.partition.regions) >= 4, conv.partition
+    searches = {r.path: r.conversion.module.meta["mp_calibration"]["search"] for r in conv.partition.regions}
+    not_met = {path: s.get("sqnr_db") for path, s in searches.items() if not s["met"] or float(s["sqnr_db"]) < tolerance}
+    assert not not_met, f"regions under {tolerance} dB: {not_met}"
+    kept = {f"{path}/{name}" for path, s in searches.items() for name in s["kept_fp32"]}
+    assert all(conv.decisions[name].precision == "fp32" for name in kept), kept
+    assert sum(d.precision == "fp16" for d in conv.decisions.values()) >= 4, "the search left nothing in fp16"

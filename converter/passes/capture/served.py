@@ -13,7 +13,7 @@ graph, so nothing ran) and convert the model again for that call's sizes, bounde
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
