@@ -193,10 +193,24 @@ def _run_export(model: torch.nn.Module, args: tuple, kwargs: dict, spec: Any, *,
     # RecurrentOps: LSTM/GRU/RNN keep their sequence dim dynamic (converter.passes.recurrent)
     with fx_config.patch(backed_size_oblivious=oblivious), RecurrentOps(), \
             (SizeBudget() if budget else contextlib.nullcontext()), CheckpointMarks(annotate=True), OpaqueFunctions(), \
-            AutocastMarks(annotate=True):
+            AutocastMarks(annotate=True), _quiet_failures():
         ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=spec)
     restore_aten_ops(ep.graph_module)
     return ep
+
+
+@contextlib.contextmanager
+def _quiet_failures():
+    """torch.export prints the partial graph of a failed trace to stderr (hundreds of lines) before raising; capture
+    handles the failure (another tracer, a narrower shape spec, a region), so what a failed export wrote is dropped.
+    What a successful one wrote (the model's own warnings) is passed on."""
+    import io
+    import sys
+
+    buffer = io.StringIO()
+    with contextlib.redirect_stderr(buffer):
+        yield
+    sys.stderr.write(buffer.getvalue())
 
 
 def _export_tied(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: Shapes, oblivious: bool = False,
