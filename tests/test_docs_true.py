@@ -6,7 +6,9 @@
 * docs/architecture.md names every module of `converter/`, and every module its index names exists;
 * docs/report.md names every top-level key of a real report.json (the tiny transformer sample);
 * every error or warning class the README and docs name is importable from where they say
-  (`converter.X`, or the dotted module they write).
+  (`converter.X`, or the dotted module they write);
+* the README is at most 300 lines, its test command is the one .ci/run runs, its quick start's summary
+  line is what the sample converts to, and no page speaks of issue numbers, commit hashes or sessions.
 
 Each checker is a function, and each is shown to fail on a planted mistake.
 """
@@ -235,3 +237,50 @@ def test_the_error_checker_fails_on_a_planted_name():
     assert unimportable(names) == ["NoSuchError"]
     assert unimportable({"converter.api.NoSuchError", "converter.nowhere.Fp16OverflowError"}) == [
         "converter.api.NoSuchError", "converter.nowhere.Fp16OverflowError"]
+
+
+# ---------------------------------------------------------------------------------------------
+# the README
+
+README = ROOT / "README.md"
+
+
+def _ci_pytest_command() -> str:
+    lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
+             if line.strip().startswith("python -m pytest")]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_the_readme_is_short_and_runs_the_ci_test_command():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 300, len(text.splitlines())
+    command = _ci_pytest_command()
+    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+    assert any(line.strip() == command for block in blocks for line in block.splitlines()), (
+        f"the README's test command is not .ci/run's: {command}")
+
+
+def test_the_readme_quick_start_is_what_the_sample_gives(tiny_report):
+    text = README.read_text()
+    assert f"$ mpconvert samples/tiny_transformer.py\n{tiny_report['summary_line']}\n" in text, tiny_report["summary_line"]
+    by = tiny_report["summary"]["by_precision"]
+    assert f"| by precision | bf16 {by['bf16']} · fp16 {by['fp16']} · fp32 {by['fp32']} |" in text, by
+
+
+INTERNAL = re.compile(r"\bissues? #?\d+\b|\b(?:this|one|that|an earlier|a previous|the previous) session\b"
+                      r"|\b(?:on|commit|before|after) [0-9a-f]{7,40}\b|--compare-ref [0-9a-f]{7,40}\b", re.I)
+
+
+def internal_references(text: str) -> list[str]:
+    return [m.group(0) for m in INTERNAL.finditer(text)]
+
+
+def test_no_page_speaks_of_issues_commits_or_sessions():
+    found = {str(path.relative_to(ROOT)): internal_references(path.read_text()) for path in DOCS}
+    assert {page: refs for page, refs in found.items() if refs} == {}
+
+
+def test_the_internal_reference_check_fails_on_planted_ones():
+    assert internal_references("fixed in issue 30, on 2ae973b, lent to one session; an onnxruntime session") == [
+        "issue 30", "on 2ae973b", "one session"]
