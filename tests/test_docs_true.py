@@ -284,3 +284,27 @@ def test_no_page_speaks_of_issues_commits_or_sessions():
 def test_the_internal_reference_check_fails_on_planted_ones():
     assert internal_references("fixed in issue 30, on 2ae973b, lent to one session; an onnxruntime session") == [
         "issue 30", "on 2ae973b", "one session"]
+
+
+# ---------------------------------------------------------------------------------------------
+# paths and links
+
+PATH = re.compile(r"(?<![\w/.-])((?:converter|benchmarks|tests|rules|samples|tools|docs)/[\w./-]*[\w/])")
+
+
+def missing_paths(path: Path, text: str) -> list[str]:
+    """Repository paths and relative links ``text`` names that do not exist (module index rows are relative
+    to converter/)."""
+    named = set(PATH.findall(text)) | {link for link in re.findall(r"\]\(([^)#\s]+)", text) if "://" not in link}
+    return sorted(name for name in named
+                  if not any((base / name).exists() for base in (ROOT, path.parent, ROOT / "converter")))
+
+
+def test_every_path_and_link_the_docs_name_exists():
+    found = {str(path.relative_to(ROOT)): missing_paths(path, path.read_text()) for path in DOCS}
+    assert {page: names for page, names in found.items() if names} == {}
+
+
+def test_the_path_check_fails_on_planted_paths():
+    text = "see `converter/lower.py`, `converter/report/flops.py` and [the guide](guide.md)"
+    assert missing_paths(README, text) == ["converter/lower.py", "guide.md"]
