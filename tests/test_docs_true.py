@@ -308,3 +308,74 @@ def test_every_path_and_link_the_docs_name_exists():
 def test_the_path_check_fails_on_planted_paths():
     text = "see `converter/lower.py`, `converter/report/flops.py` and [the guide](guide.md)"
     assert missing_paths(README, text) == ["converter/lower.py", "guide.md"]
+
+
+# ---------------------------------------------------------------------------------------------
+# the README's results table: every figure is in the results file its row names
+
+NUMBER = re.compile(r"(?<![\w.])(\d+\.\d+)(?![\w.])")
+
+
+def _leaves(value, path: tuple = ()) -> list[tuple[tuple, float]]:
+    if isinstance(value, dict):
+        return [leaf for k, v in value.items() for leaf in _leaves(v, (*path, str(k)))]
+    if isinstance(value, list):
+        return [leaf for i, v in enumerate(value) for leaf in _leaves(v, (*path, i))]
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return [(path, float(value))]
+    return []
+
+
+def _candidates(files: list[Path]) -> list[float]:
+    """Every number of the files, in GiB and MiB too, and every ratio of two numbers of the same field whose
+    paths differ in one place only (one variant's step time against another's of the same model, a stage's peak RSS
+    against another stage's of the same size)."""
+    import json
+
+    leaves = [leaf for f in files for leaf in _leaves(json.loads(f.read_text()))]
+    values = [v for _, v in leaves]
+    found = values + [v / 2**30 for v in values] + [v / 2**20 for v in values]
+    groups: dict[tuple, list[float]] = {}
+    for path, v in leaves:
+        for i in range(len(path) - 1):  # the same field of another variant, model or stage
+            groups.setdefault((len(path), i, path[:i], path[i + 1:]), []).append(v)
+    for same in groups.values():
+        found += [x / y for x in same for y in same if y]
+    return found
+
+
+def unsourced_figures(cell: str, files: list[Path]) -> list[str]:
+    candidates = _candidates(files)
+    missing = []
+    for text in NUMBER.findall(cell):
+        tol = 0.5 * 10 ** -len(text.split(".")[1]) + 1e-9
+        if not any(abs(c - float(text)) <= tol for c in candidates):
+            missing.append(text)
+    return missing
+
+
+def _results_rows() -> list[tuple[str, list[Path]]]:
+    table = README.read_text().split("## Results", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in table.splitlines():
+        if not line.startswith("| ") or line.startswith("| result") or "---" in line:
+            continue
+        cells = line.split(" | ")
+        files = [ROOT / "benchmarks" / "results" / name for name in re.findall(r"\(benchmarks/results/([\w.]+\.json)\)", cells[2])]
+        rows.append((cells[0], files))
+    return rows
+
+
+def test_every_figure_of_the_readme_results_table_is_in_its_results_file():
+    """Strong for measured values (ms, dB, GiB, losses: a wrong one fails, see the planted test); weak for a
+    two-decimal ratio near 1, which some pair of a large results file nearly always gives."""
+    rows = _results_rows()
+    assert len(rows) >= 5
+    for cell, files in rows:
+        assert files and all(f.is_file() for f in files), (cell, files)
+        assert unsourced_figures(cell, files) == [], f"figures of {cell[:60]!r} that {[f.name for f in files]} does not hold"
+
+
+def test_the_figure_check_fails_on_a_planted_figure():
+    cell, files = next((c, f) for c, f in _results_rows() if "cpu_dispatch.json" in str(f))
+    assert unsourced_figures(cell.replace("446.0", "446.7"), files) == ["446.7"]
