@@ -332,8 +332,8 @@ def _candidates(files: list[Path]) -> list[float]:
     against another stage's of the same size)."""
     import json
 
-    leaves = [leaf for f in files for leaf in _leaves(json.loads(f.read_text()))]
-    values = [v for _, v in leaves]
+    leaves = [leaf for f in files if f.suffix == ".json" for leaf in _leaves(json.loads(f.read_text()))]
+    values = [v for _, v in leaves] + [float(n) for f in files if f.suffix == ".md" for n in NUMBER.findall(f.read_text())]
     found = values + [v / 2**30 for v in values] + [v / 2**20 for v in values]
     groups: dict[tuple, list[float]] = {}
     for path, v in leaves:
@@ -379,3 +379,37 @@ def test_every_figure_of_the_readme_results_table_is_in_its_results_file():
 def test_the_figure_check_fails_on_a_planted_figure():
     cell, files = next((c, f) for c, f in _results_rows() if "cpu_dispatch.json" in str(f))
     assert unsourced_figures(cell.replace("446.0", "446.7"), files) == ["446.7"]
+
+
+#: the pages whose every figure is in a results file their section links
+MEASURED_PAGES = ["performance.md", "fp8.md", "scale.md"]
+
+
+def unsourced_sections(text: str) -> list[tuple[str, list[str]]]:
+    """(section title, figures no linked results file holds) for each ``## `` section of ``text`` with a
+    figure: the numbers in its prose and tables (code blocks are commands) must be in the
+    ``benchmarks/results/`` files the section links (a ``.md`` file's own ``.json`` when there is one)."""
+    found = []
+    for section in re.split(r"\n## ", re.sub(r"```.*?```", "", text, flags=re.S)):
+        figures = NUMBER.findall(section)
+        if not figures:
+            continue
+        files = []
+        for name, ext in set(re.findall(r"benchmarks/results/([\w.]+)\.(json|md)", section)):
+            json_file = ROOT / "benchmarks" / "results" / f"{name}.json"
+            files.append(json_file if json_file.is_file() else ROOT / "benchmarks" / "results" / f"{name}.{ext}")
+        missing = unsourced_figures(section, files) if files else figures
+        if missing:
+            found.append((section.splitlines()[0][:60], missing))
+    return found
+
+
+@pytest.mark.parametrize("page", MEASURED_PAGES)
+def test_every_figure_of_the_measured_pages_is_in_a_results_file(page):
+    assert unsourced_sections((ROOT / "docs" / page).read_text()) == []
+
+
+def test_the_section_check_fails_on_planted_figures():
+    text = (ROOT / "docs" / "scale.md").read_text()
+    assert unsourced_sections(text.replace("| 16.4 |", "| 17.3 |")) == [("Measured", ["17.3"])]
+    assert unsourced_sections("# T\n\n## Speed\n\nabout 1.5 ms faster\n") == [("Speed", ["1.5"])]
