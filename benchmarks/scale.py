@@ -28,7 +28,7 @@ measure there, so ``cli`` and ``cli_nomeasure`` do the same work). Nothing is do
     python benchmarks/scale.py --sizes 8b 70b --stages build export convert save
     python benchmarks/scale.py --sizes 1.1b --stages build cli cli_nomeasure --merge   # update those rows only
 
-The Markdown table goes to ``--out`` with ``.md``; the README's "Real-size models" table is pasted from it.
+The Markdown table goes to ``--out`` with ``.md``; docs/scale.md's table is pasted from it.
 """
 from __future__ import annotations
 

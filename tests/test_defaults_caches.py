@@ -100,7 +100,7 @@ def test_stock_llama_converts_as_a_training_graph_without_the_cache():
 
 
 def test_stock_llama_without_weights_converts():
-    """``empty_weights()`` + ``convert`` on a default config (the README's larger-than-memory recipe)."""
+    """``empty_weights()`` + ``convert`` on a default config (docs/scale.md's larger-than-memory recipe)."""
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     with converter.empty_weights():

@@ -18,7 +18,8 @@ from converter.ir.errors import MpconvertError
 __all__ = ["UsageError", "Parser", "Parsed", "build_parsers", "parse", "split_command", "legacy_rules", "refuse_nul", "tune_for",
            "PRECISION_HELP"]
 
-PRECISION_HELP = "fp16 or bf16 (aliases: float16, half, 16-mixed, bfloat16, bf16-mixed); default bf16"
+PRECISION_HELP = ("fp16, bf16 or fp8 (aliases: float16, half, 16-mixed, bfloat16, bf16-mixed); fp8 is bf16 with the "
+                  "GEMMs the rules mark fp8 running in float8 (docs/fp8.md); default bf16")
 
 _EPILOG = """\
 commands:
