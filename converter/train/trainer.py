@@ -64,6 +64,7 @@ from torch import nn
 
 from converter.train import checkpoint
 from converter.train.amp_kernels import UNSCALE_OP, has_kernel, unscale_grads, unscale_groups
+from converter.train.buffers import BufferGuard
 from converter.train.cuda_graph import CudaGraphModule
 from converter.train.grad_norm import LazyNorm, total_norm
 from converter.train.graph_edits import drop_identity_weight_casts, plan_embedding_shrink
@@ -239,6 +240,8 @@ class MixedPrecisionTrainer:
         self._hooks: list[torch.utils.hooks.RemovableHandle] = shrink.install() if shrink is not None else []
         self.fused_groups = enable_fused(optimizer) if opts.optimizer_fused else 0  # groups switched to fused
         self.foreach_groups = enable_foreach(optimizer) if opts.optimizer_foreach else 0  # groups switched to foreach
+        #: the buffers a window's forwards write (batch norm statistics), put back when its step is skipped
+        self._buffer_guard = BufferGuard(inner, [module, inner])
 
     def _init_step_state(self, scaler: LossScaler | None) -> None:
         """The counters, the scale bookkeeping and the per-step buffers (nothing outside the trainer changes)."""
@@ -299,6 +302,7 @@ class MixedPrecisionTrainer:
         """Drop all gradients (model, masters, optimizer), but only at an accumulation boundary."""
         if self._micro != 0:
             return
+        self._buffer_guard.save()  # a window starts: its forwards' buffer writes are undone if its step is skipped
         self._optimizer.zero_grad(set_to_none=True)
         for param in self._model_params:
             if param.grad is not None:
@@ -363,6 +367,7 @@ class MixedPrecisionTrainer:
             self._optimizer.step()
             if self._has_masters:
                 self._masters.copy_to_model()
+        self._buffer_guard.end(skipped=not stepped)
         self._record_step(stepped=stepped, non_finite=non_finite, spike=spike, grad_norm=grad_norm)
         return stepped
 
@@ -644,6 +649,7 @@ class MixedPrecisionTrainer:
         loads nothing; nothing is broadcast or silently converted.
         """
         stats = self.check_state_dict(state_dict)
+        self._buffer_guard.forget()
         self._sync.load(self._inner, self._optimizer, state_dict["model"], state_dict["optimizer"])
         self._masters.load_state_dict(state_dict["master"])
         if self._scaler is not None:
