@@ -221,7 +221,8 @@ def _write_conversion(ui: Terminal, conv, source: ModelSource, artifacts: Artifa
     if artifacts.onnx:  # an ONNX export of an fp8 conversion that cannot be written is refused before anything is (exit 2)
         from converter.export.onnx_fp8 import check_fp8_export
 
-        check_fp8_export(conv.module, fp8=conv.options.fp8_recipe is not None, precision=artifacts.onnx_precision)
+        check_fp8_export(conv.module, fp8=conv.options.fp8_recipe is not None, precision=artifacts.onnx_precision,
+                         example_inputs=conv.example_inputs)
 
     def export_into(directory: Path) -> None:
         if not artifacts.onnx:
