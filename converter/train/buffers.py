@@ -56,7 +56,8 @@ class BufferGuard:
         return len(self._slots)
 
     def _before_forward(self, _module: nn.Module, _args: tuple) -> None:
-        if not self._armed:
+        # (never inside a CUDA graph capture: the copy would become part of every replay)
+        if not self._armed and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
             self.save()
 
     def save(self) -> None:
