@@ -9,9 +9,10 @@ batch's statistics (NaN when its activations overflowed) and ``num_batches_track
 skipped, so a skipped step leaves the whole model as it was. A window starts at the first of:
 ``trainer.zero_grad()`` at an accumulation boundary, or the first forward call after the last step (a
 forward pre-hook on the module the trainer was given, and on the module inside a DDP or cuda_graph
-wrapper). The cost: one ``torch._foreach_copy_`` of the buffers per window (batch norm statistics: a few
-hundred kB for a ResNet-50), and the copy back only when a step is skipped; a model without buffers
-costs nothing. Buffers on the meta device (no data) are left alone.
+wrapper). The cost: one ``torch._foreach_copy_`` of the buffers per window (on CUDA one multi-tensor kernel;
+on the CPU about 2 µs per buffer tensor: 0.3 ms for the 159 of a ResNet-50's batch norms), and the copy
+back only when a step is skipped; a model without buffers costs nothing. Buffers on the meta device (no
+data) are left alone.
 """
 from __future__ import annotations
 

@@ -168,7 +168,8 @@ class MixedPrecisionTrainer:
     checked too: through their norm when the step computes one, else, whenever the scale is below 1,
     by an exact element-wise pass (a second sync, only then). bf16 checks the gradient norm under O2
     and the gradients element-wise under O1. Where the step computes the norm, a norm that overflows
-    (only past ~1.8e19, gradients that are finite but absurd) skips the step too.
+    (only past ~1.8e19, gradients that are finite but absurd) skips the step too. A skipped step also
+    puts back the buffers its window's forwards wrote (batch norm statistics; :mod:`converter.train.buffers`).
 
     Every argument is checked before the module or the optimizer is changed (O2's storage and param
     groups, graph rewrites, hooks, the optimizer's ``foreach``/``fused``): a rejected argument raises
