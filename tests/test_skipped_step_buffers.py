@@ -174,6 +174,7 @@ def emitted(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # two train.py runs: ~30 s on 2 loaded cores
 def test_train_py_with_the_trainer_saves_the_statistics_of_the_taken_steps_only(emitted, tmp_path):
     """train.py's first batch overflows (the model file's train_batches): step 1 is skipped. After 1 step the
     saved statistics are model.py's own, bit for bit; after 2, finite and counted once (on the old code: NaN)."""
