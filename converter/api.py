@@ -218,8 +218,8 @@ class Conversion:
         self._one_graph("ONNX")
         requested = None if precision is None else normalize_precision(precision)
         if self.options.fp8_recipe is not None:
-            check_fp8_export(self.module, fp8=True, precision=requested, **{k: v for k, v in kwargs.items()
-                                                                             if k in ("exporter", "opset")})
+            check_fp8_export(self.module, fp8=True, precision=requested, example_inputs=self.example_inputs,
+                             **{k: v for k, v in kwargs.items() if k in ("exporter", "opset")})
             return export_onnx(self, Path(path), **kwargs)
         target, notes = choose_precision(self.precision, requested)
         source = self.variant(target)

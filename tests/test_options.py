@@ -194,7 +194,7 @@ def test_the_lightning_plugin_builds_one_record():
 
 #: the flags each command takes (besides -h/--help); a new flag must be honoured by the command that takes it
 _SHARED = {"--precision", "--rules", "--tracer", "--entry", "--batch", "--seq-len", "--trust-remote-code",
-           "--empty-weights", "--load-weights", "--opt-level", "--device", "--tune-for", "--static", "-q", "--quiet",
+           "--allow-missing-weights", "--empty-weights", "--load-weights", "--opt-level", "--device", "--tune-for", "--static", "-q", "--quiet",
            "--json", "--debug"}
 FLAGS = {
     "convert": _SHARED | {"--max-shard-size", "--no-measure", "--strict-modes", "--no-breaks", "--out", "--calibrate", "--calibration-data",

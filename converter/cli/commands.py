@@ -59,9 +59,9 @@ class Artifacts:
 
 
 def _source(path: str, entry: Optional[str], batch: Optional[int], seq_len: Optional[int], trust_remote_code: bool,
-            empty_weights: Optional[bool]) -> ModelSource:
+            empty_weights: Optional[bool], allow_missing_weights: bool = False) -> ModelSource:
     return ModelSource(path, entry=entry, batch=batch, seq_len=seq_len, trust_remote_code=trust_remote_code,
-                       empty_weights=empty_weights)
+                       empty_weights=empty_weights, allow_missing_weights=allow_missing_weights)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -72,7 +72,8 @@ def cmd_convert(ns: argparse.Namespace, ui: Terminal) -> int:
     """``mpconvert MODEL``: convert, then write MODEL_mp/ (model.py, weights, train.py, reports)."""
     options = ConvertOptions(precision=ns.precision, tracer=ns.tracer, opt_level=ns.opt_level, device=ns.device,
                              dynamic=not ns.static, strict_modes=ns.strict_modes, partial=not ns.no_breaks)
-    source = _source(ns.model, ns.entry, ns.batch, ns.seq_len, ns.trust_remote_code, ns.empty_weights)
+    source = _source(ns.model, ns.entry, ns.batch, ns.seq_len, ns.trust_remote_code, ns.empty_weights,
+                     ns.allow_missing_weights)
     calibrating = ns.calibrate or ns.tolerance is not None or ns.calibration_data is not None
     rule_files, calibration_data, measure = ns.rules, ns.calibration_data, not ns.no_measure
     tolerance = check_convert_flags(tolerance=ns.tolerance, calibration_data=calibration_data, onnx=ns.onnx,
@@ -220,7 +221,8 @@ def _write_conversion(ui: Terminal, conv, source: ModelSource, artifacts: Artifa
     if artifacts.onnx:  # an ONNX export of an fp8 conversion that cannot be written is refused before anything is (exit 2)
         from converter.export.onnx_fp8 import check_fp8_export
 
-        check_fp8_export(conv.module, fp8=conv.options.fp8_recipe is not None, precision=artifacts.onnx_precision)
+        check_fp8_export(conv.module, fp8=conv.options.fp8_recipe is not None, precision=artifacts.onnx_precision,
+                         example_inputs=conv.example_inputs)
 
     def export_into(directory: Path) -> None:
         if not artifacts.onnx:
@@ -288,7 +290,8 @@ def cmd_audit(ns: argparse.Namespace, ui: Terminal) -> int:
     """``mpconvert audit MODEL``: the report only, written to MODEL_audit/."""
     options = ConvertOptions(precision=ns.precision, tracer=ns.tracer, opt_level=ns.opt_level, device=ns.device,
                              dynamic=not ns.static, strict_modes=ns.strict_modes, partial=not ns.no_breaks)
-    source = _source(ns.model, ns.entry, ns.batch, ns.seq_len, ns.trust_remote_code, ns.empty_weights)
+    source = _source(ns.model, ns.entry, ns.batch, ns.seq_len, ns.trust_remote_code, ns.empty_weights,
+                     ns.allow_missing_weights)
     rules = load_rules(ns.rules)
     out = output_dir(ns.out, source.path, "_audit", force=ns.force, inputs=[source.path, *(ns.rules or [])])
     force = ns.force
@@ -351,7 +354,8 @@ def cmd_explain(ns: argparse.Namespace, ui: Terminal) -> int:
 
     options = ConvertOptions(precision=ns.precision, tracer=ns.tracer, opt_level=ns.opt_level, device=ns.device,
                              dynamic=not ns.static)  # normalised once, without torch: `bfloat16` is a report's `bf16`
-    source = _source(ns.model, ns.entry, ns.batch, ns.seq_len, ns.trust_remote_code, ns.empty_weights)
+    source = _source(ns.model, ns.entry, ns.batch, ns.seq_len, ns.trust_remote_code, ns.empty_weights,
+                     ns.allow_missing_weights)
     rule_files, node = list(ns.rules or ()), ns.node
     target = Path(source.path)
     directory = report_dir_of(target)

@@ -172,7 +172,25 @@ def _weights_error(folder: Path, exc: BaseException) -> Optional[str]:
     return None
 
 
-def _build(folder: Path, *, empty: bool = False, trust_remote_code: bool = False):
+def _names(names: list[str], limit: int = 6) -> str:
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _check_loaded(folder: Path, info: dict, allow_missing: bool) -> dict:
+    """What transformers' loading report says about the checkpoint's tensors: a tensor the model needs that the
+    checkpoint lacks is refused in one line (transformers initialises it randomly and only logs it), unless
+    ``allow_missing`` (--allow-missing-weights); returns ``{"initialised_randomly": [...], "unused": [...]}``."""
+    missing = sorted(str(name) for name in info.get("missing_keys") or ())
+    unused = sorted(str(name) for name in info.get("unexpected_keys") or ())
+    if missing and not allow_missing:
+        raise PretrainedFolderError(
+            f"{folder}: the checkpoint lacks {len(missing)} tensor(s) the model needs ({_names(missing)}), which would be "
+            "initialised randomly; write the checkpoint again with save_pretrained (or check that the copy is complete), "
+            "or pass --allow-missing-weights to convert with them randomly initialised")
+    return {"initialised_randomly": missing, "unused": unused}
+
+
+def _build(folder: Path, *, empty: bool = False, trust_remote_code: bool = False, allow_missing: bool = False):
     try:
         import transformers
     except ImportError:
@@ -198,9 +216,9 @@ def _build(folder: Path, *, empty: bool = False, trust_remote_code: bool = False
 
                 with empty_weights():
                     model = auto.from_config(config, trust_remote_code=trust_remote_code)
-                return model.eval(), config, f"{auto.__name__}.from_config (without weights)"
-            model = auto.from_pretrained(str(folder), config=config, local_files_only=True,
-                                         trust_remote_code=trust_remote_code)
+                return model.eval(), config, f"{auto.__name__}.from_config (without weights)", {}
+            model, info = auto.from_pretrained(str(folder), config=config, local_files_only=True,
+                                               trust_remote_code=trust_remote_code, output_loading_info=True)
     except Exception as exc:  # the checkpoint is the user's input: classify what transformers raised
         unsafe = _weights_error(folder, exc)
         if unsafe is not None:
@@ -210,7 +228,7 @@ def _build(folder: Path, *, empty: bool = False, trust_remote_code: bool = False
         text = " ".join(str(exc).split())[:300]
         raise PretrainedFolderError(f"{folder}: transformers cannot build a model from it ({type(exc).__name__}: {text}); "
                                     "check config.json and the weights file that save_pretrained wrote") from None
-    return model.eval(), config, f"{auto.__name__}.from_pretrained"
+    return model.eval(), config, f"{auto.__name__}.from_pretrained", _check_loaded(folder, info, allow_missing)
 
 
 def _config_int(config: Any, *names: str) -> Optional[int]:
@@ -318,7 +336,7 @@ def example_inputs_for(model: Any, config: Any, *, batch: Optional[int] = None, 
                                 "write a model file with build_model() and example_inputs() instead")
 
 
-def _source(folder: Path, model: Any, how: str, inputs: tuple[tuple, dict], data: dict) -> dict:
+def _source(folder: Path, model: Any, how: str, inputs: tuple[tuple, dict], data: dict, loaded: dict) -> dict:
     """What the CLI records about the folder in report.json (``source``) and model.py's docstring."""
     kwargs = inputs[1]
     shapes = {name: list(t.shape) for name, t in kwargs.items()}
@@ -331,24 +349,30 @@ def _source(folder: Path, model: Any, how: str, inputs: tuple[tuple, dict], data
         said = f"config.json: use_cache={str(folder_cache).lower()}" if folder_cache is not None else "config.json sets no use_cache"
         note += (f" Loaded with use_cache=False ({said}): the graph computes and returns "
                  "no key/value cache; generate() with a cache needs the original model.")
+    if loaded.get("initialised_randomly"):
+        note += (f" {len(loaded['initialised_randomly'])} tensor(s) the checkpoint lacks were initialised randomly "
+                 f"(--allow-missing-weights): {', '.join(loaded['initialised_randomly'])}.")
     return {"kind": "save_pretrained folder", "folder": str(folder), "built_with": how, "inputs": shapes,
-            "padded": padded, "use_cache": cache, "config_use_cache": folder_cache, "note": note}
+            "padded": padded, "use_cache": cache, "config_use_cache": folder_cache, "note": note, **loaded}
 
 
 def load_pretrained_folder(folder: Path, *, batch: Optional[int] = None, seq_len: Optional[int] = None,
-                           empty: Optional[bool] = None, trust_remote_code: bool = False) -> ModelFile:
+                           empty: Optional[bool] = None, trust_remote_code: bool = False,
+                           allow_missing_weights: bool = False) -> ModelFile:
     """Build the model in ``folder`` (offline) and make its example inputs; see the module docstring.
 
     ``empty``: build it without its weights (True), with them (False), or decide (None, see
     :func:`without_weights`). ``trust_remote_code``: allow the folder's own Python code (config.json's
     ``auto_map``) to run; without it such a folder is refused in one line naming the files. ``ModelFile.make_inputs(seed)`` draws more batches of the example's
-    form (``--calibration-data synthetic``)."""
+    form (``--calibration-data synthetic``). ``allow_missing_weights``: a tensor the model needs that the
+    checkpoint lacks is initialised randomly (named in ``source["initialised_randomly"]``) instead of refused."""
     folder = Path(folder)
-    model, config, how = _build(folder, empty=without_weights(folder, empty)[0], trust_remote_code=trust_remote_code)
+    model, config, how, loaded = _build(folder, empty=without_weights(folder, empty)[0], trust_remote_code=trust_remote_code,
+                                        allow_missing=allow_missing_weights)
     inputs = example_inputs_for(model, config, batch=batch, seq_len=seq_len)
 
     def make_inputs(seed: int) -> tuple[tuple, dict]:
         return example_inputs_for(model, config, batch=batch, seq_len=seq_len, seed=seed)
 
     return ModelFile(path=folder, module=None, model=model, entry=how, example_inputs=inputs,
-                     source=_source(folder, model, how, inputs, _read_config_json(folder)), make_inputs=make_inputs)
+                     source=_source(folder, model, how, inputs, _read_config_json(folder), loaded), make_inputs=make_inputs)

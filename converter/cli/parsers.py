@@ -127,6 +127,9 @@ def _folder_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-remote-code", dest="trust_remote_code", action="store_true",
                    help="checkpoint folders only: allow a folder's own Python code (config.json's auto_map) to run while "
                         "building the model; without it such a folder is refused. Read that code first")
+    p.add_argument("--allow-missing-weights", dest="allow_missing_weights", action="store_true",
+                   help="checkpoint folders only: convert even when the checkpoint lacks tensors the model needs, "
+                        "initialising them randomly with a warning naming each one; without it such a folder is refused")
     weights = p.add_mutually_exclusive_group()
     weights.add_argument("--empty-weights", dest="empty_weights", action="store_const", const=True, default=None,
                          help="checkpoint folders only: build the model without its weights (parameters on the meta device); "

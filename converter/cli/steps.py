@@ -22,7 +22,8 @@ __all__ = ["ModelSource", "load_rules", "load_model", "with_model_file", "output
 @dataclass(frozen=True)
 class ModelSource:
     """What MODEL names and how to build it: a model file (``entry``: its factory) or a save_pretrained
-    folder (``batch``, ``seq_len``, ``trust_remote_code``, ``empty_weights``: how its model and inputs are made)."""
+    folder (``batch``, ``seq_len``, ``trust_remote_code``, ``empty_weights``, ``allow_missing_weights``: how its model
+    and inputs are made)."""
 
     path: str
     entry: Optional[str] = None
@@ -30,6 +31,7 @@ class ModelSource:
     seq_len: Optional[int] = None
     trust_remote_code: bool = False
     empty_weights: Optional[bool] = None
+    allow_missing_weights: bool = False
 
     @property
     def model_file(self) -> Optional[str]:
@@ -74,7 +76,12 @@ def load_model(source: ModelSource, ui: Terminal):
 
         empty, why = without_weights(path, source.empty_weights)
         loaded = load_pretrained_folder(path, batch=source.batch, seq_len=source.seq_len, empty=empty,
-                                        trust_remote_code=source.trust_remote_code)
+                                        trust_remote_code=source.trust_remote_code,
+                                        allow_missing_weights=source.allow_missing_weights)
+        invented = loaded.source.get("initialised_randomly") or []
+        if invented:
+            ui.warn(f"{path}: the checkpoint lacks {len(invented)} tensor(s), initialised randomly (--allow-missing-weights): "
+                    + ", ".join(invented))
         if empty:
             ui.warn(f"{path}: converted without its weights ({why}); model.py loads them with load(weights={str(path)!r}), "
                     "and the report has no measurements")

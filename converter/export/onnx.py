@@ -294,7 +294,8 @@ def export_onnx(
     notes = list(notes)
     gm = source.module
     fp8 = source.options.fp8_recipe is not None
-    check_fp8_export(gm, fp8=fp8, precision=None, exporter=exporter, opset=opset)  # before anything is written
+    check_fp8_export(gm, fp8=fp8, precision=None, exporter=exporter, opset=opset,  # before anything is written
+                     example_inputs=source.example_inputs)
     args, kwargs = source.example_inputs  # (args, kwargs), normalised by capture
     module = export_copy(gm, gm.meta.get(GM_PARAM_DTYPES, {}))
     native_gemms(module)  # a CPU conversion's upcast GEMM kernels: plain half MatMuls in the file

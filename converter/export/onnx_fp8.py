@@ -112,17 +112,64 @@ def _recipe_arg(node: torch.fx.Node) -> str:
     return recipe if isinstance(recipe, str) else getattr(recipe, "name", str(recipe))
 
 
+def _input_tensors(value: Any, where: str):
+    """(where, tensor) for every floating tensor in ``value`` (nested tuples, lists and dicts)."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() and not value.is_meta:
+            yield where, value
+    elif isinstance(value, (tuple, list)):
+        for i, item in enumerate(value):
+            yield from _input_tensors(item, f"{where}[{i}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _input_tensors(item, f"{where}[{key!r}]")
+
+
+def _bad_values(tensor: torch.Tensor, *, inf: bool = True) -> Optional[str]:
+    """What ``tensor`` holds that an fp8 scale cannot take (NaN, and inf with ``inf``), or None."""
+    bad = torch.isnan(tensor) | (torch.isinf(tensor) if inf else False)
+    count = int(bad.sum())
+    if not count:
+        return None
+    first = tuple(int(i) for i in torch.nonzero(bad)[0].tolist())
+    return f"{count} non-finite value(s) ({tensor[first].item()} first, at {list(first)})"
+
+
+def check_fp8_finite(gm: torch.fx.GraphModule, example_inputs: Any) -> None:
+    """Refuse (one line, exit 2) an fp8 ONNX export whose example inputs hold inf/NaN or whose parameters (or
+    buffers) hold NaN/inf (buffers: NaN only; an inf mask fill is deliberate): the float8 Q/DQ scales are the
+    amax of what each fp8 linear reads, which such a value makes inf or NaN, so the file could not be verified
+    (before, exit 1 "please report this bug")."""
+    args, kwargs = example_inputs if isinstance(example_inputs, tuple) and len(example_inputs) == 2 else (example_inputs, {})
+    for where, tensor in [*_input_tensors(args, "args"), *_input_tensors(kwargs, "kwargs")]:
+        what = _bad_values(tensor)
+        if what is not None:
+            raise Fp8OnnxRefused(f"the example input {where} holds {what}; the fp8 ONNX export scales each fp8 linear "
+                                 "by the amax of its input, which that makes inf/NaN: give example inputs with finite "
+                                 "values (a mask as a large finite number, not inf)")
+    named = [*((n, t, True) for n, t in gm.named_parameters()), *((n, t, False) for n, t in gm.named_buffers())]
+    for name, tensor, is_param in named:
+        what = _bad_values(tensor, inf=is_param) if tensor.is_floating_point() and not tensor.is_meta else None
+        if what is not None:
+            raise Fp8OnnxRefused(f"the {'parameter' if is_param else 'buffer'} {name!r} holds {what}; the fp8 ONNX export "
+                                 "scales each fp8 weight by its amax and every output would be NaN: repair the weights "
+                                 "(load a good checkpoint) before converting")
+
+
 def check_fp8_export(gm: torch.fx.GraphModule, *, fp8: bool, precision: Optional[str], exporter: str = "auto",
-                     opset: int = 20) -> None:
+                     opset: int = 20, example_inputs: Any = None) -> None:
     """Refuse, in one line and before anything is written, an ONNX export of an fp8 conversion that the
     float8 Q/DQ export cannot write. ``fp8``: the conversion is an fp8 one (``options.fp8_recipe`` set);
-    ``precision``: the requested ONNX dtype (None: the conversion's)."""
+    ``precision``: the requested ONNX dtype (None: the conversion's); ``example_inputs``: ``(args, kwargs)``,
+    checked with the weights for inf/NaN (:func:`check_fp8_finite`) when given."""
     if not fp8:
         return
     if precision not in (None, "bf16"):
         raise Fp8OnnxRefused(f"an fp8 conversion exports bf16 with float8 Q/DQ GEMMs, not {precision}: drop "
                              f"--onnx-precision {precision} (precision={precision!r}), or export a --precision "
                              f"{precision} conversion instead")
+    if example_inputs is not None:
+        check_fp8_finite(gm, example_inputs)
     recipe = fp8_recipe(gm)
     if recipe is None:
         return  # every linear was gated to bf16: a plain bf16 export

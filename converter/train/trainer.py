@@ -64,6 +64,7 @@ from torch import nn
 
 from converter.train import checkpoint
 from converter.train.amp_kernels import UNSCALE_OP, has_kernel, unscale_grads, unscale_groups
+from converter.train.buffers import BufferGuard
 from converter.train.cuda_graph import CudaGraphModule
 from converter.train.grad_norm import LazyNorm, total_norm
 from converter.train.graph_edits import drop_identity_weight_casts, plan_embedding_shrink
@@ -167,7 +168,8 @@ class MixedPrecisionTrainer:
     checked too: through their norm when the step computes one, else, whenever the scale is below 1,
     by an exact element-wise pass (a second sync, only then). bf16 checks the gradient norm under O2
     and the gradients element-wise under O1. Where the step computes the norm, a norm that overflows
-    (only past ~1.8e19, gradients that are finite but absurd) skips the step too.
+    (only past ~1.8e19, gradients that are finite but absurd) skips the step too. A skipped step also
+    puts back the buffers its window's forwards wrote (batch norm statistics; :mod:`converter.train.buffers`).
 
     Every argument is checked before the module or the optimizer is changed (O2's storage and param
     groups, graph rewrites, hooks, the optimizer's ``foreach``/``fused``): a rejected argument raises
@@ -239,6 +241,8 @@ class MixedPrecisionTrainer:
         self._hooks: list[torch.utils.hooks.RemovableHandle] = shrink.install() if shrink is not None else []
         self.fused_groups = enable_fused(optimizer) if opts.optimizer_fused else 0  # groups switched to fused
         self.foreach_groups = enable_foreach(optimizer) if opts.optimizer_foreach else 0  # groups switched to foreach
+        #: the buffers a window's forwards write (batch norm statistics), put back when its step is skipped
+        self._buffer_guard = BufferGuard(inner, [module, inner])
 
     def _init_step_state(self, scaler: LossScaler | None) -> None:
         """The counters, the scale bookkeeping and the per-step buffers (nothing outside the trainer changes)."""
@@ -299,6 +303,7 @@ class MixedPrecisionTrainer:
         """Drop all gradients (model, masters, optimizer), but only at an accumulation boundary."""
         if self._micro != 0:
             return
+        self._buffer_guard.save()  # a window starts: its forwards' buffer writes are undone if its step is skipped
         self._optimizer.zero_grad(set_to_none=True)
         for param in self._model_params:
             if param.grad is not None:
@@ -363,6 +368,7 @@ class MixedPrecisionTrainer:
             self._optimizer.step()
             if self._has_masters:
                 self._masters.copy_to_model()
+        self._buffer_guard.end(skipped=not stepped)
         self._record_step(stepped=stepped, non_finite=non_finite, spike=spike, grad_norm=grad_norm)
         return stepped
 
@@ -644,6 +650,7 @@ class MixedPrecisionTrainer:
         loads nothing; nothing is broadcast or silently converted.
         """
         stats = self.check_state_dict(state_dict)
+        self._buffer_guard.forget()
         self._sync.load(self._inner, self._optimizer, state_dict["model"], state_dict["optimizer"])
         self._masters.load_state_dict(state_dict["master"])
         if self._scaler is not None:
