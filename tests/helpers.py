@@ -127,3 +127,55 @@ def torch_only_python(base: Path, *, extra: tuple[str, ...] = ()) -> str:
         (links / target.name).symlink_to(target)
     Path(site, "torch_only.pth").write_text(f"{links}\n")
     return python
+
+
+def _summary_of(conversion) -> dict:
+    """The report summary of a :class:`converter.Conversion`, a :class:`Report`, a report.json dict or its path."""
+    if isinstance(conversion, (str, Path)):
+        import json
+        conversion = json.loads(Path(conversion).read_text())
+    report = getattr(conversion, "report", conversion)
+    summary = report["summary"] if isinstance(report, dict) else report.summary
+    return summary
+
+
+def half_share(conversion) -> float:
+    """The share of the conversion's FLOPs that its report says run in fp16/bf16."""
+    return float(_summary_of(conversion)["half_flop_fraction"])
+
+
+def assert_half_ran(conversion, *, min_share: float = 0.5, min_nodes: int = 1, label: str = "") -> float:
+    """Proves that half precision ran: at least ``min_nodes`` compute nodes in fp16/bf16 and at least
+    ``min_share`` of the FLOPs. A conversion that leaves every op in fp32 (``--plant-fp32``) fails here,
+    whatever its SQNR. Returns the half-FLOP share."""
+    summary = _summary_of(conversion)
+    by = summary["by_precision"]
+    half_nodes = by.get("fp16", 0) + by.get("bf16", 0)
+    share = float(summary["half_flop_fraction"])
+    where = f"{label}: " if label else ""
+    assert half_nodes >= min_nodes, f"{where}{half_nodes} compute nodes in half (by precision {by}), want >= {min_nodes}"
+    assert share >= min_share, (f"{where}{100 * share:.1f}% of {summary['flops']} FLOPs in half, want >= {100 * min_share:.0f}% "
+                                f"(by precision {by})")
+    return share
+
+
+def assert_ran_in(recorder: "DtypeRecorder", dtype: torch.dtype, *ops: str, at_least: int = 1, label: str = "") -> int:
+    """Proves at run time that ``ops`` (aten overload packets, e.g. ``"mm", "addmm"``) ran on ``dtype`` inputs at
+    least ``at_least`` times; returns the count."""
+    got = sum(1 for d in recorder.dtypes_of(*ops) if d and d[0] == dtype)
+    where = f"{label}: " if label else ""
+    seen = sorted({d for d in recorder.dtypes_of(*ops)}, key=str)
+    assert got >= at_least, f"{where}{got} {'/'.join(ops)} calls on {dtype} inputs, want >= {at_least} (input dtypes seen: {seen})"
+    return got
+
+
+#: an SQNR a half-precision result cannot reach: fp32's rounding alone gives well above this (and an exact
+#: result +inf), bf16 about 40-60 dB and fp16 about 60-80 dB on the suite's small models
+FP32_SQNR_DB = {"bf16": 70.0, "fp16": 95.0}
+
+
+def assert_not_fp32(value_db: float, precision: str, *, label: str = "") -> None:
+    """An upper bound that a result computed in fp32 would exceed: proves half precision ran."""
+    bound = FP32_SQNR_DB[precision]
+    where = f"{label}: " if label else ""
+    assert value_db < bound, f"{where}SQNR {value_db:.1f} dB >= {bound} dB: too close to fp32 for {precision} (did half run?)"
