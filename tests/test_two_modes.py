@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from helpers import sqnr
+from helpers import assert_half_ran, sqnr
 from torch import nn
 
 import converter
@@ -92,6 +92,7 @@ def test_two_graphs_are_captured_and_reported(case):
 
 def test_eval_is_deterministic_and_matches_the_original(case):
     model, x, conv = case
+    assert_half_ran(conv)
     module = copy.deepcopy(conv.module).eval()
     e1, e2 = _run(module, x, 1), _run(module, x, 2)
     assert torch.equal(e1, e2), "eval(): two forwards differ"
@@ -101,6 +102,7 @@ def test_eval_is_deterministic_and_matches_the_original(case):
 
 def test_train_drops_paths_like_the_original(case):
     model, x, conv = case
+    assert_half_ran(conv)
     module = copy.deepcopy(conv.module).train()
     original = copy.deepcopy(model).train()
     outputs = [_run(module, x, seed) for seed in (1, 2, 3)]
@@ -177,6 +179,7 @@ def test_apply_in_place_follows_the_mode():
     x = torch.randn(6, 32)
     reference = copy.deepcopy(model)
     converter.apply(model, (x,), tracer="export", precision="bf16")
+    assert_half_ran(converter.conversion_of(model))
     assert isinstance(converter.conversion_of(model).module, TwoModeGraphModule)
     e1, e2 = _run(model.eval(), x, 1), _run(model.eval(), x, 2)
     assert torch.equal(e1, e2)
