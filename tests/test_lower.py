@@ -142,6 +142,7 @@ def test_backward_matches_fp32():
     model = Attn(is_causal=True).train()
     x = torch.randn(2, 12, 32)
     conv = converter.convert(copy.deepcopy(model), (x,), device="cpu")
+    assert_half_ran(conv, min_share=0.9)
     model(x).pow(2).mean().backward()
     conv.module(x).float().pow(2).mean().backward()
     ref = dict(model.named_parameters())

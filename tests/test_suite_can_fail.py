@@ -53,7 +53,7 @@ def test_numeric_tests_fail_on_a_conversion_left_in_fp32():
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "--plant-fp32", "-rfE",
          "--tb=line", *PLANTED],
-        cwd=ROOT, env=_env(MPCONVERT_ZOO_MODELS="llama", OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=1500)
+        cwd=ROOT, env=_env(MPCONVERT_ZOO_MODELS="llama", OMP_NUM_THREADS="1", COLUMNS="4000"), capture_output=True, text=True, timeout=1500)
     out = proc.stdout + proc.stderr
     failed = {m.group(1): m.group(2) for m in re.finditer(r"^(?:FAILED|ERROR) (\S+)(?: - (.*))?$", out, re.M)}
     passed = [t for t in PLANTED if t not in failed]

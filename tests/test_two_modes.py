@@ -211,8 +211,6 @@ def test_random_ops_in_both_modes_keep_one_graph():
 def test_onnx_export_runs_the_eval_graph(case, tmp_path):
     pytest.importorskip("onnxruntime")
     _, x, conv = case
-    if conv.tracer != "export":
-        pytest.skip("one tracer is enough for the ONNX path")
     result = conv.export_onnx(tmp_path / "model.onnx")
     assert result.checks["ort_match"], f"onnxruntime vs conv.module (eval): max abs error {result.max_abs_error:.3g}"
     # what torch.export sees of a GraphModule is its `graph` (the train graph): for_mode gives the eval one
