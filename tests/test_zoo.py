@@ -516,13 +516,16 @@ def test_one_trainer_step_fp16_o2_and_bf16_o1(name, one_thread):
 
 
 #: the output SQNR against fp32 may trail autocast's (on the same model and inputs) by this much, and must reach
-#: the floor where autocast itself fails; OUTPUT_MARGIN_DB_FOR names the models that trail by more, measured
+#: the floor where autocast itself fails; OUTPUT_MARGIN_DB_FOR names the models that trail by more, measured.
+#: Measured (conversion - autocast): resnet bf16 -3.0, swin fp16 -2.7, convnext fp16 -2.3, albert bf16 -2.2 dB,
+#: every other model within 2 dB or ahead; the floors: bf16 >= 39.0 dB (unet2d), fp16 >= 57.3 dB (unet2d)
 OUTPUT_MARGIN_DB = 3.5
 OUTPUT_MARGIN_DB_FOR = {("albert", "fp16"): 6.0}  # 63.4 vs autocast's 68.5 dB: ALBERT's one shared layer, 12 times
 OUTPUT_FLOOR_DB = {"bf16": 35.0, "fp16": 50.0}
-#: the share of the FLOPs that must run in half (report.summary.half_flop_fraction): every zoo model runs
-#: >= 0.9 in half (an autocast(enabled=False) front end or an fp32 LSTM aside); a conversion left in fp32 has 0
-HALF_SHARE = 0.5
+#: the share of the FLOPs that must run in half (report.summary.half_flop_fraction); measured on the 47 models:
+#: 0.82 at least (T5 in fp16, whose _keep_in_fp32_modules `wo` stays fp32), 0.91 mel_frontend (its log-mel front end
+#: under autocast(enabled=False)), >= 0.96 for the others; a conversion left in fp32 has 0
+HALF_SHARE = 0.8
 
 
 def _half_ran(name: str, dtype: str) -> float:
