@@ -24,17 +24,17 @@ ROOT = TESTS.parent
 
 #: test id -> a fragment the planted failure's message must contain (the check that caught it)
 PLANTED = {
-    "tests/test_zoo.py::test_numerics_against_fp32_and_autocast[llama]": "of FLOPs in half",
-    "tests/test_zoo.py::test_gradients_against_fp32_and_autocast[llama]": "of FLOPs in half",
-    "tests/test_zoo.py::test_second_batch_size_and_length[llama]": "of FLOPs in half",
-    "tests/test_zoo.py::test_train_and_eval_modes[llama]": "of FLOPs in half",
-    "tests/test_zoo.py::test_zoo_table": "of FLOPs in half",
+    "tests/test_zoo.py::test_numerics_against_fp32_and_autocast[llama]": "in half",
+    "tests/test_zoo.py::test_gradients_against_fp32_and_autocast[llama]": "in half",
+    "tests/test_zoo.py::test_second_batch_size_and_length[llama]": "in half",
+    "tests/test_zoo.py::test_train_and_eval_modes[llama]": "in half",
+    "tests/test_zoo.py::test_zoo_table": "in half",
     "tests/test_never_silent.py::test_new_empty_filled_by_copy_and_index_put_converts_to_fp16_every_time": "decided",
-    "tests/test_never_silent.py::test_mask_fills_convert_to_fp16[masked_fill_finfo_min]": "of FLOPs in half",
-    "tests/test_lower.py::test_causal_sample_with_rmsnorm": "of FLOPs in half",
-    "tests/test_two_modes.py::test_eval_is_deterministic_and_matches_the_original[export]": "of FLOPs in half",
-    "tests/test_shapes.py::test_rnn_given_initial_state_is_dynamic": "of FLOPs in half",
-    "tests/test_capture_workload.py::test_broadcast_mask_dim_stays_static_and_batch_one_is_dynamic[2]": "of FLOPs in half",
+    "tests/test_never_silent.py::test_mask_fills_convert_to_fp16[masked_fill_finfo_min]": "in half",
+    "tests/test_lower.py::test_causal_sample_with_rmsnorm": "in half",
+    "tests/test_two_modes.py::test_eval_is_deterministic_and_matches_the_original[export]": "in half",
+    "tests/test_shapes.py::test_rnn_sequence_length_stays_dynamic[gru-2layers]": "in half",
+    "tests/test_capture_workload.py::test_broadcast_mask_dim_stays_static_and_batch_one_is_dynamic[2]": "in half",
     "tests/test_ranges.py::test_a_recaptured_graph_follows_train_eval_and_the_device": "as if|< 80|SQNR",
     "tests/test_fp8_rules.py::test_sqnr_against_the_bf16_conversion": "fp8|Counter",
 }
