@@ -158,24 +158,3 @@ def assert_half_ran(conversion, *, min_share: float = 0.5, min_nodes: int = 1, l
                                 f"(by precision {by})")
     return share
 
-
-def assert_ran_in(recorder: "DtypeRecorder", dtype: torch.dtype, *ops: str, at_least: int = 1, label: str = "") -> int:
-    """Proves at run time that ``ops`` (aten overload packets, e.g. ``"mm", "addmm"``) ran on ``dtype`` inputs at
-    least ``at_least`` times; returns the count."""
-    got = sum(1 for d in recorder.dtypes_of(*ops) if d and d[0] == dtype)
-    where = f"{label}: " if label else ""
-    seen = sorted({d for d in recorder.dtypes_of(*ops)}, key=str)
-    assert got >= at_least, f"{where}{got} {'/'.join(ops)} calls on {dtype} inputs, want >= {at_least} (input dtypes seen: {seen})"
-    return got
-
-
-#: an SQNR a half-precision result cannot reach: fp32's rounding alone gives well above this (and an exact
-#: result +inf), bf16 about 40-60 dB and fp16 about 60-80 dB on the suite's small models
-FP32_SQNR_DB = {"bf16": 70.0, "fp16": 95.0}
-
-
-def assert_not_fp32(value_db: float, precision: str, *, label: str = "") -> None:
-    """An upper bound that a result computed in fp32 would exceed: proves half precision ran."""
-    bound = FP32_SQNR_DB[precision]
-    where = f"{label}: " if label else ""
-    assert value_db < bound, f"{where}SQNR {value_db:.1f} dB >= {bound} dB: too close to fp32 for {precision} (did half run?)"
