@@ -1,4 +1,5 @@
-"""Shared fixtures and the hypothesis profile."""
+"""Shared fixtures, the hypothesis profile, CI's no-skip guard and the ``--plant-fp32`` option."""
+import importlib
 import os
 import tempfile
 
@@ -19,6 +20,41 @@ os.environ.setdefault("MPCONVERT_CHECK", "1")
 os.environ.setdefault("MPCONVERT_NO_DEVICE_ADVICE", "1")
 # the device probe's per-machine cache goes to a folder of the test run's own, not the user's ~/.cache
 os.environ.setdefault("MPCONVERT_CACHE_DIR", tempfile.mkdtemp(prefix="mpconvert-cache-"))
+
+#: the top-level modules of pyproject.toml's `.[test]` extra: under CI (CI=true) a test that would skip because
+#: one of them does not import fails instead (a broken install must not turn into skips)
+TEST_EXTRA_MODULES = frozenset({
+    "pytest", "xdist", "hypothesis", "transformers", "sklearn", "matplotlib", "onnx", "onnxruntime", "onnxscript",
+    "accelerate", "pytorch_lightning", "lightning", "peft", "diffusers",
+})
+_importorskip = pytest.importorskip
+
+
+def _importorskip_unless_ci(modname, minversion=None, reason=None, **kwargs):
+    if os.environ.get("CI") == "true" and modname.split(".")[0] in TEST_EXTRA_MODULES:
+        try:
+            importlib.import_module(modname)
+        except ImportError as exc:
+            pytest.fail(f"CI=true: {modname!r} of the .[test] extra does not import ({exc}); "
+                        "pip install -e '.[test]' (the suite must not skip it)", pytrace=False)
+    return _importorskip(modname, minversion=minversion, reason=reason, **kwargs)
+
+
+pytest.importorskip = _importorskip_unless_ci
+
+
+def pytest_addoption(parser):
+    parser.addoption("--plant-fp32", action="store_true",
+                     help="plant a conversion that leaves every op in fp32 (tests/plant.py): the numeric tests must fail")
+
+
+def pytest_configure(config):
+    import plant
+
+    if config.getoption("--plant-fp32"):
+        os.environ[plant.ENV] = "1"
+    if plant.planted():
+        plant.install()
 
 
 @pytest.fixture

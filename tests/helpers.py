@@ -127,3 +127,34 @@ def torch_only_python(base: Path, *, extra: tuple[str, ...] = ()) -> str:
         (links / target.name).symlink_to(target)
     Path(site, "torch_only.pth").write_text(f"{links}\n")
     return python
+
+
+def _summary_of(conversion) -> dict:
+    """The report summary of a :class:`converter.Conversion`, a :class:`Report`, a report.json dict or its path."""
+    if isinstance(conversion, (str, Path)):
+        import json
+        conversion = json.loads(Path(conversion).read_text())
+    report = getattr(conversion, "report", conversion)
+    summary = report["summary"] if isinstance(report, dict) else report.summary
+    return summary
+
+
+def half_share(conversion) -> float:
+    """The share of the conversion's FLOPs that its report says run in fp16/bf16."""
+    return float(_summary_of(conversion)["half_flop_fraction"])
+
+
+def assert_half_ran(conversion, *, min_share: float = 0.5, min_nodes: int = 1, label: str = "") -> float:
+    """Proves that half precision ran: at least ``min_nodes`` compute nodes in fp16/bf16 and at least
+    ``min_share`` of the FLOPs. A conversion that leaves every op in fp32 (``--plant-fp32``) fails here,
+    whatever its SQNR. Returns the half-FLOP share."""
+    summary = _summary_of(conversion)
+    by = summary["by_precision"]
+    half_nodes = by.get("fp16", 0) + by.get("bf16", 0)
+    share = float(summary["half_flop_fraction"])
+    where = f"{label}: " if label else ""
+    assert half_nodes >= min_nodes, f"{where}{half_nodes} compute nodes in half (by precision {by}), want >= {min_nodes}"
+    assert share >= min_share, (f"{where}{100 * share:.1f}% of {summary['flops']} FLOPs in half, want >= {100 * min_share:.0f}% "
+                                f"(by precision {by})")
+    return share
+

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_half_ran
 from torch import nn
 
 import converter
@@ -326,6 +327,7 @@ def test_block_runs_at_new_sizes(tracer, example):
     conv = converter.convert(model, (torch.randn(*example, 32),), tracer=tracer)
     dims = conv.report.extra["dynamic_dims"]
     assert dims == {"x": [0, 1]} if tracer == "export" else {"x": [0, 1, 2]}, (dims, conv.report.extra["shapes"])
+    assert_half_ran(conv, label=f"{tracer} example {example}")
     for shape in [(3, 5, 32), (1, 9, 32), (5, 1, 32)]:
         x = torch.randn(*shape)
         with torch.no_grad():
@@ -350,6 +352,7 @@ def test_broadcast_mask_dim_stays_static_and_batch_one_is_dynamic(batch):
     model = _Masked()
     conv = converter.convert(model, (torch.randn(batch, 5, 16), torch.zeros(batch, 1, 5)), tracer="export")
     assert conv.report.extra["dynamic_dims"] == {"x": [0, 1], "mask": [0, 2]}, conv.report.extra["shapes"]
+    assert_half_ran(conv)
     x, mask = torch.randn(3, 7, 16), torch.randn(3, 1, 7)
     with torch.no_grad():
         db = _sqnr(model(x, mask), conv.module(x, mask))
@@ -457,6 +460,7 @@ def test_batch_norm_statistics_update_only_in_train(tracer, tmp_path):
     model = _BNNet().train()
     x = torch.randn(4, 3, 8, 8)
     conv = converter.convert(model, (x,), tracer=tracer)
+    assert_half_ran(conv, label=tracer)
     gm = conv.module
     assert gm.training is True
     mean = dict(gm.named_buffers())["bn1.running_mean"]
@@ -496,6 +500,7 @@ def test_hf_bert_modes():
     model = transformers.AutoModel.from_config(cfg).eval()
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(3))
     conv = converter.convert(model, ((ids,), {}))
+    assert_half_ran(conv, min_share=0.9)
     assert conv.tracer == "export"
     _check_modes(conv, model, ids, varies=True)
     x = torch.randint(0, 128, (3, 5))
@@ -524,6 +529,7 @@ def test_python_mode_branch_gets_two_graphs_and_is_reported(tracer):
     model = _ModeBranch().eval()
     x = torch.randn(4, 8)
     conv = converter.convert(model, (x,), tracer=tracer)
+    assert_half_ran(conv, label=tracer)
     modes = conv.report.extra["modes"]
     assert modes.startswith("follows train()/eval() with two graphs") and "self.training" in modes, modes
     with torch.no_grad():
@@ -567,6 +573,7 @@ def test_hf_layerdrop_is_switched_off_in_the_train_graph_and_reported(tracer):
     model = _ConfigLayerDrop().eval()
     x = torch.randn(4, 8)
     conv = converter.convert(model, (x,), tracer=tracer)
+    assert_half_ran(conv, label=tracer)
     modes = conv.report.extra["modes"]
     assert modes.startswith("follows train()/eval()") and "LayerDrop is off in the train graph (config.layerdrop=0.5" in modes, modes
     assert model.config.layerdrop == 0.5, "the user's config was changed"
@@ -585,6 +592,7 @@ def test_train_only_data_dependent_branch_is_frozen_and_reported(tracer):
     model = _LayerDrop().eval()
     x = torch.randn(4, 8)
     conv = converter.convert(model, (x,), tracer=tracer)
+    assert_half_ran(conv, label=tracer)
     modes = conv.report.extra["modes"]
     assert modes.startswith("frozen in eval mode") and "train mode failed" in modes, modes
     if tracer == "fx":

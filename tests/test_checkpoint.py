@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import sqnr
+from helpers import assert_half_ran, sqnr
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -273,6 +273,7 @@ def test_model_py_keeps_checkpoints_bit_identical(converted, tmp_path):
 
 def test_eval_mode_matches_the_original(converted):
     _, model, conv, _ = converted
+    assert_half_ran(conv)
     x = _x()
     model.eval()
     conv.module.eval()

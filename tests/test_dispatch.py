@@ -24,7 +24,7 @@ from converter.ir.meta import META_DECISION
 from converter.kernels import upcast
 from converter.kernels.upcast import dispatch_attention, dispatch_linear, dispatch_matmul
 from converter.passes import cpu_gemm, dispatch
-from tests.helpers import sqnr
+from tests.helpers import assert_half_ran, sqnr
 from tests.test_cpu_gemm import Block, run_model_py_alone
 
 
@@ -197,6 +197,7 @@ def test_a_portable_conversion_retargets_its_attentions_and_large_gemms(tracer, 
     model, x = nn.Sequential(Block(), Block()), torch.randn(3, 10, 64)
     monkeypatch.setattr(cpu_gemm, "MIN_GEMM_FLOPS", 2 * 30 * 64 * 192)  # qkv (and the MLP) dispatched, not out
     conv = converter.convert(model, (x,), precision="bf16", tracer=tracer, opt_level="O2")
+    assert_half_ran(conv, min_share=0.9, label=tracer)
     names = _names(conv.module)
     assert names.count("dispatch_linear") == 6 and names.count("linear") + names.count("linear.default") == 2, names
     assert names.count("dispatch_attention") == 2 and not {"scaled_dot_product_attention", "scaled_dot_product_attention.default"} & set(names)
@@ -245,6 +246,7 @@ def test_an_hf_llama_with_library_defaults_on_left_and_right_padded_batches(devi
     example = {"input_ids": ids, "attention_mask": mask, "labels": labels}
     _fast(monkeypatch, True)
     conv = converter.convert(model, example, precision="bf16", device=device)
+    assert_half_ran(conv, min_share=0.9)
     names = _names(conv.module)
     if device is None:  # portable: the two layers' attentions dispatch; forced here, they run in fp32 arithmetic
         assert names.count("dispatch_attention") == 2, names
@@ -308,6 +310,7 @@ def test_an_hf_bert_with_attention_dropout_trains_through_the_dispatching_kernel
     _fast(monkeypatch, True)
     conv = converter.convert(model, example, precision="bf16")
     assert _names(conv.module).count("dispatch_attention") == 2, _names(conv.module)
+    assert_half_ran(conv, min_share=0.9)
     runs = []
     for _ in range(2):  # train mode: dropout inside the kernel, recomputed in backward with the same mask
         torch.manual_seed(7)

@@ -26,7 +26,7 @@ import converter
 from converter.export.emit import EmitError, emit, generate_model_source, import_file
 from converter.ir.meta import META_CAST, META_DECISION, META_INFO
 from converter.passes.verify import ForwardCheckError
-from tests.helpers import sqnr
+from tests.helpers import assert_half_ran, sqnr
 
 
 class _Symmetric(nn.Module):
@@ -230,6 +230,7 @@ def _same_to_the_last_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> 
 
 def test_parametrized_gradients_reach_the_original_parameters_like_fp32(converted):
     original, conv, _out = converted["param"]
+    assert_half_ran(conv)
     x = _example("param")
     fp32_out, fp32_grads, fp32_buffers = _train_step(copy.deepcopy(original), x)
     out, grads, buffers = _train_step(copy.deepcopy(conv.module), x)
@@ -247,6 +248,7 @@ def test_parametrized_gradients_reach_the_original_parameters_like_fp32(converte
 
 def test_spectral_norm_eval_matches_fp32_and_train_keeps_iterating(converted):
     original, conv, _out = converted["param"]
+    assert_half_ran(conv)
     x = _example("param")
     reference, module = copy.deepcopy(original), copy.deepcopy(conv.module)
     u0 = module.get_buffer("sn.parametrizations.weight.0._u").clone()

@@ -206,11 +206,12 @@ def test_fp32_math_setting_decides_the_math_of_fp32_nodes(tmp_path, medium, sett
     model, x = Three().eval(), torch.randn(8, D)
     refs = _references(model, x)
     conv = converter.convert(model, (x,), rules=_rules(tmp_path, setting))
+    want = {"tf32": 1, "inherit": 1, "ieee": 2}[setting]  # tf32+tf32 merge into one run; inherit is not scoped
+    assert conv.report.fp32_math["regions"] == want == len(_scopes(conv.module)) // 2
+    _skip_unless_reduced_differs(refs)  # where 'medium' computes as 'highest', the results below prove nothing
     pinned, reduced, _ = conv.module(x)
     assert torch.equal(pinned, refs[pinned_math][0]), f"{setting}: rel. error vs {pinned_math} {_rel(pinned, refs[pinned_math][0]):.3g}"
     assert torch.equal(reduced, refs["reduced"][1])  # a tf32 rule is enforced under every setting
-    want = {"tf32": 1, "inherit": 1, "ieee": 2}[setting]  # tf32+tf32 merge into one run; inherit is not scoped
-    assert conv.report.fp32_math["regions"] == want == len(_scopes(conv.module)) // 2
 
 
 def test_mode_is_restored_after_forward_and_backward_in_train_mode(three, medium):

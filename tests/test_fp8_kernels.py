@@ -28,6 +28,8 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 SHAPE, OUT = (4, 64, 256), 512
 #: floors: output above torchao's 18 dB with margin (an e4m3 GEMM measures ~28.6 dB), grad_weight torchao's 17 dB
 OUT_DB, GW_DB = 25.0, 17.0
+#: an upper bound fp8 cannot reach on these GEMMs (bf16 measures ~40-50 dB, fp32 far more)
+FP8_CEILING_DB = 35.0
 #: the recipes whose every GEMM is a native _scaled_mm (bit-equality with the emulation is checked on these)
 NATIVE = ("tensorwise", "rowwise")
 
@@ -143,6 +145,12 @@ def test_sqnr_against_an_fp32_linear(name):
     assert out_db >= OUT_DB, f"{name}: output SQNR {out_db:.2f} dB < {OUT_DB}"
     assert gw_db >= GW_DB, f"{name}: grad_weight SQNR {gw_db:.2f} dB < {GW_DB}"
     assert gi_db >= GW_DB, f"{name}: grad_input SQNR {gi_db:.2f} dB < {GW_DB}"
+    # and float8 ran in each scaled GEMM: an fp32 (or bf16) GEMM gives far more than fp8's ~25-29 dB
+    # (rowwise_gw_hp's grad_weight is a plain fp32 matmul: exact here)
+    scaled = [db for gemm, db in zip(("output", "grad_input", "grad_weight"), (out_db, gi_db, gw_db))
+              if gemm in RECIPES[name].scaled_gemms]
+    assert len(scaled) == len(RECIPES[name].scaled_gemms) and max(scaled) < FP8_CEILING_DB, (
+        f"{name}: {out_db:.1f} / {gi_db:.1f} / {gw_db:.1f} dB: as if no fp8 ran")
 
 
 def test_sqnr_negative_control_e5m2_forward_fails_the_floor():

@@ -367,7 +367,11 @@ def test_sqnr_against_the_bf16_conversion(decoder, converted):
     # (tests/test_fp8_kernels.py); here on the fp8 layers' weight gradients together
     tokens = _tokens(3)
     ref = _bf16_reference(decoder, (tokens,))
-    ref_out, out = _train_step(ref, tokens), _train_step(converted.module, tokens)
+    ref_out = _train_step(ref, tokens)
+    with ScaledMMCalls() as seen:  # fp8 ran: each fp8 layer's three GEMMs are float8 _scaled_mm calls
+        out = _train_step(converted.module, tokens)
+    assert set(converted.fp8_nodes) == FP8_LAYERS and Counter(seen.calls) == Counter(TENSORWISE * len(FP8_LAYERS)), (
+        sorted(converted.fp8_nodes), Counter(seen.calls))
     out_db = sqnr(ref_out.float(), out.float())
     assert out_db >= OUT_DB, f"output SQNR {out_db:.2f} dB < {OUT_DB} dB"
     want, got = _weight_grads(ref, FP8_LAYERS), _weight_grads(converted.module, FP8_LAYERS)

@@ -21,7 +21,7 @@ import converter
 from converter.ir.meta import META_DECISION, META_INFO
 from converter.ir.weight_gemm import gemm_operands, weight_parameter
 from converter.numerics.fp8_layers import measure_fp8_layers
-from tests.helpers import sqnr
+from tests.helpers import assert_half_ran, sqnr
 from tests.test_fp8_rules import TENSORWISE, ScaledMMCalls
 
 #: torchao's float8 floors: output 18 dB, weight gradient 17 dB
@@ -108,6 +108,8 @@ def test_each_fp8_layer_runs_three_scaled_mm_per_training_step(zoo):
 def test_gradients_land_in_the_parameter_shapes_within_the_floors(zoo):
     layers = MODELS[zoo.name][2]
     fp8_params, ref_params = _weight_params(zoo.fp8.module, layers), _weight_params(zoo.bf16.module, layers)
+    assert zoo.fp8.report.extra["fp8"]["layers"] == layers, zoo.fp8.report.extra["fp8"]["layers"]  # fp8 ran on them
+    assert_half_ran(zoo.bf16, min_share=0.9, label=f"{zoo.name} bf16 reference")
     out = _train_step(zoo.fp8.module, zoo.tokens)
     got = {n: p.grad.clone() for n, p in fp8_params.items()}
     ref_out = _train_step(zoo.bf16.module, zoo.tokens)

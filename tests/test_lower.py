@@ -18,7 +18,7 @@ import converter
 from converter.ir.graphmodule import TwoModeGraphModule
 from converter.kernels.upcast import dispatch_attention
 from converter.passes.lower import lower
-from tests.helpers import ROOT, CastCounter, DtypeRecorder, first_tensor, load_sample, split_inputs, sqnr
+from tests.helpers import ROOT, CastCounter, DtypeRecorder, assert_half_ran, first_tensor, load_sample, split_inputs, sqnr
 
 SDPA_KERNELS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math",
                 "scaled_dot_product_attention")
@@ -94,6 +94,7 @@ def test_lowered_attention_computes_the_fused_function(case):
     elif mask_kind == "bias":
         args.append(torch.randn(12, 12) * 2)
     conv = converter.convert(copy.deepcopy(model), tuple(args), device="cpu")
+    assert_half_ran(conv, min_share=0.9, label=case)
     assert _sdpa_nodes(conv.module) == [], f"{case}: the SDPA node is still there"
     assert conv.report.to_dict()["lowered"] == ["scaled_dot_product_attention"]
     with torch.no_grad():
@@ -141,6 +142,7 @@ def test_backward_matches_fp32():
     model = Attn(is_causal=True).train()
     x = torch.randn(2, 12, 32)
     conv = converter.convert(copy.deepcopy(model), (x,), device="cpu")
+    assert_half_ran(conv, min_share=0.9)
     model(x).pow(2).mean().backward()
     conv.module(x).float().pow(2).mean().backward()
     ref = dict(model.named_parameters())
@@ -215,6 +217,7 @@ def test_mode_aware_attention_dropout_is_lowered():
     model = TrainDropoutAttn().eval()
     x = torch.randn(2, 12, 32)
     conv = converter.convert(copy.deepcopy(model), (x,), device="cpu", tracer="export")
+    assert_half_ran(conv, min_share=0.9)
     assert not isinstance(conv.module, TwoModeGraphModule), conv.report.extra["modes"]
     assert _sdpa_nodes(conv.module) == [] and len(conv.report.to_dict()["lowered"]) == 1
     drops = [n for n in conv.module.graph.nodes if n.target is torch.dropout]
@@ -248,6 +251,8 @@ def test_transformer_encoder_export_graph():
     x = torch.randn(2, 16, 64)
     lowered = converter.convert(copy.deepcopy(model), (x,), device="cpu")
     portable = converter.convert(copy.deepcopy(model), (x,))
+    assert_half_ran(lowered, min_share=0.9, label="lowered")
+    assert_half_ran(portable, min_share=0.9, label="portable")
     assert lowered.tracer == "export"
     assert len(_sdpa_nodes(portable.module)) == 2 and _sdpa_nodes(lowered.module) == []
     with torch.no_grad():
@@ -271,6 +276,7 @@ def test_causal_sample_with_rmsnorm():
     model = sample.build_model().eval()
     args, kwargs = split_inputs(sample.example_inputs())
     conv = converter.convert(copy.deepcopy(model), sample.example_inputs(), device="cpu")
+    assert_half_ran(conv, min_share=0.9)
     assert conv.tracer == "fx" and conv.report.to_dict()["lowered"]
     with torch.no_grad():
         db = sqnr(first_tensor(model(*args, **kwargs)), first_tensor(conv.module(*args, **kwargs)))
@@ -379,6 +385,8 @@ def test_hf_gpt2_sdpa_attention_is_lowered_under_export():
     args, kwargs = split_inputs(sample.example_inputs())
     lowered = converter.convert(copy.deepcopy(model), sample.example_inputs(), device="cpu")
     portable = converter.convert(copy.deepcopy(model), sample.example_inputs())
+    assert_half_ran(lowered, min_share=0.9, label="lowered")
+    assert_half_ran(portable, min_share=0.9, label="portable")
     assert lowered.tracer == "export"
     assert len(lowered.report.to_dict()["lowered"]) == 2 and _sdpa_nodes(lowered.module) == []
     assert len(_sdpa_nodes(portable.module)) == 2

@@ -122,10 +122,9 @@ def test_scaler_refuses_values_fp32_and_int32_cannot_hold():
         assert scaler.state_dict() == before
 
 
-pl = pytest.importorskip("pytorch_lightning")
-
-
 def _plugin_with_trainers():
+    # only the Lightning plugin's test needs Lightning: the trainer and scaler tests above never sit behind it
+    pytest.importorskip("pytorch_lightning")
     from converter.lightning import MixedPrecision
 
     plugin = MixedPrecision("16-mixed", opt_level="O2")

@@ -204,6 +204,8 @@ def test_dynamic_scaling_recovers_underflowing_fp16_grads():
     model.zero_grad()
     trainer = MixedPrecisionTrainer(model, torch.optim.SGD(model.parameters(), lr=0.0), precision="fp16",
                                     master_weights=True, loss_scale="dynamic")
+    # fp16 ran: O2 stores the module's weights in fp16 (the fp32 masters live in the trainer)
+    assert {p.dtype for p in model.parameters()} == {torch.float16}, {p.dtype for p in model.parameters()}
     trainer.backward((model(x.half()).float() * weights).sum())
     assert trainer.step()
     scaled = torch.cat([m.grad.flatten() for m in trainer.master_params])

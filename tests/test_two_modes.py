@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from helpers import sqnr
+from helpers import assert_half_ran, sqnr
 from torch import nn
 
 import converter
@@ -92,6 +92,7 @@ def test_two_graphs_are_captured_and_reported(case):
 
 def test_eval_is_deterministic_and_matches_the_original(case):
     model, x, conv = case
+    assert_half_ran(conv)
     module = copy.deepcopy(conv.module).eval()
     e1, e2 = _run(module, x, 1), _run(module, x, 2)
     assert torch.equal(e1, e2), "eval(): two forwards differ"
@@ -101,6 +102,7 @@ def test_eval_is_deterministic_and_matches_the_original(case):
 
 def test_train_drops_paths_like_the_original(case):
     model, x, conv = case
+    assert_half_ran(conv)
     module = copy.deepcopy(conv.module).train()
     original = copy.deepcopy(model).train()
     outputs = [_run(module, x, seed) for seed in (1, 2, 3)]
@@ -177,6 +179,7 @@ def test_apply_in_place_follows_the_mode():
     x = torch.randn(6, 32)
     reference = copy.deepcopy(model)
     converter.apply(model, (x,), tracer="export", precision="bf16")
+    assert_half_ran(converter.conversion_of(model))
     assert isinstance(converter.conversion_of(model).module, TwoModeGraphModule)
     e1, e2 = _run(model.eval(), x, 1), _run(model.eval(), x, 2)
     assert torch.equal(e1, e2)
@@ -208,8 +211,6 @@ def test_random_ops_in_both_modes_keep_one_graph():
 def test_onnx_export_runs_the_eval_graph(case, tmp_path):
     pytest.importorskip("onnxruntime")
     _, x, conv = case
-    if conv.tracer != "export":
-        pytest.skip("one tracer is enough for the ONNX path")
     result = conv.export_onnx(tmp_path / "model.onnx")
     assert result.checks["ort_match"], f"onnxruntime vs conv.module (eval): max abs error {result.max_abs_error:.3g}"
     # what torch.export sees of a GraphModule is its `graph` (the train graph): for_mode gives the eval one
