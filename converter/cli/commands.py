@@ -77,6 +77,10 @@ def cmd_convert(ns: argparse.Namespace, ui: Terminal) -> int:
     rule_files, calibration_data, measure = ns.rules, ns.calibration_data, not ns.no_measure
     tolerance = check_convert_flags(tolerance=ns.tolerance, calibration_data=calibration_data, onnx=ns.onnx,
                                     onnx_precision=ns.onnx_precision)
+    if calibration_data is not None:  # a .py from a checkpoint folder runs code: --trust-remote-code first
+        from converter.cli.calibdata import check_calibration_source
+
+        check_calibration_source(calibration_data, source.path, trust_remote_code=source.trust_remote_code)
     rules = load_rules(rule_files)
     artifacts = Artifacts(output_dir(ns.out, source.path, "_mp", force=ns.force, inputs=[source.path, *(rule_files or []), calibration_data]),
                           force=ns.force, onnx=ns.onnx, onnx_precision=ns.onnx_precision, max_shard_size=ns.max_shard_size)
@@ -135,7 +139,7 @@ def _calibration_batches(calibration_data: Optional[str], ui: Terminal, mf) -> t
     if calibration_data is not None:
         from converter.cli.calibdata import SYNTHETIC, load_calibration_data
 
-        batches, described = load_calibration_data(calibration_data, mf)
+        batches, described = load_calibration_data(calibration_data, mf, ui.warn)
         if calibration_data == SYNTHETIC:  # the flag, not the description, says the batches are random
             ui.warn(f"{mf.name}: calibrating on {described}: the overflow decisions follow random inputs, not your data; "
                     "pass --calibration-data FILE with real batches for decisions you can trust")
@@ -148,12 +152,15 @@ def _calibration_batches(calibration_data: Optional[str], ui: Terminal, mf) -> t
             f"--calibrate needs calibration inputs, but {mf.name} defines no calibration_inputs(); "
             "define it (an iterable of inputs like example_inputs()), pass --calibration-data FILE, or drop --calibrate/--tolerance"
         )
+    from converter.cli.calibdata import check_values, take_batches
+
     try:
-        calibration = list(mf.calibration_inputs())
+        calibration = take_batches(mf.calibration_inputs(), f"{mf.name}: calibration_inputs()", ui.warn)
     except Exception as exc:
         raise UsageError(f"{mf.name}: calibration_inputs() raised {type(exc).__name__}: {one_line(exc)}; fix it or drop --calibrate") from exc
     if not calibration:
         raise UsageError(f"{mf.name}: calibration_inputs() gave no inputs; return at least one or drop --calibrate")
+    check_values(calibration, mf, f"{mf.name}: calibration_inputs()")
     return calibration, f"calibration_inputs() of {mf.name} ({len(calibration)} batches)"
 
 
@@ -202,6 +209,12 @@ def _convert_checked(ui: Terminal, mf, options: ConvertOptions, rules, calibrati
                 and str(cause).startswith("Guard failed"):
             raise UsageError(f"a calibration batch does not fit the captured graph ({one_line(cause)}); give batches of the "
                              "example's form within the sizes it serves (report.json: dynamic_dims), or a larger --seq-len/example") from exc
+        if calibration is not None and "'calibrate'" in str(exc):  # a batch the fp32 model cannot run is the data's fault
+            from converter.cli.calibdata import diagnose_batches
+
+            message = diagnose_batches(calibration, mf)
+            if message is not None:
+                raise UsageError(message) from exc
         raise
     except ToleranceNotMet as exc:
         raise CheckFailed(
