@@ -120,6 +120,21 @@ def check_convert_flags(*, tolerance: Optional[str], calibration_data: Optional[
     return parsed
 
 
+def _write_failure(exc: BaseException) -> Optional[BaseException]:
+    """The OSError of a failed write (or the MemoryError) in ``exc``'s chain (an exporter may wrap it), or None:
+    then nothing is published (exit 2), rather than the other artifacts with a failed ONNX check (exit 1)."""
+    seen: set[int] = set()
+    current: Optional[BaseException] = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if (isinstance(current, OSError) and current.errno is not None) or isinstance(current, MemoryError):
+            return current
+        if any(text in str(current) for text in ("MemoryError", "failed to map segment", "Cannot allocate memory")):
+            return MemoryError(one_line(current)[:300])  # a library that cannot be loaded or an exporter out of memory
+        current = current.__cause__ or current.__context__
+    return None
+
+
 def _check_device(device: Optional[str], ui: Terminal) -> str:
     """Where model.py is checked: the training device when this machine has it, else cpu (with a note)."""
     if device != "cuda":
@@ -241,8 +256,15 @@ def _write_conversion(ui: Terminal, conv, source: ModelSource, artifacts: Artifa
         try:
             onnx_result["result"] = conv.export_onnx(directory / "model.onnx", precision=artifacts.onnx_precision)
         except Exception as exc:  # the ONNX step failing is a failed check; the rest is still written
+            written = _write_failure(exc)
+            if isinstance(written, OSError):  # a failed write (file-size limit, full disk) publishes nothing: exit 2
+                raise OSError(written.errno, written.strerror, str(directory / "model.onnx")) from exc
+            if written is not None:  # out of memory: exit 2 naming it, nothing published
+                raise MemoryError(f"exporting model.onnx: {one_line(written) or 'MemoryError'}") from exc
             if ui.debug:
                 traceback.print_exc()
+            for torn in ("model.onnx", "model.onnx.data"):  # a half-written export is never published
+                (directory / torn).unlink(missing_ok=True)
             onnx_result["error"] = f"ONNX export failed: {type(exc).__name__}: {one_line(exc)}"
 
     with ui.status(f"Writing {out}" + (" and exporting model.onnx…" if artifacts.onnx else "…")):

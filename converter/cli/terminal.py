@@ -153,7 +153,13 @@ def captured_stderr(enabled: bool):
     buffer = io.StringIO()
     sys.stderr = buffer
     try:
-        yield captured
+        if saved_fd is not None and tmp is not None:  # a death Python never sees is still said (export/watchdog.py)
+            from converter.export.watchdog import reporting
+
+            with reporting(saved_fd, tmp.fileno()):
+                yield captured
+        else:
+            yield captured
     finally:
         sys.stderr = saved_sys
         if saved_fd is not None:
