@@ -259,6 +259,8 @@ def foreign_contents(out_dir: Path) -> Optional[list[str]]:
     for rel, stat in sorted(present.items()):
         if rel not in recorded or (stat is not None and recorded[rel] != stat):
             changed.append(rel)
+        elif stat is None and recorded[rel] is not None:  # a file we wrote is now a link or a folder: the user's
+            changed.append(rel)
     return changed
 
 
