@@ -143,3 +143,39 @@ def test_the_next_save_removes_the_temporaries_of_killed_saves(emitted, tmp_path
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".ckpt.pt")) == [live.name]
     state = torch.load(io.BytesIO(ckpt.read_bytes()), weights_only=True)
     assert "fc1.weight" in state
+
+
+def test_a_sigkilled_run_leaves_no_temporary_beside_out(tmp_path):
+    """The watcher sees SIGKILL too: the temporary folder goes at once (not only at the next run)."""
+    import signal
+    import time
+
+    script = tmp_path / "slow.py"
+    script.write_text(
+        "import sys, time\nfrom pathlib import Path\nimport converter.export.artifacts as artifacts\n"
+        "_write = artifacts._write_text\n"
+        "def _slow(path, text):\n    _write(path, text)\n"
+        "    Path(__file__).with_name('wrote.marker').write_text(path.name)\n    time.sleep(60)\n"
+        "artifacts._write_text = _slow\nfrom converter.cli.main import main\nsys.exit(main(sys.argv[1:]))\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = subprocess.Popen([sys.executable, str(script), str(SAMPLES / "mlp.py"), "--out", str(work / "o"), "-q",
+                             "--no-measure"], env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 300
+        while not (tmp_path / "wrote.marker").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (tmp_path / "wrote.marker").exists(), proc.poll()
+        assert [p.name for p in work.iterdir()][0].startswith(".o.tmp-")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+        err = proc.stderr.read().decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stderr.close()
+    deadline = time.monotonic() + 30
+    while list(work.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert list(work.iterdir()) == [], list(work.iterdir())
+    assert "mpconvert: error: the run died" in err, err
