@@ -284,6 +284,8 @@ _SLOW_EMIT = """
 import sys, time
 from pathlib import Path
 import converter.export.artifacts as artifacts
+import converter.export.watchdog as watchdog
+watchdog._start = lambda *args, **kwargs: None  # no watcher (as when none can start): the next run must clean up
 _write = artifacts._write_text
 def _slow(path, text):
     _write(path, text)

@@ -78,6 +78,10 @@ def cmd_convert(ns: argparse.Namespace, ui: Terminal) -> int:
     rule_files, calibration_data, measure = ns.rules, ns.calibration_data, not ns.no_measure
     tolerance = check_convert_flags(tolerance=ns.tolerance, calibration_data=calibration_data, onnx=ns.onnx,
                                     onnx_precision=ns.onnx_precision)
+    if calibration_data is not None:  # a .py from a checkpoint folder runs code: --trust-remote-code first
+        from converter.cli.calibdata import check_calibration_source
+
+        check_calibration_source(calibration_data, source.path, trust_remote_code=source.trust_remote_code)
     rules = load_rules(rule_files)
     artifacts = Artifacts(output_dir(ns.out, source.path, "_mp", force=ns.force, inputs=[source.path, *(rule_files or []), calibration_data]),
                           force=ns.force, onnx=ns.onnx, onnx_precision=ns.onnx_precision, max_shard_size=ns.max_shard_size)
@@ -117,6 +121,21 @@ def check_convert_flags(*, tolerance: Optional[str], calibration_data: Optional[
     return parsed
 
 
+def _write_failure(exc: BaseException) -> Optional[BaseException]:
+    """The OSError of a failed write (or the MemoryError) in ``exc``'s chain (an exporter may wrap it), or None:
+    then nothing is published (exit 2), rather than the other artifacts with a failed ONNX check (exit 1)."""
+    seen: set[int] = set()
+    current: Optional[BaseException] = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if (isinstance(current, OSError) and current.errno is not None) or isinstance(current, MemoryError):
+            return current
+        if any(text in str(current) for text in ("MemoryError", "failed to map segment", "Cannot allocate memory")):
+            return MemoryError(one_line(current)[:300])  # a library that cannot be loaded or an exporter out of memory
+        current = current.__cause__ or current.__context__
+    return None
+
+
 def _check_device(device: Optional[str], ui: Terminal) -> str:
     """Where model.py is checked: the training device when this machine has it, else cpu (with a note)."""
     if device != "cuda":
@@ -136,7 +155,7 @@ def _calibration_batches(calibration_data: Optional[str], ui: Terminal, mf) -> t
     if calibration_data is not None:
         from converter.cli.calibdata import SYNTHETIC, load_calibration_data
 
-        batches, described = load_calibration_data(calibration_data, mf)
+        batches, described = load_calibration_data(calibration_data, mf, ui.warn)
         if calibration_data == SYNTHETIC:  # the flag, not the description, says the batches are random
             ui.warn(f"{mf.name}: calibrating on {described}: the overflow decisions follow random inputs, not your data; "
                     "pass --calibration-data FILE with real batches for decisions you can trust")
@@ -149,12 +168,15 @@ def _calibration_batches(calibration_data: Optional[str], ui: Terminal, mf) -> t
             f"--calibrate needs calibration inputs, but {mf.name} defines no calibration_inputs(); "
             "define it (an iterable of inputs like example_inputs()), pass --calibration-data FILE, or drop --calibrate/--tolerance"
         )
+    from converter.cli.calibdata import check_values, take_batches
+
     try:
-        calibration = list(mf.calibration_inputs())
+        calibration = take_batches(mf.calibration_inputs(), f"{mf.name}: calibration_inputs()", ui.warn)
     except Exception as exc:
         raise UsageError(f"{mf.name}: calibration_inputs() raised {type(exc).__name__}: {one_line(exc)}; fix it or drop --calibrate") from exc
     if not calibration:
         raise UsageError(f"{mf.name}: calibration_inputs() gave no inputs; return at least one or drop --calibrate")
+    check_values(calibration, mf, f"{mf.name}: calibration_inputs()")
     return calibration, f"calibration_inputs() of {mf.name} ({len(calibration)} batches)"
 
 
@@ -203,6 +225,12 @@ def _convert_checked(ui: Terminal, mf, options: ConvertOptions, rules, calibrati
                 and str(cause).startswith("Guard failed"):
             raise UsageError(f"a calibration batch does not fit the captured graph ({one_line(cause)}); give batches of the "
                              "example's form within the sizes it serves (report.json: dynamic_dims), or a larger --seq-len/example") from exc
+        if calibration is not None and "'calibrate'" in str(exc):  # a batch the fp32 model cannot run is the data's fault
+            from converter.cli.calibdata import diagnose_batches
+
+            message = diagnose_batches(calibration, mf)
+            if message is not None:
+                raise UsageError(message) from exc
         raise
     except ToleranceNotMet as exc:
         raise CheckFailed(
@@ -230,8 +258,15 @@ def _write_conversion(ui: Terminal, conv, source: ModelSource, artifacts: Artifa
         try:
             onnx_result["result"] = conv.export_onnx(directory / "model.onnx", precision=artifacts.onnx_precision)
         except Exception as exc:  # the ONNX step failing is a failed check; the rest is still written
+            written = _write_failure(exc)
+            if isinstance(written, OSError):  # a failed write (file-size limit, full disk) publishes nothing: exit 2
+                raise OSError(written.errno, written.strerror, str(directory / "model.onnx")) from exc
+            if written is not None:  # out of memory: exit 2 naming it, nothing published
+                raise MemoryError(f"exporting model.onnx: {one_line(written) or 'MemoryError'}") from exc
             if ui.debug:
                 traceback.print_exc()
+            for torn in ("model.onnx", "model.onnx.data"):  # a half-written export is never published
+                (directory / torn).unlink(missing_ok=True)
             onnx_result["error"] = f"ONNX export failed: {type(exc).__name__}: {one_line(exc)}"
 
     with ui.status(f"Writing {out}" + (" and exporting model.onnx…" if artifacts.onnx else "…")):

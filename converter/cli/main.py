@@ -110,7 +110,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 #: what torch's allocators and Python say when memory runs out
-_OOM_TEXT = ("can't allocate memory", "out of memory", "DefaultCPUAllocator", "Cannot allocate memory")
+_OOM_TEXT = ("can't allocate memory", "out of memory", "DefaultCPUAllocator", "Cannot allocate memory",
+             "failed to map segment from shared object")  # the last: a library cannot be loaded under a memory limit
 
 
 def _out_of_memory(exc: BaseException) -> Optional[BaseException]:
@@ -120,7 +121,7 @@ def _out_of_memory(exc: BaseException) -> Optional[BaseException]:
         seen.add(id(exc))
         torch = sys.modules.get("torch")  # loaded by whatever ran out of memory (explain never imports it)
         if isinstance(exc, MemoryError) or (torch is not None and isinstance(exc, torch.OutOfMemoryError)) or (
-                isinstance(exc, RuntimeError) and any(text in str(exc) for text in _OOM_TEXT)):
+                isinstance(exc, (RuntimeError, ImportError)) and any(text in str(exc) for text in _OOM_TEXT)):
             return exc
         exc = exc.__cause__ or exc.__context__
     return None

@@ -29,6 +29,7 @@ class OutputLocationError(MpconvertError, ValueError):
 
 _FIXES = {
     errno.ENOSPC: "the disk is full; free some space or choose another --out",
+    errno.EFBIG: "a file-size limit (ulimit -f) or the file system's largest file was reached; raise the limit or choose another --out",
     errno.EDQUOT: "the disk quota is exceeded; free some space or choose another --out",
     errno.EROFS: "the file system is read-only; choose another --out",
     errno.EACCES: "permission denied; choose a writable --out",

@@ -193,10 +193,12 @@ def _convert_parser() -> Parser:
     convert.add_argument("--calibrate", action="store_true",
                          help="run calibration_inputs() (or --calibration-data) and re-decide nodes that would overflow")
     convert.add_argument("--calibration-data", dest="calibration_data", metavar="FILE", default=None,
-                         help="calibration batches (implies --calibrate): a .py file defining calibration_inputs() (docs/model-file.md), "
+                         help="calibration batches (implies --calibrate): a .py file defining calibration_inputs() (docs/model-file.md; "
+                              "it is imported, so its code runs; a .py inside a checkpoint folder needs --trust-remote-code), "
                               "a .safetensors file of tensors named INPUT or I.INPUT (batch I), or `synthetic` (checkpoint folders: "
                               "random padded batches made from config.json). Needed for --calibrate on a checkpoint folder; "
-                              "replaces a model file's calibration_inputs()")
+                              "replaces a model file's calibration_inputs(). At most 256 batches are read; NaN/inf, empty batches, "
+                              "token ids past the vocabulary and a batch the model cannot run are errors (exit 2)")
     convert.add_argument("--tolerance", metavar="DB", default=None,
                          help="with calibration: minimum SQNR in dB against fp32 (implies --calibrate); exit 1 if not met")
     convert.add_argument("--onnx", action="store_true", help="also export model.onnx and verify its casts and outputs")

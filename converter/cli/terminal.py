@@ -23,8 +23,10 @@ def one_line(text: Any) -> str:
 
 
 def error_line(message: str) -> str:
-    """``mpconvert: error: MESSAGE`` on one line."""
-    return f"mpconvert: error: {one_line(message)}"
+    """``mpconvert: error: MESSAGE`` on one line, its control bytes escaped (converter/ir/text.py)."""
+    from converter.ir.text import printable
+
+    return f"mpconvert: error: {printable(one_line(message))}"
 
 
 class Terminal:
@@ -69,8 +71,10 @@ class Terminal:
         self.lines.append(line)
 
     def flush_err(self) -> None:
-        for line in self.lines:
-            print(line, file=sys.stderr, flush=True)
+        from converter.ir.text import printable
+
+        for line in self.lines:  # names are data: an ESC in a module name is shown, not obeyed
+            print(printable(line), file=sys.stderr, flush=True)
         self.lines.clear()
 
     def status(self, text: str):
@@ -87,8 +91,10 @@ class Terminal:
 
     def flush_out(self) -> None:
         """Print the results on the real stdout (after the user's code has stopped running)."""
+        from converter.ir.text import printable
+
         for text in self.results:
-            print(text, file=sys.stdout, flush=True)
+            print(printable(text), file=sys.stdout, flush=True)
         self.results.clear()
 
     def warn(self, text: str) -> None:
@@ -153,7 +159,13 @@ def captured_stderr(enabled: bool):
     buffer = io.StringIO()
     sys.stderr = buffer
     try:
-        yield captured
+        if saved_fd is not None and tmp is not None:  # a death Python never sees is still said (export/watchdog.py)
+            from converter.export.watchdog import reporting
+
+            with reporting(saved_fd, tmp.fileno()):
+                yield captured
+        else:
+            yield captured
     finally:
         sys.stderr = saved_sys
         if saved_fd is not None:

@@ -38,8 +38,12 @@ renamed into place at the end.
   checked again and swapped back when something not ours appeared there meanwhile. Without that
   call it is moved aside (checked likewise), the new one renamed into place and the old one deleted.
 - Any exception, ``KeyboardInterrupt`` included, removes the temporary directory and the parent
-  directories this call created. Temporary directories left by killed runs (their PID is no longer
+  directories this call created. A death no Python code sees (a library's ``exit(1)`` out of memory,
+  SIGKILL) is seen by a watcher process (:mod:`converter.export.watchdog`), which removes the
+  temporary directory and says so. Temporary directories left by killed runs (their PID is no longer
   running) are removed by the next run to the same OUT.
+- A failed write of model.onnx (a file-size limit, a full disk) fails the whole publication (the
+  CLI's exit 2, the old output kept); model.onnx itself is written to a temporary name and renamed.
 """
 from __future__ import annotations
 
@@ -68,6 +72,7 @@ from converter.export.train_py import (
     render_train_py,
 )
 from converter.export.verify import verify_emitted
+from converter.export.watchdog import guarded
 from converter.export.weights import DEFAULT_MAX_SHARD_SIZE, check_weights, parse_size, write_weights
 
 __all__ = ["emit", "emit_reports", "publish_directory", "check_output_dir", "clean_stale_temporaries", "foreign_contents",
@@ -254,6 +259,8 @@ def foreign_contents(out_dir: Path) -> Optional[list[str]]:
     for rel, stat in sorted(present.items()):
         if rel not in recorded or (stat is not None and recorded[rel] != stat):
             changed.append(rel)
+        elif stat is None and recorded[rel] is not None:  # a file we wrote is now a link or a folder: the user's
+            changed.append(rel)
     return changed
 
 
@@ -313,23 +320,24 @@ def publish_directory(out_dir: Path, fill: Callable[[Path], Any], *, force: bool
         probe = probe.parent
     clean_stale_temporaries(out_dir)
     tmp = parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        tmp.mkdir()
-        fill(tmp)
-        _write_marker(tmp)
-        with _uninterruptible():
-            if force:
-                _replace(tmp, out_dir, parent)
-            else:
-                _rename_new(tmp, out_dir)
-    except BaseException:
-        with _uninterruptible():
-            shutil.rmtree(tmp, ignore_errors=True)
-            for directory in created:
-                with contextlib.suppress(OSError):
-                    directory.rmdir()
-        raise
+    with guarded(tmp, out_dir):  # a death Python never sees (OpenBLAS's exit(1) out of memory) leaves no tmp
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+            tmp.mkdir()
+            fill(tmp)
+            _write_marker(tmp)
+            with _uninterruptible():
+                if force:
+                    _replace(tmp, out_dir, parent)
+                else:
+                    _rename_new(tmp, out_dir)
+        except BaseException:
+            with _uninterruptible():
+                shutil.rmtree(tmp, ignore_errors=True)
+                for directory in created:
+                    with contextlib.suppress(OSError):
+                        directory.rmdir()
+            raise
     return out_dir
 
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 import tempfile
+import uuid
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -103,18 +105,30 @@ def export_model(module: torch.nn.Module, args: tuple, kwargs: dict, *, opset: i
 
 
 def save_model(model, path: Path) -> int:
-    """Write ``model``; weights go to an external ``.data`` file past the 2 GiB protobuf limit."""
+    """Write ``model`` atomically; weights go to an external ``.data`` file past the 2 GiB protobuf limit.
+
+    Both files are written into a hidden temporary folder beside ``path`` and renamed into place,
+    the ``.data`` file first and the model last, so a failed write (a file-size limit, a full disk,
+    a kill) leaves whatever was at ``path`` before and no temporary behind."""
     import onnx
 
     path.parent.mkdir(parents=True, exist_ok=True)
     big = model.ByteSize() > 1_800_000_000 if _byte_size_ok(model) else True
-    if big:
-        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=path.name + ".data")
-    else:
-        onnx.save_model(model, str(path))
-    size = path.stat().st_size
     data = path.with_name(path.name + ".data")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        tmp.mkdir()
+        if big:
+            onnx.save_model(model, str(tmp / path.name), save_as_external_data=True, all_tensors_to_one_file=True,
+                            location=data.name)
+            if (tmp / data.name).exists():
+                os.replace(tmp / data.name, data)
+        else:
+            onnx.save_model(model, str(tmp / path.name))
+        os.replace(tmp / path.name, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    size = path.stat().st_size
     if big and data.exists():
         size += data.stat().st_size
     return size

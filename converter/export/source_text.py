@@ -50,12 +50,20 @@ def check_attribute_path(path: str, what: str) -> None:
     """Refuse a dotted attribute path that torch.fx's code generator would paste into source unsafely.
 
     FX writes ``self.a.b`` for identifiers and ``getattr(self, "0")`` otherwise, with the name
-    between double quotes as it is; a quote, a backslash or a control character there would break
-    (or inject into) model.py.
+    between double quotes as it is. :mod:`converter.ir.fx_names` makes it write a ``repr()`` literal
+    for a part holding a quote, a backslash or a control character, so any name is data (model.py
+    writes such names as literals and comments them escaped); only where that helper could not be
+    installed (a torch without it) is such a name refused.
     """
+    import torch.fx.graph as fx_graph
+
+    from converter.ir.fx_names import format_target
+
+    if getattr(fx_graph, "_format_target", None) is format_target:
+        return
     for part in str(path).split("."):
         if any(c in _UNSAFE_IN_ATTRIBUTE or not c.isprintable() for c in part):
             raise EmitError(
                 f"cannot emit model.py: {what} {path!r} has a quote, backslash or control character in its name, "
-                "which cannot be written safely into Python source; rename it"
+                "which cannot be written safely into Python source with this torch; rename it"
             )

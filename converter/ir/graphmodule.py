@@ -24,6 +24,10 @@ import torch
 import torch.fx
 from torch.fx.graph_module import _forward_from_src  # private; GraphModule.recompile's own helper
 
+from converter.ir.fx_names import install as _quote_fx_names
+
+_quote_fx_names()  # a module name holding quotes or a newline is data in generated code (converter/ir/fx_names.py)
+
 try:  # private, but stable since torch 2.3 and used by inductor on every compile
     from torch.fx._lazy_graph_module import _LazyGraphModule
 except ImportError:  # pragma: no cover - a torch without it gets eager code generation

@@ -51,7 +51,9 @@ def to_markdown(report: ReportView) -> str:
     out: list[str] = []
     for section in (_header, _summary, _graph_breaks, _user_intent, _fp32_math, _memory, _numerics, _calibration, _fp8, _ops, _unmatched, _modules, _casts, _nodes):
         out.extend(section(report))
-    return "\n".join(out)
+    from converter.ir.text import printable
+
+    return printable("\n".join(out))  # control bytes from names and reasons are shown, not obeyed
 
 
 def _table(header: list[str], rows: Iterable[list[Any]]) -> str:

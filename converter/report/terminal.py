@@ -22,6 +22,18 @@ __all__ = ["print_report"]
 _STYLES = {"bf16": "green", "fp16": "blue", "fp32": "dark_orange"}
 
 
+class _Printable:
+    """``report`` with the control bytes of every string it gives escaped (rich passes ESC through)."""
+
+    def __init__(self, report: Any):
+        self._report = report
+
+    def __getattr__(self, name: str) -> Any:
+        from converter.ir.text import printable_tree
+
+        return printable_tree(getattr(self._report, name))
+
+
 def print_report(report: ReportView, console: Optional[Any] = None, *, nodes: bool = False) -> None:
     """Print the report with rich: summary, memory, numerics, ops, worst nodes, unmatched, casts (``nodes``: every node)."""
     from rich.console import Console
@@ -29,6 +41,7 @@ def print_report(report: ReportView, console: Optional[Any] = None, *, nodes: bo
     from rich.text import Text
 
     console = console or Console()
+    report = _Printable(report)  # names and reasons from the model and rule files are data (converter/ir/text.py)
     s = report.summary
     head = Text()
     head.append(report.line, style="bold")

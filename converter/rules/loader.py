@@ -155,16 +155,31 @@ def _suggest(word: str, choices: Iterable[str]) -> str:
 
 def _line_of(text: str, table: str, key: str) -> Optional[int]:
     """Best-effort line number of ``key`` inside ``[table]`` (tomllib reports lines only for syntax errors)."""
+    return _key_lines(text).get((table, key))
+
+
+def _key_lines(text: str) -> dict[tuple[str, str], int]:
+    """``{(table, key): line}`` for the first line of each key, in one pass over ``text`` (so that
+    naming the line of every entry costs linear time, not a scan of the file per entry)."""
+    found: dict[tuple[str, str], int] = {}
     current = None
     for i, line in enumerate(text.splitlines(), 1):
         stripped = line.strip()
-        header = re.match(r"^\[\s*([^\]]+?)\s*\]", stripped)
+        header = _HEADER.match(stripped)
         if header and not stripped.startswith("[["):
             current = header.group(1).strip().strip('"')
             continue
-        if current == table and re.match(r'^["\']?' + re.escape(key) + r'["\']?\s*=', stripped):
-            return i
-    return None
+        if current is None or not stripped:
+            continue
+        key = _KEY_AT_START.match(stripped)
+        if key is not None:
+            quoted = key.group(1) if key.group(1) is not None else key.group(2)
+            found.setdefault((current, quoted if quoted is not None else key.group(3).rstrip()), i)
+    return found
+
+
+_HEADER = re.compile(r"^\[\s*([^\]]+?)\s*\]")
+_KEY_AT_START = re.compile(r"""^(?:"([^"]*)"|'([^']*)'|([^="'\s][^="']*?))\s*=""")
 
 
 @dataclass(frozen=True)
@@ -277,8 +292,10 @@ class Rules:
             raise RulesError(f"{file}: a rule file must be a TOML table")
         known_ops = known_op_names()
 
+        lines = _key_lines(text) if text else {}
+
         def where(table: str, key: str) -> str:
-            line = _line_of(text, table, key) if text else None
+            line = lines.get((table, key))
             return f"{file}:{line}: [{table}].{key}" if line else f"{file}: [{table}].{key}"
 
         rules: list[Rule] = []
@@ -358,10 +375,18 @@ class Rules:
             raise RulesError(f"{str(path)!r}: the rules file name contains a NUL byte; pass a real file name")
         if not path.is_file():
             raise RulesError(f"{path}: rules file not found; pass an existing .toml file (built-in files are in {rules_dir()})")
+        from converter.rules.bounds import too_deep, too_large
+
+        why = too_large(path.stat().st_size)  # bounded cost: size and depth before the parser (rules/bounds.py)
+        if why is not None:
+            raise RulesError(f"{path}: {why}")
         try:
             text = path.read_text(encoding="utf-8-sig")  # a UTF-8 byte-order mark is accepted and dropped
         except UnicodeDecodeError as exc:
             raise RulesError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); save the rules file as UTF-8") from None
+        why = too_deep(text)
+        if why is not None:
+            raise RulesError(f"{path}: {why}")
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
