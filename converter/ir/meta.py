@@ -469,6 +469,9 @@ class GraphMeta:
     #: input (``idx``, ``xs[1]``) -> the dims the graph keeps symbolic that a guard in the model's code pins to the
     #: example's size (capture's ``pinned_dims``: ``idx.size(1) // 8 == 2``): model.py checks them as fixed
     pinned: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    #: the graph inputs a caller may leave out, with the fill the original uses in their place
+    #: (``converter.numerics.optional_inputs.OptionalInput``; conv.module's and model.py's forward take them as ``=None``)
+    optional_inputs: tuple[Any, ...] = ()
 
 
 def set_graph_facts(gm: torch.fx.GraphModule, **facts: Any) -> None:
