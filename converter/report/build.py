@@ -58,7 +58,7 @@ from converter.ir.meta import (
 )
 from converter.passes.fp32_math import DEFAULT_FP32_MATH, global_math_settings, reduced_globals
 from converter.report.flops import node_flops
-from converter.report.fp8 import fp8_section
+from converter.report.fp8 import fp8_line, fp8_section
 from converter.report.html import to_html
 from converter.report.markdown import to_markdown
 from converter.report.schema import encode
@@ -129,7 +129,8 @@ class Report:
 
     @property
     def line(self) -> str:
-        return summary_line(self.summary, self.precision)
+        fp8 = self.extra.get("fp8")  # how many layers run fp8, and why none does (the gate and its value)
+        return summary_line(self.summary, self.precision) + fp8_line(fp8 if isinstance(fp8, dict) else None)
 
     @property
     def measured(self) -> bool:
@@ -499,7 +500,7 @@ def build_report(gm: torch.fx.GraphModule, *, precision: str, tracer: str, rules
         nodes=nodes,
         casts=casts,
         rules=rules or {},
-        extra={**(extra or {}), "fp8": fp8_section(gm, nodes)},
+        extra={**(extra or {}), "fp8": fp8_section(gm, nodes, (rules or {}).get("settings"))},
         model=model,
         ops=_op_table(nodes),
         modules=_module_tree(stacks, casts, cast_module),
