@@ -102,15 +102,18 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _shape(name: str, placeholders: dict[str, torch.fx.Node], required: list[str], kwargs: dict) -> Optional[tuple[Dim, ...]]:
-    """Each dim of ``name``'s fill from the required inputs (None: a dynamic dim no required input gives)."""
+    """Each dim of ``name``'s fill from the required inputs (None: a dynamic dim no required input gives).
+
+    A dim torch.export proved equal to a required input's (the same symbol) takes that size; a dim it
+    fixed keeps the example's size; another dynamic dim takes a required input's dim of the example's
+    size (the same position first), else there is no fill."""
     val = _val(placeholders[name])
-    example = kwargs[name]
+    symbols = {r: tuple(map(str, _val(placeholders[r]).shape)) for r in required if isinstance(_val(placeholders[r]), torch.Tensor)}
+    donors = [(r, k) for r in required for k in range(kwargs[r].dim())]
     dims: list[Dim] = []
-    for d, size in enumerate(example.shape):
+    for d, size in enumerate(kwargs[name].shape):
         sym = val.shape[d] if isinstance(val, torch.Tensor) and d < val.dim() else size
-        donors = [(r, k) for r in required for k in range(kwargs[r].dim())]
-        same_symbol = [(r, k) for r, k in donors if not isinstance(sym, int) and isinstance(val, torch.Tensor)
-                       and str(_val(placeholders[r]).shape[k]) == str(sym)]
+        same_symbol = [(r, k) for r, k in donors if not isinstance(sym, int) and symbols.get(r, ())[k:k + 1] == (str(sym),)]
         same_size = sorted(((r, k) for r, k in donors if kwargs[r].shape[k] == size), key=lambda rk: rk[1] != d)
         if same_symbol:
             dims.append(same_symbol[0])
