@@ -318,7 +318,7 @@ def test_convert_onnx_runs_in_onnxruntime(tiny_mp):
         want = want if isinstance(want, torch.Tensor) else want[0]
     assert got.shape == want.shape
     db = sqnr(want.double(), got.double())
-    assert db > 30.0, db  # the fp16 export of the bf16 conversion; an fp32 model would be > 100, a broken cast < 10
+    assert db > 50.0, db  # the fp16 export of the bf16 conversion: measured 73.6 dB; a bf16 or broken cast gives < 45
 
 
 # ---------------------------------------------------------------------------------------------
