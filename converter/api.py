@@ -42,6 +42,8 @@ from converter.ir.ops import library_op
 from converter.ir.precision import ALIASES, half_precision
 from converter.ir.state import preserved_state
 from converter.numerics.device import half_gemm_slowdown, half_speed_advice
+from converter.numerics.optional_inputs import find_optional_inputs
+from converter.numerics.optional_inputs import install as install_optional_inputs
 from converter.numerics.options import CalibrationOptions
 from converter.numerics.overflow import first_overflow
 from converter.numerics.redecide import PlaceSettings
@@ -496,8 +498,11 @@ def convert(model: torch.nn.Module, example_inputs: Any, *, rules: Union[None, s
         _check_fp16_overflow(captured.gm, captured.args, captured.kwargs)
         if isinstance(captured.gm, TwoModeGraphModule):  # the check interprets `graph`: the eval graph too
             _check_fp16_overflow(captured.gm.for_mode(False), captured.args, captured.kwargs)
+    optional, required = find_optional_inputs(model, captured.gm, captured.args, captured.kwargs) if scope is None else ((), {})
+    install_optional_inputs(captured.gm, optional)  # the original's optional arguments stay optional (numerics.optional_inputs)
     report = _report(captured, rule_set, timings, options)
     report.extra["device_advice"] = advice
+    report.extra["optional_inputs"] = {"optional": [o.to_dict() for o in optional], "required": required}
     return Conversion(module=captured.gm, report=report, tracer=captured.tracer, rules=rule_set, original=model,
                       example_inputs=(captured.args, captured.kwargs), options=options, timings=timings,
                       calibration=batches, scope=scope)

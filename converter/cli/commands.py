@@ -64,6 +64,23 @@ def _source(path: str, entry: Optional[str], batch: Optional[int], seq_len: Opti
                        empty_weights=empty_weights, allow_missing_weights=allow_missing_weights)
 
 
+def model_of_output(path: str, ui: Terminal) -> str:
+    """``path``, or for an output directory of mpconvert (report.json and model.py, no config.json) the model
+    file it was converted from, which it keeps as user_model.py: ``mpconvert audit MODEL_mp`` audits that model
+    again (a folder conversion keeps none: one line naming the folder it came from)."""
+    folder = Path(path)
+    if not (folder.is_dir() and (folder / "report.json").is_file() and (folder / "model.py").is_file()
+            and not (folder / "config.json").is_file()):
+        return path
+    copied = folder / "user_model.py"
+    if copied.is_file():
+        ui.err(f"mpconvert: {folder} is an output directory of mpconvert: using {copied}, the model file it was converted from")
+        return str(copied)
+    raise UsageError(f"{folder} is an output directory of mpconvert with no copy of its model file (it was converted from "
+                     f"a save_pretrained folder or a model object); its report.json is that conversion's audit (mpconvert "
+                     f"explain {folder} NODE answers from it), or pass the model it was converted from")
+
+
 # ---------------------------------------------------------------------------------------------
 # convert
 
@@ -72,8 +89,8 @@ def cmd_convert(ns: argparse.Namespace, ui: Terminal) -> int:
     """``mpconvert MODEL``: convert, then write MODEL_mp/ (model.py, weights, train.py, reports)."""
     options = ConvertOptions(precision=ns.precision, tracer=ns.tracer, opt_level=ns.opt_level, device=ns.device,
                              dynamic=not ns.static, strict_modes=ns.strict_modes, partial=not ns.no_breaks)
-    source = _source(ns.model, ns.entry, ns.batch, ns.seq_len, ns.trust_remote_code, ns.empty_weights,
-                     ns.allow_missing_weights)
+    source = _source(model_of_output(ns.model, ui), ns.entry, ns.batch, ns.seq_len, ns.trust_remote_code,
+                     ns.empty_weights, ns.allow_missing_weights)
     calibrating = ns.calibrate or ns.tolerance is not None or ns.calibration_data is not None
     rule_files, calibration_data, measure = ns.rules, ns.calibration_data, not ns.no_measure
     tolerance = check_convert_flags(tolerance=ns.tolerance, calibration_data=calibration_data, onnx=ns.onnx,
@@ -325,8 +342,8 @@ def cmd_audit(ns: argparse.Namespace, ui: Terminal) -> int:
     """``mpconvert audit MODEL``: the report only, written to MODEL_audit/."""
     options = ConvertOptions(precision=ns.precision, tracer=ns.tracer, opt_level=ns.opt_level, device=ns.device,
                              dynamic=not ns.static, strict_modes=ns.strict_modes, partial=not ns.no_breaks)
-    source = _source(ns.model, ns.entry, ns.batch, ns.seq_len, ns.trust_remote_code, ns.empty_weights,
-                     ns.allow_missing_weights)
+    source = _source(model_of_output(ns.model, ui), ns.entry, ns.batch, ns.seq_len, ns.trust_remote_code,
+                     ns.empty_weights, ns.allow_missing_weights)
     rules = load_rules(ns.rules)
     out = output_dir(ns.out, source.path, "_audit", force=ns.force, inputs=[source.path, *(ns.rules or [])])
     force = ns.force

@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 
 from converter.ir.errors import MpconvertError
 from converter.options import ConvertOptions
+from converter.report import schema
 
 __all__ = ["ReportNotUsable", "read_report", "fresh_report", "report_dir_of"]
 
@@ -29,56 +30,14 @@ def report_dir_of(target: Path) -> Optional[Path]:
     return target if target.is_dir() and (target / "report.json").is_file() else None
 
 
-#: the fields explain reads, with their JSON types (a report.json is data from disk: every one is checked)
-_STR, _NUM = (str,), (int, float)
-_NODE_FIELDS = {"name": _STR, "op": _STR, "module": _STR, "module_type": _STR, "source": _STR, "precision": _STR,
-                "requested": _STR, "unmatched": (bool,), "rule": _STR, "reason": _STR, "matches": (list,)}
-_NODE_OPTIONAL = {"notes": (list,), "sqnr_db": (*_NUM, type(None)), "local_sqnr_db": (*_NUM, type(None))}
-_MATCH_FIELDS = {"level": _STR, "precision": _STR, "rule": _STR, "scope": _STR, "pattern": _STR, "reason": _STR,
-                 "file": _STR}
-_CAST_FIELDS = {"name": _STR, "src": _STR, "src_dtype": _STR, "dtype": _STR, "bytes": (int,), "consumers": (list,),
-                "rule": _STR, "reason": _STR, "on_weight": (bool,)}
 #: larger than any report mpconvert writes for a real model; json.loads of more is a denial of service
 _MAX_REPORT_BYTES = 512 << 20
 
 
-def _bad_row(row: object, required: dict, optional: dict = {}) -> Optional[str]:  # noqa: B006 (read only)
-    """What is wrong with one row (None: nothing)."""
-    if not isinstance(row, dict):
-        return f"a row is a {type(row).__name__}, not an object"
-    for key, types in {**required, **optional}.items():
-        if key not in row:
-            if key in required:
-                return f"a row has no {key!r}"
-            continue
-        value = row[key]
-        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            return f"{key!r} of row {str(row.get('name'))[:40]!r} is a {type(value).__name__}"
-    return None
-
-
-def _check_rows(data: dict) -> Optional[str]:
-    for row in data["nodes"]:
-        why = _bad_row(row, _NODE_FIELDS, _NODE_OPTIONAL)
-        if why is None:
-            why = next(filter(None, (_bad_row(m, _MATCH_FIELDS) for m in row["matches"])), None)
-        if why is None and not all(isinstance(n, list) and len(n) == 2 and all(isinstance(t, str) for t in n)
-                                   for n in row.get("notes", [])):
-            why = f"the notes of row {row['name'][:40]!r} are not [stage, text] pairs"
-        if why is not None:
-            return why
-    for cast in data["casts"]:
-        why = _bad_row(cast, _CAST_FIELDS)
-        if why is None and not all(isinstance(c, str) for c in cast["consumers"]):
-            why = f"the consumers of cast {cast['name'][:40]!r} are not names"
-        if why is not None:
-            return why
-    return None
-
-
 def read_report(path: Path) -> dict:
-    """Parse report.json and check every field explain reads (name, type), so that a damaged or hostile
-    file is one line of bad input, never an internal error."""
+    """Parse report.json, check it against the schema its writer uses (:mod:`converter.report.schema`),
+    so that a damaged or hostile file is one line of bad input, never an internal error, and return it
+    with the rows' numbers read back (an exact SQNR ``"inf"`` is ``math.inf`` again)."""
     try:
         if path.stat().st_size > _MAX_REPORT_BYTES:
             raise ReportNotUsable(f"{path}: larger than {_MAX_REPORT_BYTES >> 20} MiB, which no mpconvert report is; "
@@ -89,15 +48,14 @@ def read_report(path: Path) -> dict:
         raise ReportNotUsable(f"{path}: cannot read it as JSON ({why}); rerun mpconvert or mpconvert audit to write it again") from None
     if not isinstance(data, dict) or not isinstance(data.get("nodes"), list) or not isinstance(data.get("casts", []), list):
         raise ReportNotUsable(f"{path}: not an mpconvert report (no 'nodes' list); pass an output directory of mpconvert or mpconvert audit")
-    data.setdefault("casts", [])
     for row in data["nodes"]:
         if not isinstance(row, dict) or "name" not in row or "matches" not in row:
             raise ReportNotUsable(f"{path}: its nodes carry no matched rules (written by an older mpconvert); "
                                   "rerun mpconvert audit to write it again")
-    why = _check_rows(data)
+    why = schema.problem(data)
     if why is not None:
         raise ReportNotUsable(f"{path}: not a report mpconvert wrote ({why}); rerun mpconvert or mpconvert audit to write it again")
-    return data
+    return schema.decode(data)
 
 
 def _newest_input(model: Path, rules: list[str]) -> float:
@@ -112,7 +70,7 @@ def _newest_input(model: Path, rules: list[str]) -> float:
 def _matches_options(data: dict, options: ConvertOptions, rules: list[str], entry: Optional[str]) -> bool:
     """Was the report made with the options of this command line? (Conservative: any doubt is no.)
     ``options.precision`` is canonical (a report stores ``bf16``, never ``bfloat16``)."""
-    files = (data.get("rules") or {}).get("files") or []
+    files = data.get("rules", {}).get("files", [])
     if [Path(str(f)).stem for f in files] != ["default"] + [Path(r).stem for r in rules]:
         return False
     return (

@@ -118,7 +118,8 @@ def _forward_source(gm: torch.fx.GraphModule, prepared: PreparedGraph, original:
     pytree_info = getattr(source._codegen, "pytree_info", None)
     if pytree_info is not None and pytree_info.in_spec is not None:
         facts = gm.meta.get(GM_GRAPH)
-        graph._codegen, io_note = export_codegen(source, graph, original, narrowed=facts.pinned if facts is not None else {})
+        graph._codegen, io_note = export_codegen(source, graph, original, narrowed=facts.pinned if facts is not None else {},
+                                                 optional=facts.optional_inputs if facts is not None else ())
     else:
         graph._codegen = EmitCodeGen(None, [], None)
         io_note = "The forward takes the same arguments as the original model's forward and returns the same structure."

@@ -19,6 +19,7 @@ from torch.fx.graph import CodeGen
 
 from converter.export.errors import EmitError
 from converter.export.shape_guards import guard_lines
+from converter.numerics.optional_inputs import fill_lines
 
 __all__ = ["EmitCodeGen", "export_codegen", "check_argument_names"]
 
@@ -126,10 +127,13 @@ class EmitCodeGen(CodeGen):
 
 
 def export_codegen(source: torch.fx.Graph, graph: torch.fx.Graph, original: Optional[nn.Module], *,
-                   narrowed: Optional[Mapping[str, tuple[int, ...]]] = None) -> tuple[EmitCodeGen, str]:
+                   narrowed: Optional[Mapping[str, tuple[int, ...]]] = None,
+                   optional: tuple = ()) -> tuple[EmitCodeGen, str]:
     """Code generation for a graph captured by torch.export: the original argument names, explicit
     indexing into nested inputs, and the original output structure. Returns (codegen, io note).
-    ``narrowed``: input -> dims a guard of the model pins (checked as fixed at the example's size)."""
+    ``narrowed``: input -> dims a guard of the model pins (checked as fixed at the example's size).
+    ``optional``: the inputs a caller may leave out (``GraphMeta.optional_inputs``): ``name=None`` in the
+    signature, and the original's own value for them (:func:`converter.numerics.optional_inputs.fill_lines`)."""
     pytree_info = source._codegen.pytree_info
     children = _spec_children(pytree_info.in_spec)
     if pytree_info.in_spec.type is not tuple or len(children) != 2:
@@ -148,7 +152,9 @@ def export_codegen(source: torch.fx.Graph, graph: torch.fx.Graph, original: Opti
     if len(paths) != len(placeholders):
         raise EmitError(f"cannot emit model.py: the exported graph has {len(placeholders)} inputs but its input structure has {len(paths)} leaves")
     params = ["self"] + names + [k for k in kw_names if k not in names]
-    prologue: list[str] = []
+    left_out = {o.name for o in optional}
+    signature = [f"{p}=None" if p in left_out else p for p in params]
+    prologue: list[str] = fill_lines(tuple(optional))
     for node, path in zip(placeholders, paths):
         node.target = node.name  # bound here or in the prologue, never as an argument
         if node.name != path:
@@ -167,4 +173,13 @@ def export_codegen(source: torch.fx.Graph, graph: torch.fx.Graph, original: Opti
         "The forward first checks the input sizes the graph serves (the dims it fixed, the ranges and relations "
         "of its dynamic dims) and raises ValueError naming the input, the dim and both sizes."
     )
-    return EmitCodeGen(", ".join(params), prologue, output), note
+    if optional:
+        note += (f" {', '.join(sorted(left_out))} may be left out (or None), as in the original's forward: the forward "
+                 f"then uses the value the original uses ({'; '.join(_fill_text(o) for o in optional)}), checked on the "
+                 "example at conversion.")
+    return EmitCodeGen(", ".join(signature), prologue, output), note
+
+
+def _fill_text(o: Any) -> str:
+    d = o.to_dict()
+    return f"{d['name']}: all {d['fill']!r}, {d['dtype']}, shape ({', '.join(map(str, d['shape']))})"

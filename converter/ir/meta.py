@@ -189,11 +189,11 @@ CONTRACT: tuple[MetaKey, ...] = (
             "the user's precision intent over the node (its innermost autocast region, _keep_in_fp32_modules), "
             "first applicable wins; capture and regions tag through converter.passes.intent, decide reads through "
             "its applicable_intent; outranks every rule file"),
-    MetaKey(GM_GRAPH, "graph", "GraphMeta", ("api", "lower", "ir"), ("report", "export"),
+    MetaKey(GM_GRAPH, "graph", "GraphMeta", ("api", "lower", "ir", "optional_inputs"), ("report", "export"),
             "graph-level facts, declared fields of a frozen record: tracer, precision, capture errors, rule files; "
             "lower's list and its cost model's choices (lower sets lowering), simplify's folds, the fp32_math "
             "setting and region count, the checkpoint summary, the fp8 recipe, layers, SQNR floors, per-layer numerics and "
-            "fallback (set_graph_facts replaces them)"),
+            "fallback, the optional inputs and their fills (set_graph_facts replaces them)"),
     MetaKey(GM_PARAM_DTYPES, "graph", "dict[str, torch.dtype]", ("rewrite", "api", "partition"), ("report", "export", "train", "api", "lightning"),
             "fqn -> the dtype each parameter may be stored in (O2); the emitted model.py sets it too"),
     MetaKey(GM_PARAM_STORAGE, "graph", "dict[str, str]", ("rewrite",), ("report",),
@@ -469,6 +469,9 @@ class GraphMeta:
     #: input (``idx``, ``xs[1]``) -> the dims the graph keeps symbolic that a guard in the model's code pins to the
     #: example's size (capture's ``pinned_dims``: ``idx.size(1) // 8 == 2``): model.py checks them as fixed
     pinned: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    #: the graph inputs a caller may leave out, with the fill the original uses in their place
+    #: (``converter.numerics.optional_inputs.OptionalInput``; conv.module's and model.py's forward take them as ``=None``)
+    optional_inputs: tuple[Any, ...] = ()
 
 
 def set_graph_facts(gm: torch.fx.GraphModule, **facts: Any) -> None:

@@ -6,7 +6,8 @@
 * :func:`preserved_state` — the one guard that runs models without leaving a trace: buffers
   (BatchNorm statistics), train/eval flags and the RNG state are restored.
 * :func:`json_float` / :func:`to_json` / :func:`from_json_float` — the one convention for
-  non-finite numbers in report.json and the other JSON files (see :func:`json_float`).
+  non-finite numbers in report.json and the other JSON files, re-exported from the torch-free
+  :mod:`converter.ir.json_numbers` (which readers without torch import directly).
 * :func:`copy_graph` and :func:`progress_bar`, shared by calibration and the accuracy search.
 """
 from __future__ import annotations
@@ -14,12 +15,13 @@ from __future__ import annotations
 import copy
 import math
 import warnings
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
+from converter.ir.json_numbers import NONFINITE_JSON, from_json, from_json_float, json_float, to_json
 from converter.ir.state import preserved_state
 
 __all__ = [
@@ -101,69 +103,6 @@ def floating_outputs(value: Any, *, fp64: bool = True) -> list[torch.Tensor]:
 
 # ---------------------------------------------------------------------------------------------
 # running a model without leaving a trace
-
-
-# ---------------------------------------------------------------------------------------------
-# non-finite numbers in JSON
-
-#: how report.json (and every other JSON file mpconvert writes) spells a non-finite float
-NONFINITE_JSON = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
-
-
-def json_float(x: float) -> Union[float, str]:
-    """A float for JSON: finite values as numbers, ``+inf``/``-inf``/NaN as ``"inf"``/``"-inf"``/``"nan"``.
-
-    The convention of report.json: strict JSON (no ``Infinity`` tokens), and lossless, so a reader
-    tells an exact match (SQNR ``"inf"``) from a missing value (``null``). Read it back with
-    :func:`from_json_float`.
-    """
-    x = float(x)
-    if math.isfinite(x):
-        return x
-    return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
-
-
-def to_json(value: Any) -> Any:
-    """``value`` as plain JSON types: floats through :func:`json_float`, tuples as lists, dict keys
-    as strings, other objects (dtypes, paths) as their ``str``."""
-    if isinstance(value, dict):
-        return {str(k): to_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [to_json(v) for v in value]
-    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
-        return value
-    if isinstance(value, float):
-        return json_float(value)
-    return str(value)
-
-
-def from_json_float(value: Any) -> Optional[float]:
-    """Read a number written by :func:`json_float`: ``"inf"``/``"-inf"``/``"nan"`` and numbers give
-    a float, ``None`` stays ``None``; anything else is a ``ValueError``."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        if value in NONFINITE_JSON:
-            return NONFINITE_JSON[value]
-        raise ValueError(f"not a JSON number of report.json: {value!r}")
-    if isinstance(value, bool):
-        raise ValueError(f"not a JSON number of report.json: {value!r}")
-    return float(value)
-
-
-def from_json(value: Any) -> Any:
-    """A JSON document read back: every ``"inf"``/``"-inf"``/``"nan"`` string becomes its float.
-
-    For documents written through :func:`to_json` whose strings are never those three words
-    otherwise (report.json, the benchmark results).
-    """
-    if isinstance(value, dict):
-        return {k: from_json(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [from_json(v) for v in value]
-    if isinstance(value, str) and value in NONFINITE_JSON:
-        return NONFINITE_JSON[value]
-    return value
 
 
 # ---------------------------------------------------------------------------------------------

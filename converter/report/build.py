@@ -56,12 +56,12 @@ from converter.ir.meta import (
     itemsize,
     name_of,
 )
-from converter.numerics.common import to_json
 from converter.passes.fp32_math import DEFAULT_FP32_MATH, global_math_settings, reduced_globals
 from converter.report.flops import node_flops
-from converter.report.fp8 import fp8_section
+from converter.report.fp8 import fp8_line, fp8_section
 from converter.report.html import to_html
 from converter.report.markdown import to_markdown
+from converter.report.schema import encode
 from converter.rules.precedence import PRECEDENCE
 
 __all__ = ["Report", "build_report", "merge_reports", "summary_line", "SCHEMA", "PRECEDENCE", "MODULE_RULE_FP32_SHARE"]
@@ -75,9 +75,8 @@ class Report:
     """Everything the audit knows; ``to_dict()`` is report.json (schema 1, docs/report.md).
 
     report.json is strict JSON: a non-finite number is written as the string ``"inf"``, ``"-inf"``
-    or ``"nan"`` (an exact SQNR is ``"inf"``) and ``null`` means "not measured"; see
-    :func:`converter.numerics.common.json_float`, and read such a number back with
-    :func:`converter.numerics.common.from_json_float`.
+    or ``"nan"`` (an exact SQNR is ``"inf"``) and ``null`` means "not measured"; the rows' fields and
+    this codec are :mod:`converter.report.schema`, which ``mpconvert explain``'s reader shares.
     """
 
     precision: str
@@ -123,14 +122,15 @@ class Report:
         }
         for key, value in self.extra.items():
             out.setdefault(key, value)
-        return to_json(out)
+        return encode(out)  # the schema's codec (converter.report.schema), which the readers share
 
     def to_json(self, **kwargs) -> str:
         return json.dumps(self.to_dict(), indent=kwargs.pop("indent", 2), allow_nan=False, **kwargs)
 
     @property
     def line(self) -> str:
-        return summary_line(self.summary, self.precision)
+        fp8 = self.extra.get("fp8")  # how many layers run fp8, and why none does (the gate and its value)
+        return summary_line(self.summary, self.precision) + fp8_line(fp8 if isinstance(fp8, dict) else None)
 
     @property
     def measured(self) -> bool:
@@ -500,7 +500,7 @@ def build_report(gm: torch.fx.GraphModule, *, precision: str, tracer: str, rules
         nodes=nodes,
         casts=casts,
         rules=rules or {},
-        extra={**(extra or {}), "fp8": fp8_section(gm, nodes)},
+        extra={**(extra or {}), "fp8": fp8_section(gm, nodes, (rules or {}).get("settings"))},
         model=model,
         ops=_op_table(nodes),
         modules=_module_tree(stacks, casts, cast_module),

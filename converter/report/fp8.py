@@ -21,7 +21,7 @@ from converter.ir.meta import GM_GRAPH
 from converter.numerics.common import from_json_float
 from converter.report.flops import GEMM_OPS
 
-__all__ = ["fp8_section", "below_floor"]
+__all__ = ["fp8_section", "fp8_line", "below_floor"]
 
 
 def below_floor(sqnr: dict, thresholds: dict) -> list[str]:
@@ -34,8 +34,46 @@ def below_floor(sqnr: dict, thresholds: dict) -> list[str]:
     return found
 
 
-def fp8_section(gm: torch.fx.GraphModule, nodes: list[dict]) -> Optional[dict]:
-    """The ``"fp8"`` section of the report of ``gm`` whose node rows are ``nodes`` (None: not an fp8 conversion)."""
+def _kept_bf16(nodes: list[dict], settings: dict) -> list[dict]:
+    """The linear layers that do not run fp8, grouped by the rule that kept them bf16 (most first): a gate
+    (``[settings].fp8_min_flops_per_token``, with its value) or a module rule of the fp8 rules."""
+    found: dict[str, dict] = {}
+    for row in nodes:
+        if row["op"] != "linear" or row.get("gemm") == "fp8":
+            continue
+        entry = found.setdefault(row["rule"], {"rule": row["rule"], "count": 0})
+        entry["count"] += 1
+        if row.get("rule_level") == "settings":
+            key = row["rule"].rpartition(".")[2]
+            entry.update(setting=key, value=settings.get(key))
+    return sorted(found.values(), key=lambda e: -e["count"])
+
+
+def _kept_text(kept: dict) -> str:
+    setting, value, count = kept.get("setting"), kept.get("value"), kept["count"]
+    if setting == "fp8_min_flops_per_token":
+        return f"{count} below {setting} = {value!r} (2·K·N per token; lower it in a rule file to run them in fp8)"
+    if setting is not None:
+        return f"{count} by {setting} = {value!r}"
+    return f"{count} by {kept['rule']}"
+
+
+def fp8_line(section: Optional[dict]) -> str:
+    """The fp8 clause of the summary line: how many linear layers run fp8 GEMMs and, when none does, why
+    (each gate with its value: ``7 below fp8_min_flops_per_token = 2097152``); '' for a conversion without fp8."""
+    if not section:
+        return ""
+    kept = section.get("kept_bf16") or []
+    total = section["count"] + sum(k["count"] for k in kept)
+    text = f"; fp8: {section['count']} of {total} linear layers run fp8 GEMMs ({section['recipe']})"
+    if section["count"] == 0:
+        text += ", none: " + ("; ".join(map(_kept_text, kept)) if kept else "the model has no linear layer")
+    return text
+
+
+def fp8_section(gm: torch.fx.GraphModule, nodes: list[dict], settings: Optional[dict] = None) -> Optional[dict]:
+    """The ``"fp8"`` section of the report of ``gm`` whose node rows are ``nodes`` (None: not an fp8 conversion);
+    ``settings``: the rule files' settings (the gates' values)."""
     graph_meta = gm.meta.get(GM_GRAPH)
     if graph_meta is None or graph_meta.fp8_recipe is None:
         return None
@@ -61,4 +99,5 @@ def fp8_section(gm: torch.fx.GraphModule, nodes: list[dict]) -> Optional[dict]:
         "thresholds": thresholds,
         "numerics": numerics,
         "fallback": [dict(row) for row in graph_meta.fp8_fallback],
+        "kept_bf16": _kept_bf16(nodes, settings or {}),
     }

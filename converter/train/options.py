@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from converter.ir.precision import half_dtype
+from converter.ir.precision_names import run_half, target_name
 from converter.train.scaler import LossScaler
 from converter.train.stats import SpikeGuard, TrainStats
 
@@ -64,7 +65,9 @@ def check_options(*, precision: str, master_weights: Any, max_grad_norm: Any, ac
                   embedding_grad_shrink: Any, max_consecutive_skips: Any, spike_guard: Any, optimizer_foreach: Any,
                   optimizer_fused: Any) -> TrainerOptions:
     """Every scalar argument checked (TypeError/ValueError naming it); nothing is changed."""
-    half = half_dtype(precision)  # PrecisionError (a ValueError) names the accepted spellings
+    # a conversion target, as convert and the Lightning plugin take it: "fp8" trains as its bf16 (the fp8 GEMMs are
+    # the graph's own, no tensor is stored in fp8); PrecisionError (a ValueError) names the accepted spellings
+    half = half_dtype(run_half(target_name(precision)) if isinstance(precision, str) else precision)
     if not isinstance(master_weights, bool):
         raise TypeError(f"master_weights must be a bool, got {type(master_weights).__name__}")
     if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
