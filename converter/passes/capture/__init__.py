@@ -122,6 +122,7 @@ from converter.passes.capture.cache import (
     CACHE_ARGUMENTS,
     CacheCallError,
     cache_off,
+    cache_request,
     guard_cache_calls,
     guard_cache_calls_keeping,
 )
@@ -202,7 +203,7 @@ def capture(
                             "symbolic_trace cannot trace (Python control flow on inputs and config); used torch.export")
         if result is None:
             located = [failure_location(exc)[0] for exc in failures]
-            cache = cache_advice(errors)
+            cache = cache_advice(errors, cache_request(model, args, kwargs))
             raise CaptureError(errors, advice=advice or cache, location=next((loc for loc in located if loc), ""),
                                reason="returns a key/value cache" if cache and not advice else
                                break_reason(failures[0]) if failures else "")

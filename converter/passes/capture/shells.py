@@ -48,7 +48,8 @@ def shell(model: torch.nn.Module, *, config: Optional[dict] = None) -> torch.nn.
         return configs[id(value)]
 
     def is_config(value: Any) -> bool:
-        return value is original_config or (isinstance(hf_config, type) and isinstance(value, hf_config))
+        return (original_config is not None and value is original_config) or (
+            isinstance(hf_config, type) and isinstance(value, hf_config))
 
     params: dict[int, Any] = {}
     modules: dict[int, torch.nn.Module] = {}
@@ -62,7 +63,7 @@ def shell(model: torch.nn.Module, *, config: Optional[dict] = None) -> torch.nn.
         for key in _OWN_TABLES:
             if key in state:
                 state[key] = copy.copy(state[key])
-        if original_config is not None:
+        if config:
             state.update({k: changed(v) for k, v in state.items() if is_config(v)})
         state["_parameters"] = {k: _shared_param(p, params) for k, p in module._parameters.items()}
         state["_modules"] = {k: None if m is None else clone(m) for k, m in module._modules.items()}
