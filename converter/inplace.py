@@ -258,7 +258,10 @@ class ConvertedForward:
         self._plans: dict[int, tuple] = {}  # id(graph) -> _bind_plan(graph)
         #: the calls (mode, and each argument's dtype and shape or value) this graph was checked to serve
         self._served: set[tuple] = set()
-        self._bind(gm)
+        #: the graph's own tensors (tensor constants: ``_tensor_constant0``, ALiBi slopes computed in forward), which
+        #: the model never had: the first bind, right after capture, finds them; no later bind counts them as missing
+        self._constants: frozenset = frozenset()
+        self._constants = frozenset(self._bind(gm))
         own = {id(p) for p in model.parameters()}
         foreign = [name for name, p in gm.named_parameters() if id(p) not in own]
         if foreign:
@@ -458,7 +461,7 @@ class ConvertedForward:
         if plan is None or plan[0] is not gm or not all(parent._modules.get(name) is child for parent, name, child in plan[1]):
             plan = self._plans[id(gm)] = self._bind_plan(gm)
         _, _, pairs, missing = plan
-        missing = list(missing)
+        missing = [name for name in missing if name not in self._constants]
         for path, sub, owner in pairs:
             if sub.training != owner.training:  # nn.Module.__setattr__ is slow: set only what changed
                 sub.training = owner.training
@@ -468,7 +471,8 @@ class ConvertedForward:
                     if not path and name.startswith(EVAL_PREFIX):
                         continue  # a tensor only the eval graph reads (TwoModeGraphModule), not the model's
                     if name not in theirs:
-                        missing.append(f"{path}.{name}" if path else name)
+                        if (f"{path}.{name}" if path else name) not in self._constants:
+                            missing.append(f"{path}.{name}" if path else name)
                     elif theirs[name] is not value:
                         mine[name] = theirs[name]
         if gm.training != self.model.training:
