@@ -48,7 +48,7 @@ from converter.numerics.redecide import PlaceSettings
 from converter.options import FIELDS, ConvertOptions, build_options
 from converter.passes import cpu_gemm
 from converter.passes import lower as lower_stage
-from converter.passes.capture import Captured, capture, guard_cache_calls, guard_cache_calls_keeping
+from converter.passes.capture import Captured, capture, guard_cache_calls, guard_cache_calls_keeping, keep_user_names
 from converter.passes.capture.annotation import scope_module_paths
 from converter.passes.checkpoint import checkpoint_regions, regions_in
 from converter.passes.decide import decide
@@ -308,6 +308,7 @@ def pipeline(model: torch.nn.Module, example_inputs: Any, options: ConvertOption
         timings.update(codegen_s=codegen_s, check_s=check_s)
     # audit (no codegen) reports the train graph and needs no runnable module
     captured.gm = graphs[0] if len(graphs) == 1 or not codegen else _two_modes(model, *graphs)
+    keep_user_names(captured.gm, captured.user_names)  # state_dict in the model's names (graph_ -> graph)
     if codegen and captured.cache:  # captured with use_cache=False: a call asking for a cache gets one clear error
         (guard_cache_calls_keeping if "use_cache" in captured.kwargs else guard_cache_calls)(captured.gm)
     return captured, rule_set, timings

@@ -54,6 +54,7 @@ from converter.ir.graphmodule import EVAL_PREFIX, TwoModeGraphModule
 from converter.ir.precision import half_dtype
 from converter.options import ConvertOptions, build_options
 from converter.passes.capture.cache import CACHE_ARGUMENTS
+from converter.passes.capture.reserved import USER_NAMES, user_path
 
 __all__ = ["apply", "conversion_of", "converted_forward", "restore", "ConvertedForward", "FallbackWarning",
            "InPlaceError", "RecaptureWarning", "DEFAULT_MAX_RECAPTURES"]
@@ -462,6 +463,7 @@ class ConvertedForward:
             plan = self._plans[id(gm)] = self._bind_plan(gm)
         _, _, pairs, missing = plan
         missing = [name for name in missing if name not in self._constants]
+        renamed = gm.__dict__.get(USER_NAMES) or {}  # root names that are GraphModule's own (meta_ -> meta)
         for path, sub, owner in pairs:
             if sub.training != owner.training:  # nn.Module.__setattr__ is slow: set only what changed
                 sub.training = owner.training
@@ -470,11 +472,12 @@ class ConvertedForward:
                 for name, value in mine.items():
                     if not path and name.startswith(EVAL_PREFIX):
                         continue  # a tensor only the eval graph reads (TwoModeGraphModule), not the model's
-                    if name not in theirs:
+                    key = renamed.get(name, name) if not path else name
+                    if key not in theirs:
                         if (f"{path}.{name}" if path else name) not in self._constants:
                             missing.append(f"{path}.{name}" if path else name)
-                    elif theirs[name] is not value:
-                        mine[name] = theirs[name]
+                    elif theirs[key] is not value:
+                        mine[name] = theirs[key]
         if gm.training != self.model.training:
             gm.training = self.model.training
         return missing
@@ -485,8 +488,9 @@ class ConvertedForward:
         modules = dict(self.model.named_modules(remove_duplicate=False))
         links = [(parent, name, child) for parent in modules.values() for name, child in parent._modules.items()]
         pairs, missing = [], []
+        renamed = gm.__dict__.get(USER_NAMES) or {}  # root names that are GraphModule's own (graph_ -> graph)
         for path, sub in gm.named_modules(remove_duplicate=False):
-            owner = modules.get(path)
+            owner = modules.get(user_path(renamed, path))
             if owner is None:
                 missing.extend(f"{path}.{name}" for name in sub._parameters)
             else:

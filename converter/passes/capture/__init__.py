@@ -128,6 +128,7 @@ from converter.passes.capture.cache import (
 )
 from converter.passes.capture.export_trace import trace_export
 from converter.passes.capture.fx_trace import TRACED_THROUGH, RandomAtTraceTime, trace_fx
+from converter.passes.capture.reserved import keep_user_names, rename_reserved
 from converter.passes.capture.shells import is_hf_model, shell, without_layerdrop
 from converter.passes.capture.train_eval import split_modes, trace_in_mode
 from converter.passes.capture.values import Shapes, input_nodes, normalize_inputs, placeholder_values
@@ -135,7 +136,7 @@ from converter.passes.intent import mark_kept_modules
 
 __all__ = ["Captured", "CaptureError", "CacheCallError", "guard_cache_calls", "guard_cache_calls_keeping",
            "CACHE_ARGUMENTS", "capture", "normalize_inputs", "annotate", "placeholder_values", "TRACED_THROUGH",
-           "shell", "input_nodes"]
+           "shell", "input_nodes", "keep_user_names"]
 
 
 @dataclass
@@ -166,6 +167,8 @@ class Captured:
     eval_gm: Optional[torch.fx.GraphModule] = None
     #: why the graph returns no key/value cache (a Hugging Face model captured with use_cache=False), or ""
     cache: str = ""
+    #: {name in the graph: the model's name} of root names that are GraphModule's own (``graph_``: ``graph``)
+    user_names: dict = field(default_factory=dict)
 
 
 def capture(
@@ -209,6 +212,7 @@ def capture(
                                break_reason(failures[0]) if failures else "")
         captured = _finish_capture(result, used, shapes, tracer, traced, args, kwargs, dynamic, dynamic_shapes, errors)
         captured.cache = cache or ""
+        captured.user_names = rename_reserved(shell(model))  # the names trace_in_mode gave the shell it traced
         return captured
 
 
