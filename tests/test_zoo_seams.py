@@ -35,8 +35,6 @@ from helpers import first_tensor, sqnr
 
 import converter
 from converter.ir.graphmodule import TwoModeGraphModule
-from converter.passes.capture.advice import cache_advice
-from converter.passes.capture.reserved import USER_NAMES, user_path
 
 transformers = pytest.importorskip("transformers")
 
@@ -52,8 +50,9 @@ def _out(module, args, kwargs, *, amp: bool = False) -> torch.Tensor:
 
 def _grads(module, args, kwargs, proj, *, amp: bool = False) -> dict:
     """name (the model's) -> float64 gradient of sum(output * proj) for every trainable parameter."""
-    renamed = module.__dict__.get(USER_NAMES) or {}
-    named = [(user_path(renamed, n), p) for n, p in module.named_parameters() if p.requires_grad]
+    renamed = module.__dict__.get("_mp_user_names") or {}  # root names renamed in the graph (graph_ -> graph)
+    named = [(".".join([renamed.get(n.split(".")[0], n.split(".")[0]), *n.split(".")[1:]]), p)
+             for n, p in module.named_parameters() if p.requires_grad]
     out = _out(module, args, kwargs, amp=amp)
     grads = torch.autograd.grad((out * proj).sum(), [p for _, p in named], allow_unused=True)
     return {n: (torch.view_as_real(g) if g.is_complex() else g).double() for (n, _), g in zip(named, grads) if g is not None}
@@ -91,6 +90,7 @@ def _check_family(name: str, model, args, kwargs, conv, *, min_half: float = 0.5
     assert half_nodes > 0 and share >= min_half, f"{name}: {half_nodes} bf16 nodes, {share:.1%} of FLOPs in half"
     m = _measure(model, args, kwargs, conv, autocast_runs=autocast_runs)
     text = f"{name}: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in m.items())
+    print(text)
     if autocast_runs:
         assert m["out"] >= m["amp_out"] - 1.0, text
         assert m["grad"] >= m["amp_grad"] - 1.0, text
@@ -150,6 +150,8 @@ def test_cache_refusal_says_what_the_example_asked_for():
     with pytest.raises(converter.CaptureError) as info:
         converter.convert(model, ((), kwargs), precision="bf16", partial=False)
     assert "the example passes use_cache=True" in str(info.value), str(info.value)
+    from converter.passes.capture.advice import cache_advice
+
     errors = {"export": "Cache in output is not supported"}
     plain = cache_advice(errors, "")
     assert "use_cache=True" not in plain.split("(", 1)[1].split(")", 1)[0], plain
