@@ -50,7 +50,7 @@ from converter.numerics.redecide import PlaceSettings
 from converter.options import FIELDS, ConvertOptions, build_options
 from converter.passes import cpu_gemm
 from converter.passes import lower as lower_stage
-from converter.passes.capture import Captured, capture, guard_cache_calls, guard_cache_calls_keeping
+from converter.passes.capture import Captured, capture, guard_cache_calls, guard_cache_calls_keeping, keep_user_names
 from converter.passes.capture.annotation import scope_module_paths
 from converter.passes.checkpoint import checkpoint_regions, regions_in
 from converter.passes.decide import decide
@@ -309,7 +309,8 @@ def pipeline(model: torch.nn.Module, example_inputs: Any, options: ConvertOption
     if codegen:
         timings.update(codegen_s=codegen_s, check_s=check_s)
     # audit (no codegen) reports the train graph and needs no runnable module
-    captured.gm = graphs[0] if len(graphs) == 1 or not codegen else _two_modes(model, *graphs)
+    captured.gm = graphs[0] if len(graphs) == 1 or not codegen else _two_modes(model, *graphs, renamed=captured.user_names)
+    keep_user_names(captured.gm, captured.user_names)  # state_dict in the model's names (graph_ -> graph)
     if codegen and captured.cache:  # captured with use_cache=False: a call asking for a cache gets one clear error
         (guard_cache_calls_keeping if "use_cache" in captured.kwargs else guard_cache_calls)(captured.gm)
     return captured, rule_set, timings
@@ -396,13 +397,17 @@ def _fp8_stages(gm: torch.fx.GraphModule, done: list[str], rule_set: Rules, opti
                                          loss_fn=loss_fn, aten=gm.meta[GM_GRAPH].tracer == "export"))
 
 
-def _two_modes(model: torch.nn.Module, train_gm: torch.fx.GraphModule, eval_gm: torch.fx.GraphModule) -> TwoModeGraphModule:
-    """One module over both graphs, sharing the original model's parameters, buffers and modules.
+def _two_modes(model: torch.nn.Module, train_gm: torch.fx.GraphModule, eval_gm: torch.fx.GraphModule, *,
+               renamed: Optional[dict] = None) -> TwoModeGraphModule:
+    """One module over both graphs, sharing the original model's parameters, buffers and modules
+    (``renamed``: {graph name: model name} of root names that are GraphModule's own).
 
     A parameter stays in half storage for O2 only where both graphs agree."""
     paths = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     paths |= {name for name, _ in model.named_buffers(remove_duplicate=False)}
     paths |= {name for name, _ in model.named_modules(remove_duplicate=False) if name}
+    back = {old: new for new, old in (renamed or {}).items()}
+    paths |= {back[p.split(".", 1)[0]] + p[len(p.split(".", 1)[0]):] for p in paths if p.split(".", 1)[0] in back}
     train_dtypes = dict(train_gm.meta.get(GM_PARAM_DTYPES) or {})
     eval_dtypes = dict(eval_gm.meta.get(GM_PARAM_DTYPES) or {})
     module = with_eval_graph(train_gm, eval_gm, shared=paths.__contains__)

@@ -55,6 +55,7 @@ from converter.ir.graphmodule import EVAL_PREFIX, TwoModeGraphModule
 from converter.ir.precision import half_dtype
 from converter.options import ConvertOptions, build_options
 from converter.passes.capture.cache import CACHE_ARGUMENTS
+from converter.passes.capture.reserved import USER_NAMES, user_path
 from converter.passes.capture.served import ShapeNotServedError, guard_owner
 
 __all__ = ["apply", "conversion_of", "converted_forward", "restore", "ConvertedForward", "FallbackWarning",
@@ -265,7 +266,10 @@ class ConvertedForward:
         self._plans: dict[int, tuple] = {}  # id(graph) -> _bind_plan(graph)
         #: the calls (mode, and each argument's dtype and shape or value) this graph was checked to serve
         self._served: set[tuple] = set()
-        self._bind(gm)
+        #: the graph's own tensors (tensor constants: ``_tensor_constant0``, ALiBi slopes computed in forward), which
+        #: the model never had: the first bind, right after capture, finds them; no later bind counts them as missing
+        self._constants: frozenset = frozenset()
+        self._constants = frozenset(self._bind(gm))
         own = {id(p) for p in model.parameters()}
         foreign = [name for name, p in gm.named_parameters() if id(p) not in own]
         if foreign:
@@ -514,7 +518,8 @@ class ConvertedForward:
         if plan is None or plan[0] is not gm or not all(parent._modules.get(name) is child for parent, name, child in plan[1]):
             plan = self._plans[id(gm)] = self._bind_plan(gm)
         _, _, pairs, missing = plan
-        missing = list(missing)
+        missing = [name for name in missing if name not in self._constants]
+        renamed = gm.__dict__.get(USER_NAMES) or {}  # root names that are GraphModule's own (meta_ -> meta)
         for path, sub, owner in pairs:
             if sub.training != owner.training:  # nn.Module.__setattr__ is slow: set only what changed
                 sub.training = owner.training
@@ -523,10 +528,12 @@ class ConvertedForward:
                 for name, value in mine.items():
                     if not path and name.startswith(EVAL_PREFIX):
                         continue  # a tensor only the eval graph reads (TwoModeGraphModule), not the model's
-                    if name not in theirs:
-                        missing.append(f"{path}.{name}" if path else name)
-                    elif theirs[name] is not value:
-                        mine[name] = theirs[name]
+                    key = renamed.get(name, name) if not path else name
+                    if key not in theirs:
+                        if (f"{path}.{name}" if path else name) not in self._constants:
+                            missing.append(f"{path}.{name}" if path else name)
+                    elif theirs[key] is not value:
+                        mine[name] = theirs[key]
         if gm.training != self.model.training:
             gm.training = self.model.training
         return missing
@@ -537,8 +544,9 @@ class ConvertedForward:
         modules = dict(self.model.named_modules(remove_duplicate=False))
         links = [(parent, name, child) for parent in modules.values() for name, child in parent._modules.items()]
         pairs, missing = [], []
+        renamed = gm.__dict__.get(USER_NAMES) or {}  # root names that are GraphModule's own (graph_ -> graph)
         for path, sub in gm.named_modules(remove_duplicate=False):
-            owner = modules.get(path)
+            owner = modules.get(user_path(renamed, path))
             if owner is None:
                 missing.extend(f"{path}.{name}" for name in sub._parameters)
             else:

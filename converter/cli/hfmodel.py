@@ -36,6 +36,7 @@ import contextlib
 import inspect
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any, Optional
 
@@ -141,12 +142,30 @@ def _remote_code(folder: Path, data: dict) -> list[str]:
     return sorted(modules) or sorted(p.name for p in folder.glob("*.py")) or ["auto_map in config.json"]
 
 
+def _read_regular(path: Path) -> bytes:
+    """The bytes of ``path``, opened without blocking (open() of a FIFO waits for a writer forever);
+    :class:`PretrainedFolderError` unless it is a regular file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        raise PretrainedFolderError(f"{path}: not a readable weight index ({exc.strerror})") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise PretrainedFolderError(f"{path} is not a regular file (a FIFO, device or socket); a weight index must "
+                                        "be a plain file: write the folder again with save_pretrained (nothing was read)")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read()
+    finally:
+        os.close(fd)
+
+
 def _check_index_paths(folder: Path) -> None:
     """Every file a weight index names lies inside ``folder`` (checked before any library opens one):
     transformers follows ``../`` in ``model.safetensors.index.json``."""
     for index in sorted(folder.glob("*.index.json")):
+        raw = _read_regular(index)
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8-sig")).get("weight_map")
+            weight_map = json.loads(raw.decode("utf-8-sig")).get("weight_map")
         except (OSError, UnicodeDecodeError, ValueError, AttributeError) as exc:
             raise PretrainedFolderError(f"{index}: not a readable weight index ({exc}); write it with save_pretrained") from None
         if not isinstance(weight_map, dict):

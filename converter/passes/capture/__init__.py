@@ -122,11 +122,13 @@ from converter.passes.capture.cache import (
     CACHE_ARGUMENTS,
     CacheCallError,
     cache_off,
+    cache_request,
     guard_cache_calls,
     guard_cache_calls_keeping,
 )
 from converter.passes.capture.export_trace import trace_export
 from converter.passes.capture.fx_trace import TRACED_THROUGH, RandomAtTraceTime, trace_fx
+from converter.passes.capture.reserved import keep_user_names, rename_reserved
 from converter.passes.capture.shells import is_hf_model, shell, without_layerdrop
 from converter.passes.capture.train_eval import split_modes, trace_in_mode
 from converter.passes.capture.values import Shapes, input_nodes, normalize_inputs, placeholder_values
@@ -134,7 +136,7 @@ from converter.passes.intent import mark_kept_modules
 
 __all__ = ["Captured", "CaptureError", "CacheCallError", "guard_cache_calls", "guard_cache_calls_keeping",
            "CACHE_ARGUMENTS", "capture", "normalize_inputs", "annotate", "placeholder_values", "TRACED_THROUGH",
-           "shell", "input_nodes"]
+           "shell", "input_nodes", "keep_user_names"]
 
 
 @dataclass
@@ -165,6 +167,8 @@ class Captured:
     eval_gm: Optional[torch.fx.GraphModule] = None
     #: why the graph returns no key/value cache (a Hugging Face model captured with use_cache=False), or ""
     cache: str = ""
+    #: {name in the graph: the model's name} of root names that are GraphModule's own (``graph_``: ``graph``)
+    user_names: dict = field(default_factory=dict)
 
 
 def capture(
@@ -202,12 +206,13 @@ def capture(
                             "symbolic_trace cannot trace (Python control flow on inputs and config); used torch.export")
         if result is None:
             located = [failure_location(exc)[0] for exc in failures]
-            cache = cache_advice(errors)
+            cache = cache_advice(errors, cache_request(model, args, kwargs))
             raise CaptureError(errors, advice=advice or cache, location=next((loc for loc in located if loc), ""),
                                reason="returns a key/value cache" if cache and not advice else
                                break_reason(failures[0]) if failures else "")
         captured = _finish_capture(result, used, shapes, tracer, traced, args, kwargs, dynamic, dynamic_shapes, errors)
         captured.cache = cache or ""
+        captured.user_names = rename_reserved(shell(model))  # the names trace_in_mode gave the shell it traced
         return captured
 
 

@@ -120,10 +120,15 @@ def user_frame(tb) -> Optional[Any]:
     return frames[-1] if frames else None
 
 
-def cache_advice(errors: dict) -> Optional[str]:
-    """Plain advice when a tracer failed because forward returned a cache object."""
+def cache_advice(errors: dict, asked: str = "") -> Optional[str]:
+    """Plain advice when a tracer failed because forward returned a cache object; ``asked``: what in the
+    example asks for the cache (:func:`~converter.passes.capture.cache.cache_request`), or ""."""
     if not any("Cache" in why and "in output" in why for why in errors.values()):
         return None
-    return ("forward returns a key/value cache object (the example passes use_cache=True or a cache), which a graph "
-            "cannot return: leave use_cache and the cache out of the example (training does not use them; "
-            "mpconvert then captures with use_cache=False)")
+    if asked:
+        return (f"forward returns a key/value cache object (the example passes {asked}), which a graph cannot return: "
+                "leave use_cache and the cache out of the example (training does not use them; mpconvert then "
+                "captures with use_cache=False)")
+    return ("forward returns a key/value cache object although the example asks for none (config.use_cache is true "
+            "in a config mpconvert could not switch off), which a graph cannot return: pass use_cache=False in the "
+            "example, or set use_cache=False on the config the model reads")

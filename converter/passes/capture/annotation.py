@@ -27,6 +27,7 @@ __all__ = ["annotate", "classify", "opaque_leaves"]
 def annotate(gm: torch.fx.GraphModule, *, root_type: str) -> None:
     """Write :class:`NodeInfo` on every node."""
     _annotate_nodes(gm, root_type)
+    _pin_written_views(gm)
     _rename_module_ops(gm)
 
 
@@ -54,6 +55,36 @@ def _annotate_nodes(gm: torch.fx.GraphModule, root_type: str) -> None:
             opaque_leaf=opaque_leaf,
             op_alias=op_alias(node, op, gm),
         )
+
+
+#: ops whose output is a view of their first argument in its dtype (``getitem``: a tensor's slice)
+_VIEW_OPS = frozenset({"view", "_unsafe_view", "reshape", "select", "slice", "narrow", "unsqueeze", "squeeze", "transpose",
+                       "t", "permute", "expand", "expand_as", "as_strided", "diagonal", "unfold", "view_as", "flatten",
+                       "unflatten", "movedim", "swapaxes", "swapdims", "alias", "detach", "getitem", "contiguous"})
+
+
+def _pin_written_views(gm: torch.fx.GraphModule) -> None:
+    """The views an in-place op writes through (``buf.view(-1, d)[:n].index_add_(0, i, y)``) become aliases of
+    the tensor they view: a cast on the chain would take the write into a copy (the buffer never sees it) or
+    give the op a ``self`` of another dtype than its operands ("index_add_(): self (Float) and source
+    (BFloat16) must have the same scalar type"). As aliases they share the viewed tensor's precision, and
+    rewrite casts the in-place op's other operands to it (:func:`~converter.passes.place.graph.alias_root`)."""
+    for node in gm.graph.nodes:
+        info = node.meta.get(META_INFO)
+        if info is None or not info.inplace or not node.args or not isinstance(node.args[0], torch.fx.Node):
+            continue
+        view = node.args[0]
+        while True:
+            vinfo = view.meta.get(META_INFO)
+            if vinfo is None or vinfo.kind != "compute" or vinfo.op not in _VIEW_OPS or not view.args:
+                break
+            base = view.args[0]
+            if not isinstance(base, torch.fx.Node) or not float_specs(base):
+                break
+            view.meta[META_INFO] = dataclasses.replace(
+                vinfo, kind="alias", why=f"a view that in-place {info.op} {node.name!r} writes through: has the dtype of "
+                                         "the tensor it views")
+            view = base
 
 
 def classify(gm: torch.fx.GraphModule, node: torch.fx.Node, op: str,

@@ -11,7 +11,7 @@ import torch
 from converter.ir.errors import MpconvertError
 from converter.passes.capture.shells import is_hf_model
 
-__all__ = ["CACHE_ARGUMENTS", "cache_off", "CacheCallError", "guard_cache_calls", "guard_cache_calls_keeping"]
+__all__ = ["CACHE_ARGUMENTS", "cache_off", "cache_request", "CacheCallError", "guard_cache_calls", "guard_cache_calls_keeping"]
 
 
 #: forward arguments that hand a key/value cache in (transformers 5 renamed ``past_key_values`` to ``cache``)
@@ -27,27 +27,79 @@ def cache_off(model: torch.nn.Module, args: tuple, kwargs: dict) -> Optional[str
     cache argument), the model is traced with ``use_cache=False`` set on a shell's copy of its
     config; the model and its config are left as they are. Calls that ask for a cache (decoding,
     ``generate``) are served by :mod:`converter.inplace` (see :class:`~converter.inplace.ConvertedForward`)."""
-    if not is_hf_model(model) or getattr(getattr(model, "config", None), "use_cache", None) is not True:
+    hf = _hf_model(model)
+    if hf is None or getattr(getattr(hf, "config", None), "use_cache", None) is not True:
         return None
     import inspect
 
     try:
         signature = inspect.signature(model.forward)
-        bound = signature.bind_partial(*args, **kwargs).arguments
     except (TypeError, ValueError):
         return None
-    if "use_cache" not in signature.parameters:
+    named = _named_inputs(signature, args, kwargs)
+    if named is None or not _takes_cache(signature, hf):
         return None  # an encoder (BERT's config says use_cache too): no cache to leave out
-    named = dict(bound)
-    for name, value in bound.items():
-        if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
-            named.update(value)
-    if named.get("use_cache") is True or any(named.get(k) is not None for k in CACHE_ARGUMENTS):
+    if cache_request(model, args, kwargs):
         return None  # the example asks for a cache
     how = "use_cache=False in the example" if named.get("use_cache") is False else "use_cache=False"
     return (f"captured without the key/value cache ({how}; config.use_cache=True returns a cache object, "
             "which training never reads): the graph is the training forward; calls that ask for a cache "
             "(use_cache=True, a cache, generate()) run the original forward under autocast on an applied model")
+
+
+def cache_request(model: torch.nn.Module, args: tuple, kwargs: dict) -> str:
+    """What in the example asks ``model`` for a key/value cache (``"use_cache=True"``, ``"a cache
+    (past_key_values)"``), or "" when nothing does."""
+    import inspect
+
+    try:
+        named = _named_inputs(inspect.signature(model.forward), args, kwargs)
+    except (TypeError, ValueError):
+        named = None
+    named = dict(kwargs) if named is None else named
+    if named.get("use_cache") is True:
+        return "use_cache=True"
+    given = [k for k in CACHE_ARGUMENTS if named.get(k) is not None]
+    return f"a cache ({given[0]})" if given else ""
+
+
+def _named_inputs(signature, args: tuple, kwargs: dict) -> Optional[dict]:
+    """The example's inputs by name (what ``**kwargs`` took included), or None if they do not bind."""
+    import inspect
+
+    try:
+        bound = signature.bind_partial(*args, **kwargs).arguments
+    except TypeError:
+        return None
+    named = dict(bound)
+    for name, value in bound.items():
+        if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+    return named
+
+
+def _hf_model(model: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """The Hugging Face model whose config decides the cache: ``model`` itself, or the first one inside a
+    wrapper that is not one (PEFT's ``PeftModel`` around a causal LM, whose ``config`` is the inner model's)."""
+    if is_hf_model(model):
+        return model
+    return next((m for m in model.modules() if is_hf_model(m)), None)
+
+
+def _takes_cache(signature, hf: torch.nn.Module) -> bool:
+    """Whether a forward of this ``signature`` can return a key/value cache: it names ``use_cache`` or a
+    cache argument, or it takes ``**kwargs`` (Granite-MoE's causal LM, PEFT's wrappers pass ``use_cache``
+    through them) and the Hugging Face model under it generates (``can_generate()``: decoders and
+    encoder-decoders; an encoder such as BertForMaskedLM does not)."""
+    import inspect
+
+    parameters = signature.parameters
+    if "use_cache" in parameters or any(k in parameters for k in CACHE_ARGUMENTS):
+        return True
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return False
+    can_generate = getattr(hf, "can_generate", None)
+    return bool(can_generate()) if callable(can_generate) else False
 
 
 class CacheCallError(MpconvertError, TypeError):

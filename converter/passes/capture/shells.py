@@ -48,7 +48,8 @@ def shell(model: torch.nn.Module, *, config: Optional[dict] = None) -> torch.nn.
         return configs[id(value)]
 
     def is_config(value: Any) -> bool:
-        return value is original_config or (isinstance(hf_config, type) and isinstance(value, hf_config))
+        return (original_config is not None and value is original_config) or (
+            isinstance(hf_config, type) and isinstance(value, hf_config))
 
     params: dict[int, Any] = {}
     modules: dict[int, torch.nn.Module] = {}
@@ -56,13 +57,19 @@ def shell(model: torch.nn.Module, *, config: Optional[dict] = None) -> torch.nn.
     def clone(module: torch.nn.Module) -> torch.nn.Module:
         if id(module) in modules:  # a module reached by two paths stays one module
             return modules[id(module)]
+        unscripted = _unscripted(module)
+        if unscripted is not None:  # a ScriptModule: its Python class over the same tensors
+            modules[id(module)] = unscripted
+            unscripted._parameters = {k: _shared_param(p, params) for k, p in unscripted._parameters.items()}
+            unscripted._modules = {k: None if m is None else clone(m) for k, m in unscripted._modules.items()}
+            return unscripted
         new = object.__new__(type(module))
         modules[id(module)] = new
         state = dict(vars(module))
         for key in _OWN_TABLES:
             if key in state:
                 state[key] = copy.copy(state[key])
-        if original_config is not None:
+        if config:
             state.update({k: changed(v) for k, v in state.items() if is_config(v)})
         state["_parameters"] = {k: _shared_param(p, params) for k, p in module._parameters.items()}
         state["_modules"] = {k: None if m is None else clone(m) for k, m in module._modules.items()}
@@ -70,6 +77,33 @@ def shell(model: torch.nn.Module, *, config: Optional[dict] = None) -> torch.nn.
         return new
 
     return clone(model)
+
+
+def _unscripted(module: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """A ScriptModule (``torch.jit.script(GatedGelu(d))``) as an instance of the Python class it was scripted
+    from, over its own parameters, buffers, submodules (still scripted: the shell unscripts them in turn) and
+    attributes; None for any other module, or a ScriptModule with no Python class (``torch.jit.load``).
+
+    No tracer sees into a ScriptModule (FX read its C++ module ``_c`` as a constant, so its parameters
+    left training and model.py could not write it; torch.export refuses its call), while its Python
+    class is exactly what it compiled: the graph traces that, and its tensors stay the model's."""
+    if not isinstance(module, torch.jit.RecursiveScriptModule):
+        return None
+    concrete = getattr(module, "_concrete_type", None)
+    cls = getattr(concrete, "py_class", None)
+    if not isinstance(cls, type) or not issubclass(cls, torch.nn.Module) or issubclass(cls, torch.jit.ScriptModule):
+        return None
+    new = object.__new__(cls)
+    torch.nn.Module.__init__(new)
+    new.training = module.training
+    new.__dict__.update(concrete.get_constants())
+    for name, (_type, is_param) in concrete.get_attributes().items():
+        if not is_param and name not in module._buffers and name not in vars(new):
+            new.__dict__[name] = getattr(module, name)
+    new._parameters = dict(module._parameters.items())
+    new._buffers = dict(module._buffers.items())
+    new._modules = dict(module._modules.items())
+    return new
 
 
 def _shared_param(param: Optional[torch.Tensor], memo: dict) -> Optional[torch.Tensor]:

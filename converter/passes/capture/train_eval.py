@@ -17,6 +17,7 @@ from converter.ir.meta import ModesNote
 from converter.ir.state import preserved_state
 from converter.passes.capture.advice import short_reason
 from converter.passes.capture.fx_trace import propagate
+from converter.passes.capture.reserved import rename_reserved
 from converter.passes.capture.shells import shell
 from converter.passes.capture.values import Shapes
 from converter.passes.modes import constant_flags, make_mode_aware, random_ops
@@ -29,8 +30,11 @@ def trace_in_mode(trace, name: str, model: torch.nn.Module, args: tuple, kwargs:
     """(graph, mode-dependent nodes made to read self.training) of ``model`` traced in train mode
     (``training=True``: mode-aware), eval mode (False) or its own (None), with the ``config``
     fields set. The trace runs on a :func:`~converter.passes.capture.shells.shell` of ``model``: the
-    graph shares its tensors, and the mode and config changes stay on the shell."""
+    graph shares its tensors, and the mode and config changes stay on the shell. Root names that are
+    GraphModule's own (``graph``, ``code``, ``meta``) are renamed on the shell
+    (:func:`~converter.passes.capture.reserved.rename_reserved`)."""
     shelled = shell(model, config=config)
+    rename_reserved(shelled)
     if training is not None:
         shelled.train(training)
     gm = trace(shelled, args, kwargs, shapes)
