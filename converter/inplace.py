@@ -499,11 +499,15 @@ class ConvertedForward:
 
     def _device(self) -> Optional[torch.device]:
         probe = self.__dict__.get("_probe")
-        if probe is not None:  # a Parameter keeps its identity through .to() (its data moves): read it again
-            return probe.device
-        for tensor in self.model.parameters():
-            self._probe = tensor
-            return tensor.device
+        if probe is not None:  # the module holding the first parameter, and its name: read again on every call
+            tensor = probe[0]._parameters.get(probe[1])  # (.to() across device types replaces the Parameter)
+            if tensor is not None:
+                return tensor.device
+        for module in self.model.modules():
+            for name, tensor in module._parameters.items():
+                if tensor is not None:
+                    self._probe = (module, name)
+                    return tensor.device
         for tensor in self.model.buffers():  # .to() replaces buffers: looked up on every call
             return tensor.device
         return None
