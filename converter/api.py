@@ -243,12 +243,24 @@ def _run_stage(name: str, done: list[str], fn, *args, **kwargs):
     return result
 
 
+#: how many calibration batches are read when ``max_batches`` does not say (the CLI's bound too)
+MAX_CALIBRATION_BATCHES = 256
+
+
 def read_batches(calibration: Optional[Iterable], options: ConvertOptions) -> Optional[list]:
     """The calibration batches as a list (kept for variants; an endless iterator is read up to ``max_batches`` only)."""
     if calibration is None:
         return None
     limit = (options.calibration_options or CalibrationOptions()).max_batches
-    return list(calibration if limit is None else itertools.islice(calibration, limit))
+    if limit is not None:
+        return list(itertools.islice(calibration, limit))
+    batches = list(itertools.islice(calibration, MAX_CALIBRATION_BATCHES + 1))
+    if len(batches) > MAX_CALIBRATION_BATCHES:  # an endless generator would be read until memory runs out
+        warnings.warn(f"mpconvert: calibration gave more than {MAX_CALIBRATION_BATCHES} batches; the first "
+                      f"{MAX_CALIBRATION_BATCHES} are used (set calibration_options={{'max_batches': N}} to choose)",
+                      UserWarning, stacklevel=3)
+        batches = batches[:MAX_CALIBRATION_BATCHES]
+    return batches
 
 
 def place_settings(options: ConvertOptions) -> PlaceSettings:

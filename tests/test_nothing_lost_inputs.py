@@ -211,3 +211,33 @@ def test_help_says_a_py_calibration_file_is_imported(capfd):
     text = " ".join(out.split())
     start = text.index("--calibration-data FILE calibration batches")
     assert "imported" in text[start:start + 700] and "--trust-remote-code" in text[start:start + 700], text[start:start + 700]
+
+
+def test_the_python_api_reads_an_endless_calibration_generator_up_to_its_bound():
+    """``converter.convert(calibration=<endless generator>)`` stops at the documented bound with a warning (it was read
+    until memory ran out); ``max_batches`` chooses another bound, silently."""
+    import itertools
+    import warnings
+
+    import converter
+    from converter import api
+
+    assert api.MAX_CALIBRATION_BATCHES == MAX_CALIBRATION_BATCHES  # the CLI's bound and the API's are one
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    drawn = itertools.count()
+
+    def endless():
+        while True:
+            next(drawn)
+            yield (torch.randn(2, 8),)
+
+    with pytest.warns(UserWarning, match=f"more than {MAX_CALIBRATION_BATCHES} batches"):
+        conv = converter.convert(model, (torch.randn(2, 8),), calibration=endless(),
+                                 calibration_options={"progress": False})
+    assert len(conv.calibration) == MAX_CALIBRATION_BATCHES and next(drawn) == MAX_CALIBRATION_BATCHES + 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        conv = converter.convert(model, (torch.randn(2, 8),), calibration=endless(),
+                                 calibration_options={"progress": False, "max_batches": 3})
+    assert len(conv.calibration) == 3
