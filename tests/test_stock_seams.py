@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -257,3 +258,78 @@ def test_hand_written_norm_running_statistics_are_written():
     assert set(measured) == {"norm1.running_mean", "norm1.running_var", "norm2.running_mean", "norm2.running_var",
                              "eval output"}, measured
     _assert_written(measured, floor=30.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# a conversion well under autocast on its own example is never silent
+
+_OFFSET_MODEL = """\
+import torch
+from torch import nn
+
+
+class Offset(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.register_buffer("offset", torch.full((16,), 1000.0))
+
+    def forward(self, x):
+        return (self.fc(x) + self.offset) - self.offset
+
+
+def build_model():
+    torch.manual_seed(0)
+    return Offset().eval()
+
+
+def example_inputs():
+    torch.manual_seed(1)
+    return (torch.randn(8, 16),)
+"""
+
+
+def test_a_conversion_well_under_autocast_warns_naming_the_node_and_the_rule(tmp_path, capsys):
+    """A rules file puts the buffer offset's add in bf16 (autocast promotes it to fp32): measure() warns, naming the
+    add and the [node] rule; that rule closes the gap; the CLI says it once on stderr and in its summary."""
+    from converter.cli.main import main as cli_main
+    from converter.numerics.gap import BelowAutocastWarning
+    from converter.numerics.measure import measure
+
+    (tmp_path / "model.py").write_text(_OFFSET_MODEL)
+    namespace: dict = {}
+    exec(compile(_OFFSET_MODEL, "model.py", "exec"), namespace)
+    model, example = namespace["build_model"](), namespace["example_inputs"]()
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[op]\nadd = "half"\nsub = "half"\n')
+    conv = converter.convert(model, example, precision="bf16", rules=[bad])
+    with pytest.warns(BelowAutocastWarning) as caught:
+        numbers = measure(conv)["numerics"]
+    ours, amp = numbers["vs_fp32"]["sqnr_db"], numbers["autocast_vs_fp32"]["sqnr_db"]
+    assert amp - ours > 3, (ours, amp)
+    text = str(caught[0].message)
+    node = numbers["worst"][0]["name"]
+    assert node in ("add", "sub") and f"node {node!r}" in text and f'[node] "{node}" = "fp32"' in text, text
+    assert f"{ours:.1f} dB" in text and f"{amp:.1f} dB" in text, text
+    first = node
+    pinned: list[str] = []
+    for _ in range(3):  # each warning's rule, applied, until none is said
+        pinned.append(node)
+        fixed = tmp_path / "fixed.toml"
+        fixed.write_text("[node]\n" + "".join(f'"{n}" = "fp32"\n' for n in pinned))
+        conv = converter.convert(model, example, precision="bf16", rules=[bad, fixed])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", BelowAutocastWarning)
+            numbers = measure(conv)["numerics"]
+        said = [w for w in caught if issubclass(w.category, BelowAutocastWarning)]
+        if not said:
+            break
+        node = numbers["worst"][0]["name"]
+    assert not said, (pinned, [str(w.message) for w in said])
+    assert numbers["autocast_vs_fp32"]["sqnr_db"] - numbers["vs_fp32"]["sqnr_db"] <= 3, numbers["vs_fp32"]
+    capsys.readouterr()
+    assert cli_main([str(tmp_path / "model.py"), "--rules", str(bad), "--out", str(tmp_path / "out")]) == 0
+    err = capsys.readouterr()
+    said = [line for line in err.err.splitlines() if "under torch.autocast" in line]
+    assert len(said) == 1 and f'[node] "{first}" = "fp32"' in said[0], err.err
+
