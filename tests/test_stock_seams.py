@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import warnings
 
 import pytest
@@ -333,3 +334,63 @@ def test_a_conversion_well_under_autocast_warns_naming_the_node_and_the_rule(tmp
     said = [line for line in err.err.splitlines() if "under torch.autocast" in line]
     assert len(said) == 1 and f'[node] "{first}" = "fp32"' in said[0], err.err
 
+
+
+# ---------------------------------------------------------------------------------------------
+# fully masked attention rows
+
+
+class PaddedEncoder(nn.Module):
+    """Self-attention over left-padded sequences, its mask built as Hugging Face builds it (``finfo(float32).min``
+    where a key is padding, added to the scores): the rows of padded queries are masked entirely, and the original
+    gives them the uniform average of the values."""
+
+    def __init__(self, dim: int = 32, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x, padding):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        mask = padding.view(b, 1, 1, t) * torch.finfo(torch.float32).min
+        causal = torch.triu(torch.ones(t, t) * torch.finfo(torch.float32).min, diagonal=1)
+        mask = torch.minimum(mask, causal.view(1, 1, t, t))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out(y.transpose(1, 2).reshape(b, t, d))
+
+
+def test_fully_masked_rows_equal_the_original_in_module_model_py_and_onnx(tmp_path):
+    import numpy as np
+    import onnxruntime as ort
+
+    torch.manual_seed(0)
+    model = PaddedEncoder().eval()
+    x = torch.randn(2, 12, 32)
+    padding = torch.zeros(2, 12)
+    padding[0, :5], padding[1, :2] = 1.0, 1.0  # left padding: queries 0-4 and 0-1 see no key
+    rows = padding.bool()
+    conv = converter.convert(model, (x, padding), precision="fp16")
+    with torch.no_grad():
+        want = model(x, padding)
+        got = conv.module(x, padding).float()
+    # the mask reaches attention in fp32 (a cast to half made it -inf, and those rows zeros)
+    sdpa = [n for n in conv.module.graph.nodes if "attention" in str(n.target)]
+    assert len(sdpa) == 1 and sdpa[0].args[3].name == "minimum", sdpa[0].format_node()
+    masked, kept = sqnr(want[rows], got[rows]), sqnr(want[~rows], got[~rows])
+    assert masked > 40 and kept > 40, f"fully masked rows {masked:.1f} dB, the others {kept:.1f} dB vs fp32"
+    conv.save(tmp_path / "out")
+    spec = importlib.util.spec_from_file_location("emitted_padded", tmp_path / "out" / "model.py")
+    emitted = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(emitted)
+    with torch.no_grad():
+        from_file = emitted.load()(x, padding).float()
+    assert torch.equal(from_file, got), (from_file - got).abs().max()
+    result = conv.export_onnx(tmp_path / "padded.onnx", compare_size=False)
+    assert result.ok, (result.checks, result.notes)
+    session = ort.InferenceSession(str(result.path), providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    onnx_out = torch.from_numpy(np.asarray(session.run(None, dict(zip(names, (x.numpy(), padding.numpy()))))[0])).float()
+    db = sqnr(want[rows], onnx_out[rows])
+    assert db > 40, f"ONNX fully masked rows vs fp32: {db:.1f} dB"

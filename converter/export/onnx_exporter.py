@@ -48,8 +48,51 @@ def export_copy(conv_module: torch.fx.GraphModule, param_dtypes: dict) -> torch.
             dtype = param_dtypes.get(name)
             if dtype is not None and param.dtype != dtype:
                 param.data = param.data.to(dtype)
+    _masks_in_query_dtype(gm)
     set_eval(gm)
     return gm
+
+
+def mask_like_query(mask: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """An attention's float mask in its query's dtype, its finite values saturated to that dtype's range.
+
+    The converted graph hands attention an fp32 mask (``finfo(float32).min`` where masked, see
+    :func:`converter.passes.rewrite._attention_mask`); ONNX adds it to half scores, which needs the half dtype.
+    A plain cast makes ``finfo(float32).min`` -inf and a fully masked row NaN or zeros; saturated, the row's scores
+    are absorbed into one value as in the original and its softmax is uniform. Infinities stay infinite."""
+    if mask.dtype == torch.bool or mask.dtype == query.dtype:
+        return mask
+    info = torch.finfo(query.dtype)
+    return torch.where(torch.isinf(mask), mask, mask.clamp(info.min, info.max)).to(query.dtype)
+
+
+def _attention_targets() -> tuple:
+    from converter.kernels.upcast import dispatch_attention, upcast_attention
+
+    return (torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default,
+            dispatch_attention, upcast_attention)
+
+
+def _masks_in_query_dtype(gm: torch.fx.GraphModule) -> None:
+    """Each attention call's mask through :func:`mask_like_query` (the exported copy only)."""
+    targets = _attention_targets()
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in targets or not node.args:
+            continue
+        in_kwargs = "attn_mask" in node.kwargs
+        mask = node.kwargs["attn_mask"] if in_kwargs else node.args[3] if len(node.args) > 3 else None
+        if not isinstance(mask, torch.fx.Node):
+            continue
+        with gm.graph.inserting_before(node):
+            fixed = gm.graph.call_function(mask_like_query, (mask, node.args[0]))
+        if in_kwargs:
+            node.kwargs = {**node.kwargs, "attn_mask": fixed}
+        else:
+            node.args = (*node.args[:3], fixed, *node.args[4:])
+        changed = True
+    if changed:
+        gm.recompile()
 
 
 def set_eval(module: torch.nn.Module) -> None:

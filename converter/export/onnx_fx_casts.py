@@ -101,6 +101,9 @@ def _cast_nodes_in_order(gm: torch.fx.GraphModule) -> list[_FxCast]:
                     out.append(_FxCast(f"{arg.name}_to_{name_of(want)}_in_{node.name}", kind, have, want,
                                        arg not in dependent))
             continue
+        if info.op == "scaled_dot_product_attention":
+            out.extend(_mask_cast(node, cache, dependent))
+            continue
         if info.op not in CAST_OPS or node.op == "call_module":
             continue
         src = node.args[0] if node.args else None
@@ -116,6 +119,20 @@ def _cast_nodes_in_order(gm: torch.fx.GraphModule) -> list[_FxCast]:
             kind = "model-nonfloat"
         out.append(_FxCast(node.name, kind, have.dtype, got.dtype, src not in dependent))
     return out
+
+
+def _mask_cast(node: torch.fx.Node, cache: dict, dependent: set) -> list[_FxCast]:
+    """The Cast of an attention's fp32 mask to its half query's dtype, which ONNX needs and the graph does not have
+    (:func:`converter.export.onnx_exporter.mask_like_query`)."""
+    from converter.passes.rewrite import runtime_dtype
+
+    mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
+    if not isinstance(mask, torch.fx.Node) or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return []
+    have, want = runtime_dtype(mask, cache), runtime_dtype(node.args[0], cache)
+    if have is None or want is None or not have.is_floating_point or have == want:
+        return []
+    return [_FxCast(f"{mask.name}_to_{name_of(want)}_in_{node.name}", "implicit", have, want, mask not in dependent)]
 
 
 def expected_casts(gm: torch.fx.GraphModule) -> dict:
