@@ -48,22 +48,24 @@ def export_copy(conv_module: torch.fx.GraphModule, param_dtypes: dict) -> torch.
             dtype = param_dtypes.get(name)
             if dtype is not None and param.dtype != dtype:
                 param.data = param.data.to(dtype)
-    _masks_in_query_dtype(gm)
+    _masks_in_query_dtype(gm)  # fully masked rows as the original's (fp32_attention)
     set_eval(gm)
     return gm
 
 
-def mask_like_query(mask: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
-    """An attention's float mask in its query's dtype, its finite values saturated to that dtype's range.
+def fp32_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor,
+                   dropout_p: float = 0.0, is_causal: bool = False, scale=None, enable_gqa: bool = False) -> torch.Tensor:
+    """Attention of half q, k, v with an fp32 mask, as the exported copy runs it: in fp32, rounded once to half.
 
     The converted graph hands attention an fp32 mask (``finfo(float32).min`` where masked, see
-    :func:`converter.passes.rewrite._attention_mask`); ONNX adds it to half scores, which needs the half dtype.
-    A plain cast makes ``finfo(float32).min`` -inf and a fully masked row NaN or zeros; saturated, the row's scores
-    are absorbed into one value as in the original and its softmax is uniform. Infinities stay infinite."""
-    if mask.dtype == torch.bool or mask.dtype == query.dtype:
-        return mask
-    info = torch.finfo(query.dtype)
-    return torch.where(torch.isinf(mask), mask, mask.clamp(info.min, info.max)).to(query.dtype)
+    :func:`converter.passes.rewrite._attention_mask`); ONNX adds a mask to scores of one dtype. Cast to half, that
+    value becomes -inf (or, saturated, is no longer absorbed by the scores): a fully masked row would not be the
+    original's uniform average. In fp32 it is what the original computes (ONNX Runtime has no fused half kernel that
+    takes an fp32 mask)."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.to(torch.float32), key.to(torch.float32), value.to(torch.float32), attn_mask, dropout_p, is_causal,
+        scale=scale, enable_gqa=enable_gqa)
+    return out.to(query.dtype)
 
 
 def _attention_targets() -> tuple:
@@ -74,23 +76,22 @@ def _attention_targets() -> tuple:
 
 
 def _masks_in_query_dtype(gm: torch.fx.GraphModule) -> None:
-    """Each attention call's mask through :func:`mask_like_query` (the exported copy only)."""
+    """Each attention call given an fp32 mask with half q/k/v runs :func:`fp32_attention` (the exported copy only)."""
+    from converter.passes.rewrite import runtime_dtype
+
     targets = _attention_targets()
+    cache: dict = {}
     changed = False
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in targets or not node.args:
             continue
-        in_kwargs = "attn_mask" in node.kwargs
-        mask = node.kwargs["attn_mask"] if in_kwargs else node.args[3] if len(node.args) > 3 else None
-        if not isinstance(mask, torch.fx.Node):
+        mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
+        if not isinstance(mask, torch.fx.Node) or not isinstance(node.args[0], torch.fx.Node):
             continue
-        with gm.graph.inserting_before(node):
-            fixed = gm.graph.call_function(mask_like_query, (mask, node.args[0]))
-        if in_kwargs:
-            node.kwargs = {**node.kwargs, "attn_mask": fixed}
-        else:
-            node.args = (*node.args[:3], fixed, *node.args[4:])
-        changed = True
+        have, want = runtime_dtype(mask, cache), runtime_dtype(node.args[0], cache)
+        if have == torch.float32 and want in (torch.float16, torch.bfloat16):
+            node.target = fp32_attention
+            changed = True
     if changed:
         gm.recompile()
 

@@ -122,17 +122,19 @@ def _cast_nodes_in_order(gm: torch.fx.GraphModule) -> list[_FxCast]:
 
 
 def _mask_cast(node: torch.fx.Node, cache: dict, dependent: set) -> list[_FxCast]:
-    """The Cast of an attention's fp32 mask to its half query's dtype, which ONNX needs and the graph does not have
-    (:func:`converter.export.onnx_exporter.mask_like_query`)."""
+    """The Casts of an attention given an fp32 mask with half q/k/v, which the exported copy runs in fp32
+    (:func:`converter.export.onnx_exporter.fp32_attention`): q, k, v up to fp32, the output back down."""
     from converter.passes.rewrite import runtime_dtype
 
     mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
     if not isinstance(mask, torch.fx.Node) or not node.args or not isinstance(node.args[0], torch.fx.Node):
         return []
     have, want = runtime_dtype(mask, cache), runtime_dtype(node.args[0], cache)
-    if have is None or want is None or not have.is_floating_point or have == want:
+    if have != torch.float32 or want not in (torch.float16, torch.bfloat16):
         return []
-    return [_FxCast(f"{mask.name}_to_{name_of(want)}_in_{node.name}", "implicit", have, want, mask not in dependent)]
+    qkv = list(dict.fromkeys(a for a in node.args[:3] if isinstance(a, torch.fx.Node)))
+    ups = [_FxCast(f"{a.name}_to_fp32_in_{node.name}", "implicit", want, torch.float32, a not in dependent) for a in qkv]
+    return [*ups, _FxCast(f"{node.name}_to_{name_of(want)}", "implicit", torch.float32, want, node not in dependent)]
 
 
 def expected_casts(gm: torch.fx.GraphModule) -> dict:
