@@ -6,7 +6,8 @@ in the layer loop), a ponder loop (``while (halt < 1 - eps).any()``), MoE token 
 numpy in forward, asserts, Python's ``random``. ``torch.autocast`` runs all of it, and so does this.
 
 :func:`convert_partial` (what :func:`converter.convert` does when the whole model does not capture, or
-when capturing it would bake something in, see :mod:`converter.passes.capture.probe`):
+when capturing it would bake something in, see :mod:`converter.passes.capture.probe`, or when its train mode
+cannot be traced and a whole graph would be frozen in one mode: :data:`~converter.passes.capture.REFUSE_FROZEN`):
 
 1. **Probe.** One eager forward on a shell of the model records each submodule's first-call inputs,
    its FLOPs (``torch.utils.flop_counter``) and whether it draws Python-side random numbers or
