@@ -6,7 +6,8 @@ in the layer loop), a ponder loop (``while (halt < 1 - eps).any()``), MoE token 
 numpy in forward, asserts, Python's ``random``. ``torch.autocast`` runs all of it, and so does this.
 
 :func:`convert_partial` (what :func:`converter.convert` does when the whole model does not capture, or
-when capturing it would bake something in, see :mod:`converter.passes.capture.probe`):
+when capturing it would bake something in, see :mod:`converter.passes.capture.probe`, or when its train mode
+cannot be traced and a whole graph would be frozen in one mode: :data:`~converter.passes.capture.REFUSE_FROZEN`):
 
 1. **Probe.** One eager forward on a shell of the model records each submodule's first-call inputs,
    its FLOPs (``torch.utils.flop_counter``) and whether it draws Python-side random numbers or
@@ -34,6 +35,7 @@ the report (``graph_breaks``, ``summary.captured_flop_fraction``, ``summary.brea
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import re
@@ -50,7 +52,7 @@ from converter.ir.errors import MpconvertError
 from converter.ir.meta import GM_PARAM_DTYPES
 from converter.ir.precision import half_dtype
 from converter.options import ConvertOptions, build_options
-from converter.passes.capture import CaptureError, normalize_inputs
+from converter.passes.capture import REFUSE_FROZEN, CaptureError, normalize_inputs
 from converter.passes.capture.probe import Impurity, ModuleProbe, Probe, probe
 from converter.passes.capture.shells import shell
 from converter.passes.fp8 import fp8_rule_set
@@ -121,10 +123,21 @@ def _one_graph(model: torch.nn.Module, example_inputs: Any, whole: Callable[[], 
     cause: Any = impure_root(model, example_inputs)
     if cause is None:
         try:
-            return whole(), None
+            with _refuse_frozen():
+                return whole(), None
         except CaptureError as exc:
             cause = exc
     return None, cause
+
+
+@contextlib.contextmanager
+def _refuse_frozen():
+    """A part whose train mode cannot be traced fails to capture (its smaller parts are tried) instead of freezing."""
+    token = REFUSE_FROZEN.set(True)
+    try:
+        yield
+    finally:
+        REFUSE_FROZEN.reset(token)
 
 
 def convert(model: torch.nn.Module, example_inputs: Any, *, rules: Any = None, calibration: Any = None,
@@ -325,8 +338,9 @@ def convert_partial(model: torch.nn.Module, example_inputs: Any, *, rules: Any, 
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", SlowHalfWarning)  # said once, for the whole model
-                    conv = api.convert(sub, entry.inputs, rules=rule_set, calibration=entry.batch_inputs or None,
-                                   options=region_options, scope=(path, _ancestors(model, path)))
+                    with _refuse_frozen():
+                        conv = api.convert(sub, entry.inputs, rules=rule_set, calibration=entry.batch_inputs or None,
+                                           options=region_options, scope=(path, _ancestors(model, path)))
             except CaptureError as exc:  # where torch's own code failed (nn.LSTM on a PackedSequence): the user's call
                 why, location = exc.reason, exc.location or entry.call_site
             except MpconvertError:

@@ -591,7 +591,7 @@ def test_train_only_data_dependent_branch_is_frozen_and_reported(tracer):
     # capture refuses that train trace and names the line
     model = _LayerDrop().eval()
     x = torch.randn(4, 8)
-    conv = converter.convert(model, (x,), tracer=tracer)
+    conv = converter.convert(model, (x,), tracer=tracer, partial=False)  # whole: frozen (partial capture follows modes)
     assert_half_ran(conv, label=tracer)
     modes = conv.report.extra["modes"]
     assert modes.startswith("frozen in eval mode") and "train mode failed" in modes, modes
@@ -755,7 +755,7 @@ def example_inputs():
 def test_frozen_mode_is_loud_and_strict_modes_refuses_it(tmp_path):
     model = _LayerDrop().eval()
     x = torch.randn(4, 8)
-    conv = converter.convert(model, (x,), tracer="export")
+    conv = converter.convert(model, (x,), tracer="export", partial=False)
     modes = conv.report.extra["modes"]
     assert modes.startswith("frozen in eval mode"), modes
     md = conv.report.to_markdown()
@@ -766,13 +766,13 @@ def test_frozen_mode_is_loud_and_strict_modes_refuses_it(tmp_path):
     doc = (tmp_path / "saved" / "model.py").read_text().split('"""')[1]
     assert "WARNING: this model is frozen in eval mode" in doc, doc
     with pytest.raises(converter.FrozenModeError, match="frozen in eval mode.*train mode failed.*strict_modes"):
-        converter.convert(model, (x,), tracer="export", strict_modes=True)
+        converter.convert(model, (x,), tracer="export", strict_modes=True, partial=False)
     # a model whose modes work is not refused
     assert converter.convert(_RegionModel(), (torch.randn(4, 16),), strict_modes=True).report.extra["modes"].startswith("follows")
     # the CLI: one warning line on stderr; --strict-modes: one error line, exit 2, nothing written
     model_file = tmp_path / "frozen.py"
     model_file.write_text(_FROZEN_FILE)
-    cmd = [sys.executable, "-m", "converter", str(model_file), "--no-measure"]
+    cmd = [sys.executable, "-m", "converter", str(model_file), "--no-measure", "--no-breaks"]
     run = subprocess.run([*cmd, "--out", str(tmp_path / "o1")], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert run.returncode == 0, run.stderr
     warned = [line for line in run.stderr.splitlines() if "frozen in eval mode" in line]

@@ -74,8 +74,9 @@ CASES = {
 }
 # dB the lowered graph may lose against the fused conversion: the lowered scores are rounded to
 # bf16 before a real-valued bias is added (as PyTorch's math SDPA backend does); 0/-inf masks add
-# no rounding
-ALLOWED_LOSS_DB = {"bias_mask": 2.5}
+# no rounding. The fused conversion hands SDPA the bias in fp32 (issue 43: a mask is not cast to half), which the
+# lowered graph still rounds: measured 45.1 dB lowered vs 47.6 fused
+ALLOWED_LOSS_DB = {"bias_mask": 3.0}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -222,10 +222,18 @@ def convert_model(ui: Terminal, mf, options: ConvertOptions, rules, *, calibrati
     if getattr(mf, "source", None):  # a checkpoint folder: what was built and its inputs (report.json, model.py)
         conv.report.extra.setdefault("source", mf.source)
     if measure and not any(p.is_meta for p in mf.model.parameters()):
+        from converter.numerics.gap import BelowAutocastWarning
         from converter.numerics.measure import measure as measured
 
-        with ui.status("Measuring memory and numerics against fp32 and torch.autocast…"):
+        with ui.status("Measuring memory and numerics against fp32 and torch.autocast…"), \
+                warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", BelowAutocastWarning)
             conv.report.add_measurements(measured(conv))
+        for warning in caught:  # said once, on stderr; the summary repeats it (report.terminal)
+            if issubclass(warning.category, BelowAutocastWarning):
+                ui.warn(f"{mf.name}: {warning.message}")
+            else:
+                warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
     return conv
 
 

@@ -50,8 +50,52 @@ def export_copy(conv_module: torch.fx.GraphModule, param_dtypes: dict) -> torch.
             dtype = param_dtypes.get(name)
             if dtype is not None and param.dtype != dtype:
                 param.data = param.data.to(dtype)
+    _masks_in_query_dtype(gm)  # fully masked rows as the original's (fp32_attention)
     set_eval(gm)
     return gm
+
+
+def fp32_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor,
+                   dropout_p: float = 0.0, is_causal: bool = False, scale=None, enable_gqa: bool = False) -> torch.Tensor:
+    """Attention of half q, k, v with an fp32 mask, as the exported copy runs it: in fp32, rounded once to half.
+
+    The converted graph hands attention an fp32 mask (``finfo(float32).min`` where masked, see
+    :func:`converter.passes.rewrite._attention_mask`); ONNX adds a mask to scores of one dtype. Cast to half, that
+    value becomes -inf (or, saturated, is no longer absorbed by the scores): a fully masked row would not be the
+    original's uniform average. In fp32 it is what the original computes (ONNX Runtime has no fused half kernel that
+    takes an fp32 mask)."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.to(torch.float32), key.to(torch.float32), value.to(torch.float32), attn_mask, dropout_p, is_causal,
+        scale=scale, enable_gqa=enable_gqa)
+    return out.to(query.dtype)
+
+
+def _attention_targets() -> tuple:
+    from converter.kernels.upcast import dispatch_attention, upcast_attention
+
+    return (torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default,
+            dispatch_attention, upcast_attention)
+
+
+def _masks_in_query_dtype(gm: torch.fx.GraphModule) -> None:
+    """Each attention call given an fp32 mask with half q/k/v runs :func:`fp32_attention` (the exported copy only)."""
+    from converter.passes.rewrite import runtime_dtype
+
+    targets = _attention_targets()
+    cache: dict = {}
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in targets or not node.args:
+            continue
+        mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
+        if not isinstance(mask, torch.fx.Node) or not isinstance(node.args[0], torch.fx.Node):
+            continue
+        have, want = runtime_dtype(mask, cache), runtime_dtype(node.args[0], cache)
+        if have == torch.float32 and want in (torch.float16, torch.bfloat16):
+            node.target = fp32_attention
+            changed = True
+    if changed:
+        gm.recompile()
 
 
 def set_eval(module: torch.nn.Module) -> None:

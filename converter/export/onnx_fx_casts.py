@@ -101,6 +101,9 @@ def _cast_nodes_in_order(gm: torch.fx.GraphModule) -> list[_FxCast]:
                     out.append(_FxCast(f"{arg.name}_to_{name_of(want)}_in_{node.name}", kind, have, want,
                                        arg not in dependent))
             continue
+        if info.op == "scaled_dot_product_attention":
+            out.extend(_mask_cast(node, cache, dependent))
+            continue
         if info.op not in CAST_OPS or node.op == "call_module":
             continue
         src = node.args[0] if node.args else None
@@ -116,6 +119,22 @@ def _cast_nodes_in_order(gm: torch.fx.GraphModule) -> list[_FxCast]:
             kind = "model-nonfloat"
         out.append(_FxCast(node.name, kind, have.dtype, got.dtype, src not in dependent))
     return out
+
+
+def _mask_cast(node: torch.fx.Node, cache: dict, dependent: set) -> list[_FxCast]:
+    """The Casts of an attention given an fp32 mask with half q/k/v, which the exported copy runs in fp32
+    (:func:`converter.export.onnx_exporter.fp32_attention`): q, k, v up to fp32, the output back down."""
+    from converter.passes.rewrite import runtime_dtype
+
+    mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
+    if not isinstance(mask, torch.fx.Node) or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return []
+    have, want = runtime_dtype(mask, cache), runtime_dtype(node.args[0], cache)
+    if have != torch.float32 or want not in (torch.float16, torch.bfloat16):
+        return []
+    qkv = list(dict.fromkeys(a for a in node.args[:3] if isinstance(a, torch.fx.Node)))
+    ups = [_FxCast(f"{a.name}_to_fp32_in_{node.name}", "implicit", want, torch.float32, a not in dependent) for a in qkv]
+    return [*ups, _FxCast(f"{node.name}_to_{name_of(want)}", "implicit", torch.float32, want, node not in dependent)]
 
 
 def expected_casts(gm: torch.fx.GraphModule) -> dict:

@@ -263,11 +263,27 @@ def _probs(q32: torch.Tensor, k32: torch.Tensor, attn_mask: Optional[torch.Tenso
     return probs.masked_fill_(hidden, 0.0) if inplace else probs.masked_fill(hidden, 0.0)
 
 
+def _lse_probs(q32: torch.Tensor, k32: torch.Tensor, attn_mask: Optional[torch.Tensor], is_causal: bool,
+               scale: float) -> torch.Tensor:
+    """The probabilities as the fused kernels' backward recomputes them: ``exp(s - logsumexp(s))`` in fp32.
+
+    Equal to the softmax on every row but one kind: a row the mask fills with one huge finite value
+    (``finfo(float32).min``, a left-padded patch) absorbs the scores, ``logsumexp`` rounds back to that value and
+    every probability is 1, not 1/L. torch's fused attention (flash on CPU, efficient on CUDA) backpropagates
+    that, in fp32 and under autocast alike, so this does too; a fully hidden row (-inf) gives zeros."""
+    scores = _scores(q32, k32, attn_mask, is_causal, scale)
+    lse = torch.logsumexp(scores, -1, keepdim=True)
+    probs = scores.sub_(lse).exp_()
+    if attn_mask is None and not is_causal:
+        return probs
+    return probs.masked_fill_(lse == -math.inf, 0.0)
+
+
 class UpcastAttention(torch.autograd.Function):
     """Attention of half q, k, v (the same leading dimensions) in fp32 arithmetic, rounded once to half.
 
     Saves q, k, v and the mask (the fused kernel also keeps its output and a log-sum-exp per row); backward
-    recomputes the probabilities. ``attn_mask``: None, bool or float, broadcast over the scores, not
+    recomputes the probabilities as the fused kernel does (:func:`_lse_probs`). ``attn_mask``: None, bool or float, broadcast over the scores, not
     differentiated. No dropout (:func:`dispatch_attention` handles it)."""
 
     @staticmethod
@@ -281,14 +297,16 @@ class UpcastAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        """``dV = Pᵀ·dO``, ``dS = P ∘ (dO·Vᵀ - rowsum(P ∘ dO·Vᵀ))``, ``dQ = dS·K·scale``, ``dK = dSᵀ·Q·scale``, in fp32."""
+        """``dV = Pᵀ·dO``, ``dS = P ∘ (dO·Vᵀ - rowsum(dO ∘ O))``, ``dQ = dS·K·scale``, ``dK = dSᵀ·Q·scale``, in fp32."""
         query, key, value, attn_mask = ctx.saved_tensors
         q32, k32, v32 = (t.to(torch.float32) for t in (query, key, value))
-        probs = _probs(q32, k32, attn_mask, ctx.is_causal, ctx.scale)
+        probs = _lse_probs(q32, k32, attn_mask, ctx.is_causal, ctx.scale)
         g32 = grad_out.to(torch.float32)
         grad_v = torch.matmul(probs.transpose(-2, -1), g32).to(value.dtype)
         dp = torch.matmul(g32, v32.transpose(-2, -1))
-        ds = dp.sub_((dp * probs).sum(-1, keepdim=True)).mul_(probs).mul_(ctx.scale)
+        # rowsum(dO ∘ O), as the fused kernels take it: rowsum(P ∘ dP) / rowsum(P) (P sums to 1 but on absorbed rows)
+        total = probs.sum(-1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)
+        ds = dp.sub_((dp * probs).sum(-1, keepdim=True).div_(total)).mul_(probs).mul_(ctx.scale)
         grad_q = torch.matmul(ds, k32).to(query.dtype)
         grad_k = torch.matmul(ds.transpose(-2, -1), q32).to(key.dtype)
         return grad_q, grad_k, grad_v, None, None, None

@@ -26,6 +26,9 @@ The report's static numbers come from ``node.meta``; this module checks them by 
   reference inputs rounded to the dtypes they have in the converted graph, against the reference
   output, i.e. the error this node adds by itself. The nodes with the lowest local SQNR are the
   ones to pin to fp32 first.
+* **below autocast** — an output SQNR more than 3 dB under autocast's is a
+  :class:`~converter.numerics.gap.BelowAutocastWarning` naming the node with the lowest local SQNR and the
+  ``[node]`` rule that pins it to fp32 (:mod:`converter.numerics.gap`).
 
 Measuring streams: it holds nothing it measures, so it adds no second copy of the weights
 (``numerics.method`` in report.json says so). The pack hook counts a saved tensor and keeps
@@ -58,6 +61,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
+import warnings
 import weakref
 from typing import Any, Optional
 
@@ -68,6 +72,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from converter.ir.meta import DTYPES, META_CAST, META_DECISION, META_INFO
 from converter.numerics.common import output_tensors, preserved_state, sqnr_db
+from converter.numerics.gap import BelowAutocastWarning, below_autocast
 
 __all__ = [
     "measure",
@@ -494,4 +499,7 @@ def measure(conv, *, autocast: bool = True, per_node: bool = True, worst: int = 
             numerics["worst"] = errors["worst"]
     out["numerics"] = numerics
     out["measure_s"] = round(time.perf_counter() - t0, 3)
+    gap = below_autocast(numerics)  # never silent: well under autocast names the node and the rule (numerics.gap)
+    if gap is not None:
+        warnings.warn(gap, BelowAutocastWarning, stacklevel=2)
     return out

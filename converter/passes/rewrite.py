@@ -220,10 +220,13 @@ def _cast_inputs(node: torch.fx.Node, info: NodeInfo, casts: _Casts, native: lis
             return
         reason = f"{node.name} ({info.op}) runs in {decision.precision}: {decision.full_reason}"
     mutated = node.args[0] if accumulates else None
+    mask = _attention_mask(node, info)
 
     def convert(arg):
         if not isinstance(arg, torch.fx.Node) or arg is mutated:
             return arg
+        if arg is mask and runtime_dtype(arg, casts.cache) == torch.float32:
+            return arg  # attention takes an fp32 mask as it is (see _attention_mask)
         value = arg.meta.get(META_VALUE)
         if not (isinstance(value, TensorSpec) and value.is_convertible):
             return arg
@@ -236,6 +239,18 @@ def _cast_inputs(node: torch.fx.Node, info: NodeInfo, casts: _Casts, native: lis
 
 
 _ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
+
+
+def _attention_mask(node: torch.fx.Node, info: NodeInfo) -> Optional[torch.fx.Node]:
+    """The float mask of a half attention call, which stays fp32: ``scaled_dot_product_attention`` takes an fp32 mask
+    with half q/k/v (it adds it to fp32 scores), and a cast would lose what the original computes. Hugging Face fills
+    masked positions with ``finfo(float32).min``, which rounds to -inf in bf16 and fp16: a fully masked row (a
+    left-padded TimesFM patch) then gives zeros, where the original's ``s + min`` is one constant and its softmax is
+    uniform."""
+    if info.op != "scaled_dot_product_attention":
+        return None
+    mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
+    return mask if isinstance(mask, torch.fx.Node) else None
 
 
 def _retarget_metadata_assert(node: torch.fx.Node, cache: dict) -> None:

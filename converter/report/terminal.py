@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from converter.numerics.gap import below_autocast
 from converter.report.common import (
     ReportView,
     fmt_bytes,
@@ -59,6 +60,9 @@ def print_report(report: ReportView, console: Optional[Any] = None, *, nodes: bo
         console.print(Text(f"Unmatched ops (kept fp32, add rules for them): {', '.join(s['unmatched_ops'])}", style="yellow"))
     for warning in (report.fp32_math or {}).get("warnings", []):
         console.print(Text(f"fp32 math: {warning}", style="yellow"))
+    gap = below_autocast(report.numerics or {})
+    if gap is not None:
+        console.print(Text(f"Under autocast: {gap}", style="yellow"))
 
 
 def _facts_table(report: ReportView):

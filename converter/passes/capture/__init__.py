@@ -64,7 +64,10 @@ config.layerdrop``, a branch on a random number) is switched off in the shell's 
 the train trace, and the note says so. symbolic_trace would draw a random tensor of no traced input (``torch.rand(())``)
 once and bake the branch on it into the graph; such a trace is refused, naming the line. A model
 whose train mode cannot be traced at all is captured in its own mode, its mode frozen. Either
-way ``Captured.modes`` (``report.extra["modes"]``) says what happened and why. The converted module
+way ``Captured.modes`` (``report.extra["modes"]``) says what happened and why. Partial capture
+(:mod:`converter.partition`) sets :data:`REFUSE_FROZEN` while it tries a model whole: such a model is then a
+capture failure and is converted region by region, so that its train mode keeps its dropout (DETR's
+``if self.training: if not torch.isfinite(x).all()`` clamp). The converted module
 starts in the original's mode.
 
 **Key/value caches.** A Hugging Face model whose ``config.use_cache`` is true (stock decoders and
@@ -101,6 +104,7 @@ and its dynamic-shape fallbacks), :mod:`~converter.passes.capture.shells` (the m
 """
 from __future__ import annotations
 
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -136,7 +140,13 @@ from converter.passes.intent import mark_kept_modules
 
 __all__ = ["Captured", "CaptureError", "CacheCallError", "guard_cache_calls", "guard_cache_calls_keeping",
            "CACHE_ARGUMENTS", "capture", "normalize_inputs", "annotate", "placeholder_values", "TRACED_THROUGH",
-           "shell", "input_nodes", "keep_user_names"]
+           "shell", "input_nodes", "keep_user_names", "REFUSE_FROZEN"]
+
+
+#: True while partial capture tries a model or a region whole: a train mode that cannot be traced is then a
+#: capture failure (the part is converted in smaller regions, train() keeping its dropout), not a graph frozen in
+#: the model's mode
+REFUSE_FROZEN: ContextVar[bool] = ContextVar("mpconvert_refuse_frozen", default=False)
 
 
 @dataclass
@@ -286,9 +296,11 @@ def _capture_one(name: str, model: torch.nn.Module, args: tuple, kwargs: dict, s
             except Exception:  # still untraceable: frozen below
                 off = None
         if off is None:
-            if model.training:
+            if model.training or REFUSE_FROZEN.get():
                 raise
-            cause = str(exc) if isinstance(exc, RandomAtTraceTime) else "a data-dependent branch" if flow else short_reason(exc)
+            where = failure_location(exc)[0] if flow and not isinstance(exc, RandomAtTraceTime) else ""
+            cause = (str(exc) if isinstance(exc, RandomAtTraceTime) else f"a data-dependent branch{' at ' + where if where else ''}"
+                     if flow else short_reason(exc))
             why = f"tracing in train mode failed ({cause})"
     if why:
         gm, _ = trace_in_mode(trace, name, model, args, kwargs, shapes)

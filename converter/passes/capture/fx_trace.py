@@ -52,7 +52,9 @@ class _Tracer(torch.fx.Tracer):
     torch's ``Tracer.getattr`` scans every parameter on each attribute access and its
     ``record_stack_traces`` formats a full traceback per node; both are quadratic or slow on big
     models. Here parameters are found through an id map and the source location is read from the
-    first stack frame outside torch and this package.
+    first stack frame outside torch and this package. Buffers are proxied too (``get_attr``), so that
+    what forward computes from a buffer and writes into it (an EMA codebook, a hand-written norm's running
+    statistics) is in the graph.
     """
 
     def __init__(self) -> None:
@@ -65,10 +67,13 @@ class _Tracer(torch.fx.Tracer):
         return super().is_leaf_module(m, module_qualified_name)
 
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:
-        if not isinstance(attr_val, torch.nn.Parameter):
+        if not isinstance(attr_val, torch.Tensor):
             return super().getattr(attr, attr_val, parameter_proxy_cache)
         if not self._attr_names:
-            self._attr_names = {id(p): n for n, p in self.root.named_parameters(remove_duplicate=False)}
+            # buffers are proxied as parameters are: `self.embed.t()` and an EMA's `self.avg.mul_(d)` are graph
+            # nodes, not values computed once at trace time (the write lost, the result a constant)
+            self._attr_names = {id(b): n for n, b in self.root.named_buffers(remove_duplicate=False)}
+            self._attr_names.update({id(p): n for n, p in self.root.named_parameters(remove_duplicate=False)})
         name = self._attr_names.get(id(attr_val))
         if name is None:
             return super().getattr(attr, attr_val, parameter_proxy_cache)

@@ -31,11 +31,14 @@ def shell(model: torch.nn.Module, *, config: Optional[dict] = None) -> torch.nn.
     buffers are the same tensors, so code that writes one in place (a train-mode batch norm) must
     run under :func:`~converter.ir.state.preserved_state`. ``config``: fields set on a copy of the
     model's ``config``, which every submodule of the shell that shared it reads instead (and on a copy
-    of any other Hugging Face config in the tree that has the field).
+    of any other Hugging Face config in the tree that has the field). When ``config`` switches LayerDrop
+    off, a submodule's own ``layerdrop`` attribute (a stack that copied the config's value in ``__init__``)
+    is 0 on the shell too.
     """
     original_config = getattr(model, "config", None) if config else None
     hf_config = getattr(sys.modules.get("transformers.configuration_utils"), "PretrainedConfig", None)
     configs: dict[int, Any] = {}
+    dropping = bool(config) and any(config.get(f) == 0 for f in _LAYERDROP_FIELDS)
 
     def changed(value: Any) -> Any:
         """The shell's copy of a config: the root's, and any other Hugging Face config in the tree
@@ -73,6 +76,8 @@ def shell(model: torch.nn.Module, *, config: Optional[dict] = None) -> torch.nn.
             state.update({k: changed(v) for k, v in state.items() if is_config(v)})
         state["_parameters"] = {k: _shared_param(p, params) for k, p in module._parameters.items()}
         state["_modules"] = {k: None if m is None else clone(m) for k, m in module._modules.items()}
+        if dropping and isinstance(state.get("layerdrop"), (int, float)) and not isinstance(state["layerdrop"], bool):
+            state["layerdrop"] = 0.0  # BART/M2M100/OPT copy config.*layerdrop onto the layer stack in __init__
         new.__dict__.update(state)
         return new
 
