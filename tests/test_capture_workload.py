@@ -2,6 +2,7 @@
 no_grad/autocast regions inlined, and a plain error for data-dependent control flow."""
 from __future__ import annotations
 
+import copy
 import importlib.util
 import inspect
 import json
@@ -19,8 +20,10 @@ from helpers import assert_half_ran
 from torch import nn
 
 import converter
+from converter.inplace import RecaptureWarning
 from converter.ir.meta import META_CAST, META_DECISION, META_INFO, META_REGION, META_VALUE
 from converter.passes.capture import CaptureError, capture, placeholder_values
+from converter.passes.capture.served import ShapeNotServedError
 
 transformers = pytest.importorskip("transformers")
 
@@ -364,8 +367,10 @@ def test_static_freezes_export_shapes():
     conv = converter.convert(model, (torch.randn(2, 6, 32),), tracer="export", dynamic=False)
     assert conv.report.extra["dynamic_dims"] == {}
     assert "static" in conv.report.extra["shapes"]
-    with pytest.raises(AssertionError, match="Guard failed"):
-        conv.module(torch.randn(3, 6, 32))
+    with pytest.raises(ShapeNotServedError, match=r"x of shape \(3, 6, 32\)"):  # the graph serves the example's sizes only
+        copy.deepcopy(conv.module)(torch.randn(3, 6, 32))
+    with pytest.warns(RecaptureWarning):  # conv.module converts such a call again
+        assert conv.module(torch.randn(3, 6, 32)).shape == (3, 6, 32)
     assert conv.module(torch.randn(2, 6, 32)).shape == (2, 6, 32)
 
 

@@ -35,7 +35,7 @@ from converter.export.emit import (
 from converter.export.weights import write_weights
 from tests.helpers import ROOT, SAMPLES, load_sample
 
-STDLIB_OK = {"os", "json", "math", "time", "typing", "warnings", "operator", "builtins", "torch"}
+STDLIB_OK = {"os", "json", "math", "stat", "time", "typing", "warnings", "operator", "builtins", "torch"}
 
 
 def _convert(name: str, **kwargs):

@@ -237,19 +237,29 @@ def convert_model(ui: Terminal, mf, options: ConvertOptions, rules, *, calibrati
     return conv
 
 
+def _calibration_misfit(what: str) -> UsageError:
+    return UsageError(f"a calibration batch does not fit the captured graph ({what}); give batches of the example's "
+                      "form within the sizes it serves (report.json: dynamic_dims), or a larger --seq-len/example")
+
+
 def _convert_checked(ui: Terminal, mf, options: ConvertOptions, rules, calibration: Optional[list], *, measure: bool):
     """:func:`convert_model`, with a calibration tolerance that is not met turned into exit 1."""
     from converter.api import PassError
     from converter.numerics.calibrate import ToleranceNotMet
+    from converter.passes.capture.served import ShapeNotServedError
 
     try:
         return convert_model(ui, mf, options, rules, calibration=calibration, measure=measure)
+    except ShapeNotServedError as exc:  # a calibration batch of sizes the graph's guards refuse: the user's data
+        if calibration is None:
+            raise
+        raise _calibration_misfit(f"{', '.join(f'{k} of shape {tuple(v)}' for k, v in exc.shapes.items())}: the graph "
+                                  f"holds only where {exc.guard}") from exc
     except PassError as exc:  # a batch outside the sizes the graph serves is the user's data, not a bug
         cause = exc.__cause__
         if calibration is not None and "'calibrate'" in str(exc) and isinstance(cause, AssertionError) \
                 and str(cause).startswith("Guard failed"):
-            raise UsageError(f"a calibration batch does not fit the captured graph ({one_line(cause)}); give batches of the "
-                             "example's form within the sizes it serves (report.json: dynamic_dims), or a larger --seq-len/example") from exc
+            raise _calibration_misfit(one_line(cause)) from exc
         if calibration is not None and "'calibrate'" in str(exc):  # a batch the fp32 model cannot run is the data's fault
             from converter.cli.calibdata import diagnose_batches
 

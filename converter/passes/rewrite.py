@@ -250,7 +250,28 @@ def _attention_mask(node: torch.fx.Node, info: NodeInfo) -> Optional[torch.fx.No
     if info.op != "scaled_dot_product_attention":
         return None
     mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
-    return mask if isinstance(mask, torch.fx.Node) else None
+    return mask if isinstance(mask, torch.fx.Node) and not _reads_parameters(mask) else None
+
+
+def _reads_parameters(node: torch.fx.Node, limit: int = 64) -> bool:
+    """Whether ``node`` is computed from a parameter (a learned bias, T5's relative position bias): such a mask is a
+    trained input of attention, cast with q/k/v as autocast casts it (kept fp32, T5's gradients lose 5 dB), unlike a
+    padding mask, whose ``finfo.min`` fills the fp32 keeps (looked at up to ``limit`` nodes back)."""
+    owner = node.graph.owning_module
+    seen, todo = set(), [node]
+    while todo and len(seen) < limit:
+        current = todo.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if current.op == "get_attr" and owner is not None:
+            try:
+                if isinstance(owner.get_parameter(str(current.target)), torch.nn.Parameter):
+                    return True
+            except AttributeError:
+                pass
+        todo.extend(current.all_input_nodes)
+    return len(seen) >= limit  # not known within the limit: treated as learned (cast, as before)
 
 
 def _retarget_metadata_assert(node: torch.fx.Node, cache: dict) -> None:

@@ -291,7 +291,6 @@ class Rules:
         if not isinstance(data, Mapping):
             raise RulesError(f"{file}: a rule file must be a TOML table")
         known_ops = known_op_names()
-
         lines = _key_lines(text) if text else {}
 
         def where(table: str, key: str) -> str:

@@ -54,7 +54,7 @@ class _NamedGuards:
             got = ", ".join(f"{name} of shape {_shape_text(s)}" for name, s in shapes.items()) or "these inputs"
             was = ", ".join(f"{name} {_shape_text(s)}" for name, s in self.captured.items() if name in shapes)
             raise ShapeNotServedError(
-                f"mpconvert: the converted graph does not serve {got}: it was captured for {was or 'other sizes'} and "
+                f"the converted graph does not serve {got}: it was captured for {was or 'other sizes'} and "
                 f"holds only where {guard}; call it through conv.module of converter.convert or converter.apply (both "
                 "convert such calls again), or convert with an example of these sizes",
                 guard=guard, shapes=shapes, captured=dict(self.captured), owner=self.owner) from None
