@@ -412,8 +412,7 @@ class ConvertedForward:
         autocast as :func:`apply` would see them; the new graph reads the same parameters."""
         named = _named_arguments(self._binder, args, kwargs)
         positional, keywords = self._captured_keys
-        detach = lambda value: pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), value)  # noqa: E731
-        example = (tuple(detach(named[name]) for name in positional), {name: detach(named[name]) for name in keywords})
+        example = (tuple(detached(named[name]) for name in positional), {name: detached(named[name]) for name in keywords})
         missing = object()
         current = self.model.__dict__.pop("forward", missing)
         if self.instance_forward is not None:
@@ -616,6 +615,11 @@ class ConvertedForward:
                 why = f"{label}={_short_repr(g)} (captured with {_short_repr(w)})"
                 return _ShapeMismatch(why) if self.recapture_values else why
         return None
+
+
+def detached(value: Any) -> Any:
+    """``value`` with every tensor in it detached: a call's inputs as the example of a conversion made again."""
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), value)
 
 
 def _global_hooks() -> bool:

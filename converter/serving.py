@@ -21,10 +21,16 @@ import warnings
 from typing import Any, Optional
 
 import torch
-import torch.utils._pytree as pytree
 
 from converter.api import Conversion
-from converter.inplace import DEFAULT_MAX_RECAPTURES, ConvertedForward, FallbackWarning, _autocast_type, _ShapeMismatch
+from converter.inplace import (
+    DEFAULT_MAX_RECAPTURES,
+    ConvertedForward,
+    FallbackWarning,
+    _autocast_type,
+    _ShapeMismatch,
+    detached,
+)
 from converter.ir.precision import half_dtype
 from converter.passes.capture.served import ShapeNotServedError, guard_owner
 
@@ -41,8 +47,7 @@ class _ModuleServer(ConvertedForward):
         return f"the converted module of {type(self.conversion.original).__name__}"
 
     def _recapture(self, args: tuple, kwargs: dict) -> ConvertedForward:
-        detach = lambda value: pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), value)  # noqa: E731
-        new = self._convert_again(self.conversion.original, (detach(args), detach(kwargs)))
+        new = self._convert_again(self.conversion.original, (detached(args), detached(kwargs)))
         return ConvertedForward(self.model, new, max_recaptures=0)
 
     def _fallback(self, why: str, args: tuple, kwargs: dict) -> Any:

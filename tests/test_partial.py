@@ -465,18 +465,11 @@ def test_hf_trainer_trains_a_partial_model_bf16(tmp_path):
         b_ids, b_mask = mf._batch(gen)
         rows += [{"input_ids": b_ids[i], "attention_mask": b_mask[i], "labels": b_ids[i]} for i in range(len(b_ids))]
 
-    class Rows(torch.utils.data.Dataset):
-        def __len__(self):
-            return len(rows)
-
-        def __getitem__(self, i):
-            return rows[i]
-
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "out"), use_cpu=True, bf16=True, max_steps=8, per_device_train_batch_size=4,
         learning_rate=3e-3, logging_steps=1, save_steps=8, report_to=[], seed=0, dataloader_num_workers=0,
         disable_tqdm=True)
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=Rows())
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)  # a list of rows is a map-style dataset
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.train()
