@@ -42,6 +42,7 @@ from converter.ir.ops import library_op
 from converter.ir.precision import ALIASES, half_precision
 from converter.ir.state import preserved_state
 from converter.numerics.device import half_gemm_slowdown, half_speed_advice
+from converter.numerics.profile import resolve_profile
 from converter.numerics.optional_inputs import find_optional_inputs
 from converter.numerics.optional_inputs import install as install_optional_inputs
 from converter.numerics.options import CalibrationOptions
@@ -49,7 +50,6 @@ from converter.numerics.overflow import first_overflow
 from converter.numerics.redecide import PlaceSettings
 from converter.options import FIELDS, ConvertOptions, build_options
 from converter.passes import cpu_gemm
-from converter.passes import lower as lower_stage
 from converter.passes.capture import Captured, capture, guard_cache_calls, guard_cache_calls_keeping, keep_user_names
 from converter.passes.capture.annotation import scope_module_paths
 from converter.passes.checkpoint import checkpoint_regions, regions_in
@@ -338,7 +338,7 @@ def _convert_graph(gm: torch.fx.GraphModule, done: list[str], rule_set: Rules, o
         recipe = resolved_recipe(rule_set, None if options.fp8_recipe == "auto" else options.fp8_recipe)
         _run_stage("fp8_gate", done, gate_fp8, gm, rule_set, recipe)
     lowered = _run_stage("lower", done, lower, gm, device=options.device, opt_level=options.opt_level,
-                         fp32_attention=_fp32_attention(options))
+                         fp32_attention=_fp32_attention(options), recompute_attention=options.recompute_attention)
     set_graph_facts(gm, device=options.device, lowered=tuple(lowered))
     _run_stage("place", done, settings.run, gm)
     fp8_search = None
@@ -351,7 +351,7 @@ def _convert_graph(gm: torch.fx.GraphModule, done: list[str], rule_set: Rules, o
                    options=cal_options)
         if recipe is not None and cal_options.tolerance is not None:  # the fp32 outputs, before rewrite, for the fp8 search
             fp8_search = _run_stage("fp8_reference", done, prepare_fp8_search, gm, calibration, cal_options)
-    _run_stage("rewrite", done, rewrite, gm, keep_io_types=options.keep_io_types)
+    _run_stage("rewrite", done, rewrite, gm, keep_io_types=options.keep_io_types, check=options.check_graph)
     if recipe is not None:
         _fp8_stages(gm, done, rule_set, options, recipe, calibration)
         if fp8_search is not None:  # the fewest fp8 layers back in bf16 for the tolerance (numerics/fp8_search.py)
@@ -361,7 +361,7 @@ def _convert_graph(gm: torch.fx.GraphModule, done: list[str], rule_set: Rules, o
     if simplify_graph:
         set_graph_facts(gm, simplified=_run_stage("simplify", done, simplify, gm))
     math_setting = rule_set.setting("fp32_math", DEFAULT_FP32_MATH)
-    regions = _run_stage("fp32_math", done, fp32_math, gm, setting=math_setting)
+    regions = _run_stage("fp32_math", done, fp32_math, gm, setting=math_setting, check=options.check_graph)
     set_graph_facts(gm, fp32_math=math_setting, fp32_math_regions=regions)
     # torch.utils.checkpoint regions run under checkpoint in the generated code (conv.module, model.py)
     set_graph_facts(gm, checkpoint=_run_stage("checkpoint", done, checkpoint_regions, gm))
@@ -369,11 +369,18 @@ def _convert_graph(gm: torch.fx.GraphModule, done: list[str], rule_set: Rules, o
 
 def _fp32_attention(options: ConvertOptions) -> bool:
     """``device="cpu"`` on a CPU whose half GEMM measured slow: attention in fp32 arithmetic, not lowered in bf16
-    (:data:`converter.passes.lower.FP32_ATTENTION` forces it)."""
+    (``options.fp32_attention`` forces it)."""
     if options.device != "cpu":
         return False
-    forced = lower_stage.FP32_ATTENTION
-    return forced if forced is not None else cpu_gemm.upcast_wanted(half_gemm_slowdown(options.precision))[0]
+    if options.fp32_attention is not None:
+        return options.fp32_attention
+    return _gemm_choice(options)[0]
+
+
+def _gemm_choice(options: ConvertOptions) -> tuple[bool, str]:
+    """Whether ``device="cpu"``'s half GEMMs run as fp32 GEMMs, and why: the profile's figures, or the option."""
+    slowdown = half_gemm_slowdown(options.precision, resolve_profile(options.device_profile))
+    return cpu_gemm.upcast_wanted(slowdown, options.upcast_half_gemms)
 
 
 def _cpu_gemm_kernels(gm: torch.fx.GraphModule, done: list[str], options: ConvertOptions) -> None:
@@ -381,12 +388,12 @@ def _cpu_gemm_kernels(gm: torch.fx.GraphModule, done: list[str], options: Conver
     slower (:mod:`converter.passes.cpu_gemm`); the choice is one ``upcast_gemm`` entry of the graph's lowering.
     A portable conversion: kernels that choose per device at run time (:mod:`converter.passes.dispatch`)."""
     graph_meta = gm.meta[GM_GRAPH]
-    if options.device is None:
+    if options.device is None and options.dispatch_kernels:
         _, choices = _run_stage("dispatch", done, dispatch_kernels, gm, options.precision)  # the same ops, not lowered
         set_graph_facts(gm, lowering=graph_meta.lowering + tuple(choices))
     if options.device != "cpu":
         return
-    wanted, why = cpu_gemm.upcast_wanted(half_gemm_slowdown(options.precision))
+    wanted, why = _gemm_choice(options)
     nodes, small = _run_stage("cpu_gemm", done, cpu_gemm.upcast_gemms, gm, options.precision, why) if wanted else ([], 0)
     # lower(fp32_attention=True) left the attention calls: fp32 arithmetic, as measured (no run-time measurement)
     attention = dispatch_attention_calls(gm, options.precision, measured=False)[1] if _fp32_attention(options) else []
@@ -452,7 +459,7 @@ def _checkpoint_extra(gm: torch.fx.GraphModule) -> dict:
 
 def _report(captured: Captured, rule_set: Rules, timings: dict, options: ConvertOptions) -> Report:
     gm = captured.gm
-    return build_report(gm, precision=options.precision, tracer=captured.tracer, rules=rule_set.to_dict(),
+    report = build_report(gm, precision=options.precision, tracer=captured.tracer, rules=rule_set.to_dict(),
                         modes=captured.modes,
                         extra={"capture_errors": captured.errors, "timings": timings, "opt_level": options.opt_level,
                                "device": options.device, "lowered": list(gm.meta[GM_GRAPH].lowered),
@@ -463,6 +470,8 @@ def _report(captured: Captured, rule_set: Rules, timings: dict, options: Convert
                                "modes": str(captured.modes or ""), "cache": captured.cache, "library_ops": _library_ops(gm),
                                "checkpoint": _checkpoint_extra(gm),
                                "simplified": fold_counts(gm.meta[GM_GRAPH].simplified)})
+    report.device_profile = resolve_profile(options.device_profile)  # the figures the kernel choices read
+    return report
 
 
 def convert(model: torch.nn.Module, example_inputs: Any, *, rules: Union[None, str, Path, Iterable, Rules] = None,
@@ -507,7 +516,7 @@ def convert(model: torch.nn.Module, example_inputs: Any, *, rules: Union[None, s
     lowering = captured.gm.meta[GM_GRAPH].lowering
     upcast = any(c.get("lowering") in ("upcast_gemm", "dispatch_gemm") and c.get("chosen") for c in lowering)
     # the GEMMs run as fp32 GEMMs when this CPU's half GEMM is slow (passes.cpu_gemm, passes.dispatch): nothing to advise
-    advice = None if upcast else half_speed_advice(options.precision, options.device)
+    advice = None if upcast else half_speed_advice(options.precision, options.device, resolve_profile(options.device_profile))
     if advice is not None:
         warnings.warn(advice, SlowHalfWarning, stacklevel=2)
     without_weights = any(p.is_meta for p in captured.gm.parameters())  # nothing to run: no values

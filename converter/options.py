@@ -78,6 +78,20 @@ class ConvertOptions:
     * ``calibration_options``: how a calibration runs (a
       :class:`~converter.numerics.options.CalibrationOptions`, or a mapping of its fields, stored as one);
       used only when calibration data is given. None: the defaults.
+    * ``device_profile``: the figures the device-dependent kernel choices and the slow-half advice read
+      (:class:`~converter.numerics.profile.DeviceProfile`): ``"auto"`` (default: measured once in this
+      process), a ``DeviceProfile``, a mapping of its fields or the path of a saved one (``mpconvert profile
+      -o FILE``; loaded when the options are built), or None / ``"none"``: no measurement, fixed choices
+      (native half GEMMs, no advice). report.json records it (``device_profile``).
+    * ``dispatch_kernels``: a portable graph (``device=None``) calls kernels that choose per device at run
+      time (:mod:`converter.passes.dispatch`; default True); False keeps the plain calls.
+    * ``upcast_half_gemms``: ``device="cpu"``'s half GEMMs as fp32 GEMMs (:mod:`converter.passes.cpu_gemm`):
+      None (default) where the profile measured the half GEMM slow; True/False force it.
+    * ``fp32_attention``: ``device="cpu"`` runs attention in fp32 arithmetic instead of the bf16 lowering:
+      None (default) where the profile measured the half GEMM slow; True/False force it.
+    * ``recompute_attention``: a lowered attention recomputes its probabilities in backward: None (default)
+      the cost model decides per call (:func:`converter.passes.lower.recompute_plan`); True/False force it.
+    * ``check_graph``: lint the graph after each rewriting pass (the test suite does; ~15 % of a large pass).
 
     Frozen: ``dataclasses.replace(options, precision="fp16")`` gives another (checked again).
     """
@@ -94,6 +108,12 @@ class ConvertOptions:
     calibration_options: Any = None
     fp8_recipe: Optional[str] = None
     partial: bool = True
+    device_profile: Any = "auto"
+    dispatch_kernels: bool = True
+    upcast_half_gemms: Optional[bool] = None
+    fp32_attention: Optional[bool] = None
+    recompute_attention: Optional[bool] = None
+    check_graph: bool = False
 
     def __post_init__(self) -> None:
         precision = self.precision
@@ -111,10 +131,17 @@ class ConvertOptions:
         _choice("opt_level", self.opt_level, OPT_LEVELS)
         if self.device is not None:
             _choice("device", self.device, DEVICES, or_none=True)
-        for name in ("keep_io_types", "dynamic", "strict_modes", "partial"):
+        for name in ("keep_io_types", "dynamic", "strict_modes", "partial", "dispatch_kernels", "check_graph"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise OptionsError(f"{name} must be True or False, got {value!r}")
+        for name in ("upcast_half_gemms", "fp32_attention", "recompute_attention"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise OptionsError(f"{name} must be None (decided), True or False (forced), got {value!r}")
+        from converter.numerics.profile import coerce_profile  # torch-free
+
+        object.__setattr__(self, "device_profile", coerce_profile(self.device_profile))
         if self.calibration_options is not None:
             from converter.numerics.options import CalibrationOptions
 

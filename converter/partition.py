@@ -56,6 +56,7 @@ from converter.passes.capture import REFUSE_FROZEN, CaptureError, normalize_inpu
 from converter.passes.capture.probe import Impurity, ModuleProbe, Probe, probe
 from converter.passes.capture.shells import shell
 from converter.passes.fp8 import fp8_rule_set
+from converter.numerics.profile import resolve_profile
 from converter.report.build import merge_reports
 from converter.rules.loader import load_rules
 
@@ -364,6 +365,7 @@ def convert_partial(model: torch.nn.Module, example_inputs: Any, *, rules: Any, 
                            precision=precision, rules=rule_set.to_dict(), opt_level=options.opt_level,
                            device=options.device, timings=timings,
                            capture_errors=dict(cause.reasons) if isinstance(cause, CaptureError) else {})
+    report.device_profile = resolve_profile(options.device_profile)  # the one each region's conversion read
     tracers = sorted({r.conversion.tracer for r in regions})
     return Conversion(module=module, report=report, tracer="+".join(tracers) or "eager", rules=rule_set, original=model,
                       example_inputs=(args, kwargs), options=options, timings=timings, calibration=calibration,

@@ -12,11 +12,12 @@ between. On the large benchmark encoder (d512, B8xT128, O2 bf16) the step goes f
 (``benchmarks/run.py --ablate``: ``O2-native-gemm``). GEMMs below :data:`MIN_GEMM_FLOPS` per matrix product
 (the small encoder's, and batched attention matmuls) stay native: there the kernel's fixed cost wins.
 
-**The choice** is measured, not guessed: :func:`converter.numerics.device.half_gemm_slowdown` times a
-128x128 matmul in the half dtype and in fp32 on this machine (cached per CPU model, flags, core count and
-torch version). The stage applies when the half GEMM is at least :data:`MIN_SLOWDOWN` times slower.
-:data:`UPCAST_HALF_GEMMS` forces it either way (tests, benchmarks), and a build machine converting for
-another CPU can set ``MPCONVERT_NO_DEVICE_ADVICE=1`` (no measurement: the stage does not apply). The
+**The choice** is measured, not guessed: the conversion's device profile
+(:class:`~converter.numerics.profile.DeviceProfile`, ``ConvertOptions.device_profile``) holds a 128x128 matmul
+timed in the half dtype and in fp32 (by default measured in this process; a saved profile for another machine).
+The stage applies when the half GEMM is at least :data:`MIN_SLOWDOWN` times slower.
+``ConvertOptions.upcast_half_gemms`` forces it either way (tests, benchmarks), and without a profile
+(``device_profile=None``: no measurement) the stage does not apply. The
 choice, with the measured factor, is one entry of ``report.json["lowering"]`` per graph
 (``lowering: "upcast_gemm"``), and each rewritten node's decision gains a ``lower`` note saying why.
 
@@ -44,7 +45,7 @@ from converter.kernels.upcast import (
 )
 from converter.passes.lower import LoweringChoice
 
-__all__ = ["MIN_SLOWDOWN", "MIN_GEMM_FLOPS", "UPCAST_HALF_GEMMS", "UPCAST_TARGETS", "DISPATCH_TARGETS", "upcast_wanted",
+__all__ = ["MIN_SLOWDOWN", "MIN_GEMM_FLOPS", "UPCAST_TARGETS", "DISPATCH_TARGETS", "upcast_wanted",
            "gemm_flops", "upcast_gemms", "gemm_choice", "native_gemms"]
 #: a GEMM call whose one matrix product (2·M·K·N at the example's shapes) is below this stays native: the
 #: kernel's fixed cost (an autograd Function, the upcasts) outweighs the faster fp32 GEMM. Measured on the 2-core
@@ -52,8 +53,6 @@ __all__ = ["MIN_SLOWDOWN", "MIN_GEMM_FLOPS", "UPCAST_HALF_GEMMS", "UPCAST_TARGET
 #: 1.00 at 17 MFLOP (128x128x512), 0.77 at 34 MFLOP, 0.60-0.67 from 268 MFLOP; a batched attention matmul
 #: (64 x 128x64x128, 2 MFLOP per matrix) 1.30
 MIN_GEMM_FLOPS = 32 * 10**6
-#: None (default): the measurement decides (:func:`upcast_wanted`); True/False: forced (tests, benchmarks)
-UPCAST_HALF_GEMMS: Optional[bool] = None
 _aten = torch.ops.aten
 #: the call targets the stage replaces, and by what
 UPCAST_TARGETS = {
@@ -73,13 +72,13 @@ _LINEAR_KERNELS = (upcast_linear, dispatch_linear)
 _HALF = ("fp16", "bf16")
 
 
-def upcast_wanted(slowdown: Optional[float]) -> tuple[bool, str]:
-    """Whether to apply the stage, and why in words, from the measured half/fp32 GEMM time ratio
-    (None: not measured) and :data:`UPCAST_HALF_GEMMS`."""
-    if UPCAST_HALF_GEMMS is not None:
-        return UPCAST_HALF_GEMMS, f"forced {'on' if UPCAST_HALF_GEMMS else 'off'} (converter.passes.cpu_gemm.UPCAST_HALF_GEMMS)"
+def upcast_wanted(slowdown: Optional[float], forced: Optional[bool] = None) -> tuple[bool, str]:
+    """Whether to apply the stage, and why in words, from the profile's half/fp32 GEMM time ratio
+    (None: no profile) and ``forced`` (``ConvertOptions.upcast_half_gemms``)."""
+    if forced is not None:
+        return forced, f"forced {'on' if forced else 'off'} (ConvertOptions.upcast_half_gemms={forced})"
     if slowdown is None:
-        return False, "not measured (MPCONVERT_NO_DEVICE_ADVICE=1): the half GEMMs stay native"
+        return False, "not measured (device_profile=None): the half GEMMs stay native"
     if slowdown >= MIN_SLOWDOWN:
         return True, (f"this CPU's half GEMM measured {slowdown:.1f}x the fp32 GEMM's time (>= {MIN_SLOWDOWN}): the "
                       "half GEMMs run as fp32 GEMMs on upcast operands, half results, half operands saved")

@@ -34,10 +34,7 @@ from converter.kernels.upcast import dispatch_attention, upcast_attention
 from converter.passes.cpu_gemm import DISPATCH_TARGETS, gemm_choice, upcast_gemms
 from converter.passes.lower import LoweringChoice
 
-__all__ = ["DISPATCH_KERNELS", "dispatch_kernels", "dispatch_attention_calls"]
-
-#: False: portable graphs keep the plain calls (the fused attention and native GEMMs everywhere; benchmarks' ablation)
-DISPATCH_KERNELS = True
+__all__ = ["dispatch_kernels", "dispatch_attention_calls"]
 
 _SDPA = (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default)
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -53,11 +50,10 @@ _GEMM_WHY = ("a portable graph: on a CPU whose half GEMM measures slower than it
 
 def dispatch_kernels(gm: torch.fx.GraphModule, precision: str) -> tuple[list[str], list[dict[str, Any]]]:
     """Point the device-dependent calls of a portable graph at the dispatching kernels (module docstring).
-    Returns the names of the nodes changed and the choices for ``report.json["lowering"]``."""
+    Returns the names of the nodes changed and the choices for ``report.json["lowering"]``. Not run when
+    ``ConvertOptions.dispatch_kernels`` is False (the plain calls stay: benchmarks' ablation)."""
     changed: list[str] = []
     choices: list[dict[str, Any]] = []
-    if not DISPATCH_KERNELS:
-        return changed, choices
     if precision in ("fp16", "bf16"):
         changed, choices = dispatch_attention_calls(gm, precision)
         gemms, small = upcast_gemms(gm, precision, _GEMM_WHY, targets=DISPATCH_TARGETS)

@@ -46,7 +46,6 @@ has no ``finally``); the next converted forward restores nothing it did not set.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -234,7 +233,7 @@ def _bracket(graph: torch.fx.Graph, region: int, mode: FP32Math, members: list[t
 
 
 @pauses_gc
-def fp32_math(gm: torch.fx.GraphModule, *, setting: FP32Math = DEFAULT_FP32_MATH) -> int:
+def fp32_math(gm: torch.fx.GraphModule, *, setting: FP32Math = DEFAULT_FP32_MATH, check: bool = False) -> int:
     """Record each fp32 matmul/conv node's math and bracket the enforced runs; returns the region count."""
     if setting not in FP32_MATH_MODES:
         raise ValueError(f"fp32_math must be one of {', '.join(FP32_MATH_MODES)}, got {setting!r}")
@@ -261,7 +260,7 @@ def fp32_math(gm: torch.fx.GraphModule, *, setting: FP32Math = DEFAULT_FP32_MATH
         runs.append(current)
     for region, (mode, members) in enumerate(runs):
         _bracket(graph, region, mode, members)
-    if runs and os.environ.get("MPCONVERT_CHECK") == "1":  # as rewrite: the test suite lints every pass
+    if runs and check:  # as rewrite: ConvertOptions.check_graph (the test suite) lints every pass
         graph.lint()
     gm.recompile()
     return len(runs)

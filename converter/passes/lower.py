@@ -88,18 +88,9 @@ from converter.ir.ops import canonical_op
 from converter.passes.capture.annotation import classify
 from converter.passes.capture.values import flat_specs, spec_of
 
-__all__ = ["lower", "DEVICES", "RECOMPUTE_ATTENTION", "FP32_ATTENTION", "MAX_UNFUSED_SCORES_BYTES", "LoweringChoice", "recompute_plan"]
+__all__ = ["lower", "DEVICES", "MAX_UNFUSED_SCORES_BYTES", "LoweringChoice", "recompute_plan"]
 
 DEVICES = ("cpu", "cuda")
-#: whether a lowered attention runs inside a checkpoint region of its own (backward recomputes its scores and
-#: probabilities instead of keeping the (B, H, L, S) probability matrix, so it saves what the fused kernel
-#: saves, q, k and v, at the price of a second attention forward and a checkpoint call). ``None`` (the
-#: default): the cost model of :func:`recompute_plan` decides per call; True/False force it (benchmarks).
-RECOMPUTE_ATTENTION: Optional[bool] = None
-#: whether ``device="cpu"`` runs attention in fp32 arithmetic (``upcast_attention``, :mod:`converter.passes.dispatch`)
-#: instead of this bf16 lowering: ``None`` (the default) where the CPU's half GEMM measured slow
-#: (:mod:`converter.passes.cpu_gemm`); True/False force it (benchmarks)
-FP32_ATTENTION: Optional[bool] = None
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
 _LOWERED_PRECISIONS = ("bf16",)
@@ -184,7 +175,7 @@ def _reads_as_half_weight(user: torch.fx.Node, param: torch.fx.Node) -> bool:
 
 
 def recompute_plan(gm: torch.fx.GraphModule, calls: list[tuple[torch.fx.Node, dict[str, Any]]], *,
-                   opt_level: str) -> dict[torch.fx.Node, LoweringChoice]:
+                   opt_level: str, forced: Optional[bool] = None) -> dict[torch.fx.Node, LoweringChoice]:
     """The cost model for the lowered attentions: which recompute their probabilities in backward.
 
     Keeping a lowered attention's probabilities costs memory (:func:`_kept_bytes` per call) and no
@@ -197,10 +188,10 @@ def recompute_plan(gm: torch.fx.GraphModule, calls: list[tuple[torch.fx.Node, di
     other half is margin for what the static sizes do not see); the rest are recomputed. Under O1
     the graph saves the weight copies autocast saves, so the budget is 0 and every call recomputes.
     """
-    if RECOMPUTE_ATTENTION is not None:
-        forced = "recomputed" if RECOMPUTE_ATTENTION else "kept"
-        return {node: LoweringChoice(node.name, "recompute_attention", RECOMPUTE_ATTENTION,
-                                     f"{forced}: forced by converter.passes.lower.RECOMPUTE_ATTENTION")
+    if forced is not None:  # ConvertOptions.recompute_attention
+        how = "recomputed" if forced else "kept"
+        return {node: LoweringChoice(node.name, "recompute_attention", forced,
+                                     f"{how}: forced by ConvertOptions.recompute_attention={forced}")
                 for node, _ in calls}
     plan: dict[torch.fx.Node, LoweringChoice] = {}
     for node, _ in calls:
@@ -229,13 +220,15 @@ def recompute_plan(gm: torch.fx.GraphModule, calls: list[tuple[torch.fx.Node, di
 
 
 @pauses_gc
-def lower(gm: torch.fx.GraphModule, *, device: Optional[str], opt_level: str = "O1", fp32_attention: bool = False) -> list[str]:
+def lower(gm: torch.fx.GraphModule, *, device: Optional[str], opt_level: str = "O1", fp32_attention: bool = False,
+          recompute_attention: Optional[bool] = None) -> list[str]:
     """Apply the lowerings for ``device`` (None: none); returns the names of the nodes replaced.
 
     ``fp32_attention`` (a CPU whose half GEMM measured slower than fp32's, :mod:`converter.passes.cpu_gemm`): the
     attention calls are not lowered here; after rewrite they call ``upcast_attention``, which runs them in fp32
     arithmetic (:func:`converter.passes.dispatch.dispatch_attention_calls`). The cost model's choices (:class:`LoweringChoice`) go to the
-    graph meta's ``lowering`` field."""
+    graph meta's ``lowering`` field. ``recompute_attention``: None, the cost model decides per call; True/False
+    force it (``ConvertOptions.recompute_attention``)."""
     if device is None:
         return []
     if device not in DEVICES:
@@ -267,7 +260,7 @@ def lower(gm: torch.fx.GraphModule, *, device: Optional[str], opt_level: str = "
             fused.append(refused)
             continue
         attention.append((node, call))
-    plan = recompute_plan(gm, attention, opt_level=opt_level)
+    plan = recompute_plan(gm, attention, opt_level=opt_level, forced=recompute_attention)
     choices = fused + [plan[node] for node, _ in attention]
     for node, call in attention:
         name = node.name

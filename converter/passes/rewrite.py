@@ -25,7 +25,6 @@ necessary.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Optional
 
 import torch
@@ -155,9 +154,9 @@ class _Casts:
 
 
 @pauses_gc
-def rewrite(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, check: Optional[bool] = None) -> None:
-    """Insert the casts. ``check`` runs ``Graph.lint`` afterwards (default: when the environment
-    sets ``MPCONVERT_CHECK=1``, as the test suite does; it costs ~15 % of the pass on large graphs).
+def rewrite(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, check: bool = False) -> None:
+    """Insert the casts. ``check`` runs ``Graph.lint`` afterwards (``ConvertOptions.check_graph``, which the
+    test suite sets; it costs ~15 % of the pass on large graphs).
     FX code generation is requested with ``gm.recompile()``; on the lazy GraphModules that capture
     builds it happens once, later (see :mod:`converter.graphmodule`)."""
     casts = _Casts(gm)
@@ -175,7 +174,7 @@ def rewrite(gm: torch.fx.GraphModule, *, keep_io_types: bool = True, check: Opti
             _cast_inputs(node, info, casts, native)
     _share_casts_with_promotes(native, casts.casts, casts.cache)
     _record_param_dtypes(gm)
-    if check if check is not None else os.environ.get("MPCONVERT_CHECK") == "1":
+    if check:
         gm.graph.lint()
     gm.recompile()
 

@@ -57,6 +57,7 @@ from converter.ir.meta import (
     name_of,
 )
 from converter.passes.fp32_math import DEFAULT_FP32_MATH, global_math_settings, reduced_globals
+from converter.numerics.profile import DeviceProfile
 from converter.report.flops import node_flops
 from converter.report.fp8 import fp8_line, fp8_section
 from converter.report.html import to_html
@@ -98,6 +99,8 @@ class Report:
     modes: Optional[ModesNote] = None
     #: the regions, glue and breaks of a model converted region by region (converter.partition.Partition), or None
     partition: Any = None
+    #: the device profile the conversion's kernel choices and advice read (converter.numerics.profile), or None
+    device_profile: Optional[DeviceProfile] = None
 
     def to_dict(self) -> dict:
         out = {
@@ -117,6 +120,7 @@ class Report:
             "calibration": self.calibration,
             "fp32_math": self.fp32_math,
             "rules": self.rules,
+            "device_profile": self.device_profile.to_dict() if self.device_profile is not None else None,
             "graph_breaks": [b.to_dict() for b in self.partition.breaks] if self.partition is not None else [],
             "regions": [r.to_dict() for r in self.partition.regions] if self.partition is not None else [],
         }
@@ -558,4 +562,5 @@ def merge_reports(parts: list[tuple[str, Report]], *, partition: Any, precision:
     return Report(precision=precision, tracer="+".join(tracers) or "eager", summary=summary, nodes=nodes, casts=casts,
                   rules=rules, model=parts[0][1].model if parts else "", ops=_op_table(nodes), modules=modules,
                   memory=memory, partition=partition,
+                  device_profile=next((r.device_profile for _, r in parts if r.device_profile is not None), None),
                   extra={"timings": timings, "opt_level": opt_level, "device": device, "capture_errors": capture_errors})
