@@ -32,6 +32,7 @@ from converter.ir.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, MpconvertErro
 from converter.options import ConvertOptions
 
 __all__ = ["COMMANDS", "CheckFailed", "Artifacts", "EXIT_OK", "cmd_convert", "cmd_audit", "cmd_explain", "cmd_rules_check",
+           "cmd_profile",
            "convert_model", "audit_line"]
 
 EXIT_OK = 0
@@ -88,7 +89,8 @@ def model_of_output(path: str, ui: Terminal) -> str:
 def cmd_convert(ns: argparse.Namespace, ui: Terminal) -> int:
     """``mpconvert MODEL``: convert, then write MODEL_mp/ (model.py, weights, train.py, reports)."""
     options = ConvertOptions(precision=ns.precision, tracer=ns.tracer, opt_level=ns.opt_level, device=ns.device,
-                             dynamic=not ns.static, strict_modes=ns.strict_modes, partial=not ns.no_breaks)
+                             dynamic=not ns.static, strict_modes=ns.strict_modes, partial=not ns.no_breaks,
+                             device_profile=ns.device_profile)
     source = _source(model_of_output(ns.model, ui), ns.entry, ns.batch, ns.seq_len, ns.trust_remote_code,
                      ns.empty_weights, ns.allow_missing_weights)
     calibrating = ns.calibrate or ns.tolerance is not None or ns.calibration_data is not None
@@ -359,7 +361,8 @@ def _onnx_failure(onnx: bool, onnx_result: dict, payload: dict) -> Optional[str]
 def cmd_audit(ns: argparse.Namespace, ui: Terminal) -> int:
     """``mpconvert audit MODEL``: the report only, written to MODEL_audit/."""
     options = ConvertOptions(precision=ns.precision, tracer=ns.tracer, opt_level=ns.opt_level, device=ns.device,
-                             dynamic=not ns.static, strict_modes=ns.strict_modes, partial=not ns.no_breaks)
+                             dynamic=not ns.static, strict_modes=ns.strict_modes, partial=not ns.no_breaks,
+                             device_profile=ns.device_profile)
     source = _source(model_of_output(ns.model, ui), ns.entry, ns.batch, ns.seq_len, ns.trust_remote_code,
                      ns.empty_weights, ns.allow_missing_weights)
     rules = load_rules(ns.rules)
@@ -515,10 +518,38 @@ def cmd_rules_check(ns: argparse.Namespace, ui: Terminal) -> int:
     return code
 
 
+# ---------------------------------------------------------------------------------------------
+# profile
+
+
+def cmd_profile(ns: argparse.Namespace, ui: Terminal) -> int:
+    """``mpconvert profile -o FILE``: measure this machine's device profile and save it."""
+    from converter.numerics.profile import DeviceProfile
+
+    output = Path(ns.output)
+    if output.is_dir():
+        raise UsageError(f"-o {output} is a directory; give a file name such as {output / 'profile.json'}")
+    if not output.parent.is_dir():
+        raise UsageError(f"-o {output}: the folder {output.parent} does not exist; create it or pick another path")
+    profile = DeviceProfile.measure()
+    profile.save(output)
+    if ui.json:
+        ui.emit_json({"ok": True, "command": "profile", "exit_code": EXIT_OK, "path": str(output),
+                      "device_profile": profile.to_dict()})
+    elif ui.quiet:
+        ui.out(str(output))
+    else:
+        seconds = ", ".join(f"{name} {value * 1e6:.0f} us" for name, value in profile.matmul_seconds)
+        ui.out(f"wrote {output}: {profile.cpu} ({profile.cores} cores, torch {profile.torch_version}); "
+               f"128x128 matmul {seconds}" + (f"; CUDA {profile.cuda_device}" if profile.cuda_device else ""))
+    return EXIT_OK
+
+
 #: command name -> entry point (the only functions that read a parsed namespace)
 COMMANDS: dict[str, Callable[[argparse.Namespace, Terminal], int]] = {
     "convert": cmd_convert,
     "audit": cmd_audit,
     "explain": cmd_explain,
     "rules check": cmd_rules_check,
+    "profile": cmd_profile,
 }

@@ -3,7 +3,8 @@ honours, and :func:`parse`, which turns an argv into the command, its namespace 
 
 Flags per command (docs/cli.md): ``mpconvert MODEL`` (convert) takes them all; ``audit`` writes only the
 reports, so it takes no weight, calibration, ONNX or measuring flag; ``explain`` writes nothing, so it also
-takes no ``--out``/``--force``/``--strict-modes``; ``rules check`` takes the files and ``-q/--json/--debug``.
+takes no ``--out``/``--force``/``--strict-modes``/``--device-profile``; ``rules check`` takes the files and
+``-q/--json/--debug``; ``profile`` takes ``-o FILE`` and those.
 A flag a command does not take is one line of bad input (exit 2) naming the command that takes it.
 
 Imports no torch: ``explain OUT_DIR`` and ``--help`` answer without it.
@@ -27,6 +28,7 @@ commands:
   mpconvert audit MODEL [options]       the report only; writes MODEL_audit/ (report.json, .md, .html)
   mpconvert explain OUT_DIR|MODEL NODE  every rule that matched NODE, its precedence, and the winner
   mpconvert rules check FILE...         validate rule files (exit 2 on the first problem of each file)
+  mpconvert profile -o FILE             measure this machine's device profile and save it (--device-profile FILE)
 
 MODEL is a model file defining build_model() (or a module-level `model`) and example_inputs(), and
 optionally calibration_inputs() for --calibrate, loss_fn(output, batch) + train_batches() for
@@ -48,6 +50,7 @@ examples:
   mpconvert explain cnn_audit b1_conv                instant: reads cnn_audit/report.json
   mpconvert explain samples/tiny_transformer.py layers_0_attn_qkv
   mpconvert rules check rules/llm.toml my_rules.toml
+  mpconvert profile -o cpu.json && mpconvert samples/mlp.py --device-profile cpu.json   the same kernels on every run
   python mlp_mp/train.py --steps 5                  train the emitted model
 
 exit status: 0 ok, 1 a requested check failed, 2 bad input (one line on stderr; --debug for the
@@ -106,6 +109,11 @@ def _model_options(p: argparse.ArgumentParser, command: str) -> None:
         p.add_argument("--no-measure", dest="no_measure", action="store_true",
                        help="skip measuring memory and numerics against fp32 and torch.autocast for the report")
     if command in ("convert", "audit"):
+        p.add_argument("--device-profile", dest="device_profile", default="auto", metavar="PATH|auto|none",
+                       help="the device figures (matmul timings per dtype) that the device-dependent kernel choices and the "
+                            "slow-half advice read, recorded in report.json: auto measures this machine in this run "
+                            "(default), PATH reads a file `mpconvert profile -o FILE` wrote (the same choices wherever "
+                            "it runs), none measures nothing (fixed choices: native half GEMMs, no advice)")
         p.add_argument("--no-breaks", dest="no_breaks", action="store_true",
                        help="refuse (exit 2) a model that no tracer captures whole, instead of converting it region by "
                             "region with its graph breaks reported (default: the code between converted regions runs "
@@ -234,7 +242,17 @@ def _explain_parser() -> Parser:
     return explain
 
 
-_BUILDERS = {"convert": _convert_parser, "audit": _audit_parser, "explain": _explain_parser, "rules check": _rules_check_parser}
+def _profile_parser() -> Parser:
+    profile = Parser(prog="mpconvert profile", description="Measure this machine's device profile (one small matmul timed "
+                     "per dtype on the CPU, the CUDA device's capability) and save it as JSON, for --device-profile FILE.")
+    profile.add_argument("-o", "--output", dest="output", metavar="FILE", required=True,
+                         help="the JSON file to write (replaced if it exists)")
+    _common(profile, json_help="print the profile as JSON on stdout instead of text")
+    return profile
+
+
+_BUILDERS = {"convert": _convert_parser, "audit": _audit_parser, "explain": _explain_parser, "rules check": _rules_check_parser,
+             "profile": _profile_parser}
 
 
 def build_parsers(only: Optional[str] = None) -> dict[str, argparse.ArgumentParser]:
@@ -249,7 +267,7 @@ def split_command(argv: list[str]) -> tuple[str, list[str]]:
     if not argv:
         raise UsageError("missing MODEL.py: usage: mpconvert MODEL.py [options], or mpconvert audit|explain|rules check ...; see `mpconvert --help`")
     head = argv[0]
-    if head in ("audit", "explain"):
+    if head in ("audit", "explain", "profile"):
         return head, argv[1:]
     if head == "rules":
         if len(argv) < 2 or argv[1] != "check":
@@ -258,7 +276,7 @@ def split_command(argv: list[str]) -> tuple[str, list[str]]:
     return "convert", argv
 
 
-_POSITIONALS = {"convert": 1, "audit": 1, "explain": 2, "rules check": None}
+_POSITIONALS = {"convert": 1, "audit": 1, "explain": 2, "rules check": None, "profile": None}
 
 
 def _value_options(parser: argparse.ArgumentParser) -> set[str]:
