@@ -1,7 +1,6 @@
 """Shared fixtures, the hypothesis profile, CI's no-skip guard and the ``--plant-fp32`` option."""
 import importlib
 import os
-import tempfile
 
 import pytest
 import torch
@@ -13,13 +12,30 @@ settings.register_profile("ci", derandomize=True, database=None)
 if os.environ.get("CI") == "true" or os.environ.get("HYPOTHESIS_PROFILE") == "ci":
     settings.load_profile("ci")
 
-# every conversion in the suite lints the rewritten graph (off by default: ~15 % of a large pass)
-os.environ.setdefault("MPCONVERT_CHECK", "1")
-# the slow-half advice measures this CPU: CLI output must not depend on which CPU runs the suite
-# (tests/test_device_advice.py turns it back on)
-os.environ.setdefault("MPCONVERT_NO_DEVICE_ADVICE", "1")
-# the device probe's per-machine cache goes to a folder of the test run's own, not the user's ~/.cache
-os.environ.setdefault("MPCONVERT_CACHE_DIR", tempfile.mkdtemp(prefix="mpconvert-cache-"))
+# The suite's conversions are deterministic without any environment variable: every ConvertOptions built in
+# this process (convert, audit, apply, the in-process CLI) defaults to no device profile (fixed kernel choices,
+# no slow-half advice: expected output must not depend on the CPU that runs the suite) and lints the graph
+# after each rewriting pass. A test that wants the product's defaults passes them (device_profile="auto").
+# CLI runs in a subprocess pass `--device-profile none` (SUITE_CLI_FLAGS).
+SUITE_OPTION_DEFAULTS = {"device_profile": None, "check_graph": True}
+SUITE_CLI_FLAGS = ("--device-profile", "none")
+
+
+def _suite_option_defaults() -> None:
+    import dataclasses
+
+    from converter.options import ConvertOptions
+
+    init = ConvertOptions.__init__
+    names = [f.name for f in dataclasses.fields(ConvertOptions)]
+    defaults = list(init.__defaults__ or ())
+    first = len(names) - len(defaults)  # the fields that have defaults: all of them
+    for name, value in SUITE_OPTION_DEFAULTS.items():
+        defaults[names.index(name) - first] = value
+    init.__defaults__ = tuple(defaults)
+
+
+_suite_option_defaults()
 
 #: the top-level modules of pyproject.toml's `.[test]` extra: under CI (CI=true) a test that would skip because
 #: one of them does not import fails instead (a broken install must not turn into skips)

@@ -72,7 +72,8 @@ sys.exit(main(sys.argv[1:]))
 
 def _old_output(tmp_path: Path) -> Path:
     out = tmp_path / "out"
-    done = subprocess.run([sys.executable, "-m", "converter", str(SAMPLES / "mlp.py"), "--out", str(out), "--no-measure"],
+    done = subprocess.run([sys.executable, "-m", "converter", str(SAMPLES / "mlp.py"), "--out", str(out), "--no-measure",
+                           "--device-profile", "none"],
                           env=_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return out

@@ -686,7 +686,7 @@ def test_cli_control_flow_and_dynamic_options(tmp_path):
         def example_inputs():
             return (torch.randn(4, 8),)
         """))
-    env_cmd = [sys.executable, "-m", "converter"]
+    env_cmd = [sys.executable, "-m", "converter", "--device-profile", "none"]
     # by default the branch is the glue and the Linear a converted region, its break reported with the line
     run = subprocess.run([*env_cmd, str(model_file), "--out", str(tmp_path / "o0"), "--no-measure"], check=False,
                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
@@ -777,7 +777,7 @@ def test_frozen_mode_is_loud_and_strict_modes_refuses_it(tmp_path):
     # the CLI: one warning line on stderr; --strict-modes: one error line, exit 2, nothing written
     model_file = tmp_path / "frozen.py"
     model_file.write_text(_FROZEN_FILE)
-    cmd = [sys.executable, "-m", "converter", str(model_file), "--no-measure", "--no-breaks"]
+    cmd = [sys.executable, "-m", "converter", str(model_file), "--no-measure", "--no-breaks", "--device-profile", "none"]
     run = subprocess.run([*cmd, "--out", str(tmp_path / "o1")], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert run.returncode == 0, run.stderr
     warned = [line for line in run.stderr.splitlines() if "frozen in eval mode" in line]

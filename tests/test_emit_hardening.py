@@ -153,7 +153,7 @@ def test_cli_with_a_malicious_file_name_runs_nothing(tmp_path):
     """The CLI converts it (exit 0); importing model.py and running train.py runs no injected code."""
     model_file = tmp_path / PWNED_NAME
     model_file.write_text(MLP_SOURCE)
-    proc = subprocess.run([sys.executable, "-m", "converter", model_file.name, "--out", "out", "-q"],
+    proc = subprocess.run([sys.executable, "-m", "converter", model_file.name, "--out", "out", "-q", "--device-profile", "none"],
                           cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     train = subprocess.run([sys.executable, "out/train.py", "--steps", "1"], cwd=tmp_path, env=_env(),
@@ -263,7 +263,7 @@ def test_force_never_replaces_what_appeared_meanwhile(mlp_conv, tmp_path, monkey
 @pytest.mark.slow
 def test_two_concurrent_cli_runs_one_wins(tmp_path):
     out = tmp_path / "shared"
-    cmd = [sys.executable, "-m", "converter", str(SAMPLES / "mlp.py"), "--out", str(out), "-q"]
+    cmd = [sys.executable, "-m", "converter", str(SAMPLES / "mlp.py"), "--out", str(out), "-q", "--device-profile", "none"]
     procs = [subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
     results = [(p.wait(timeout=300), *p.communicate()) for p in procs]

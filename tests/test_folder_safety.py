@@ -55,7 +55,7 @@ def _remote(good, tmp_path):
 def test_remote_code_never_runs_without_consent_even_with_yes_on_stdin(good, tmp_path):
     folder, marker = _remote(good, tmp_path)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "converter", str(folder), "--out", str(tmp_path / "out")],
+    proc = subprocess.run([sys.executable, "-m", "converter", str(folder), "--out", str(tmp_path / "out"), "--device-profile", "none"],
                           input="y\ny\ny\n", capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()

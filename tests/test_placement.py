@@ -711,7 +711,7 @@ def test_cli_exits_1_on_fp16_overflow(tmp_path) -> None:
     model_file.write_text(_OVERFLOW_MODEL)
     out = tmp_path / "big_mp"
     proc = subprocess.run([sys.executable, "-m", "converter", str(model_file), "--precision", "fp16", "--out", str(out),
-                           "--no-measure"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+                           "--no-measure", "--device-profile", "none"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert proc.returncode == 1, (proc.returncode, proc.stderr)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "fp16 overflow: node 'fc'" in lines[0] and "--calibrate" in lines[0], proc.stderr

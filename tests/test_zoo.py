@@ -343,7 +343,7 @@ def cli_runs(workdir) -> dict:
         argv = [str(path), "--out", str(out), "--quiet", "--no-measure", *(["--static"] if name in STATIC else [])]
         start = time.perf_counter()
         if name in SUBPROCESS_CLI:
-            proc = subprocess.run([sys.executable, "-m", "converter", *argv], capture_output=True, text=True,
+            proc = subprocess.run([sys.executable, "-m", "converter", *argv, "--device-profile", "none"], capture_output=True, text=True,
                                   env=env, cwd=workdir, timeout=300)
             code, err = proc.returncode, proc.stderr
         else:

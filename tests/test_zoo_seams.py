@@ -484,7 +484,7 @@ def test_fifo_shard_index_is_refused_in_one_line(tmp_path):
     os.mkfifo(hf / "model.safetensors.index.json")
     timer = _unblock(hf / "model.safetensors.index.json")
     try:
-        cli = subprocess.run([sys.executable, "-m", "converter", str(hf), "--precision", "bf16"], cwd=tmp_path,
+        cli = subprocess.run([sys.executable, "-m", "converter", str(hf), "--precision", "bf16", "--device-profile", "none"], cwd=tmp_path,
                              capture_output=True, text=True, timeout=120)
     finally:
         timer.cancel()

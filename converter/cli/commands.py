@@ -90,7 +90,7 @@ def cmd_convert(ns: argparse.Namespace, ui: Terminal) -> int:
     """``mpconvert MODEL``: convert, then write MODEL_mp/ (model.py, weights, train.py, reports)."""
     options = ConvertOptions(precision=ns.precision, tracer=ns.tracer, opt_level=ns.opt_level, device=ns.device,
                              dynamic=not ns.static, strict_modes=ns.strict_modes, partial=not ns.no_breaks,
-                             device_profile=ns.device_profile)
+                             **_profile_option(ns.device_profile))
     source = _source(model_of_output(ns.model, ui), ns.entry, ns.batch, ns.seq_len, ns.trust_remote_code,
                      ns.empty_weights, ns.allow_missing_weights)
     calibrating = ns.calibrate or ns.tolerance is not None or ns.calibration_data is not None
@@ -362,7 +362,7 @@ def cmd_audit(ns: argparse.Namespace, ui: Terminal) -> int:
     """``mpconvert audit MODEL``: the report only, written to MODEL_audit/."""
     options = ConvertOptions(precision=ns.precision, tracer=ns.tracer, opt_level=ns.opt_level, device=ns.device,
                              dynamic=not ns.static, strict_modes=ns.strict_modes, partial=not ns.no_breaks,
-                             device_profile=ns.device_profile)
+                             **_profile_option(ns.device_profile))
     source = _source(model_of_output(ns.model, ui), ns.entry, ns.batch, ns.seq_len, ns.trust_remote_code,
                      ns.empty_weights, ns.allow_missing_weights)
     rules = load_rules(ns.rules)
@@ -520,6 +520,11 @@ def cmd_rules_check(ns: argparse.Namespace, ui: Terminal) -> int:
 
 # ---------------------------------------------------------------------------------------------
 # profile
+
+
+def _profile_option(value: Optional[str]) -> dict[str, Any]:
+    """``--device-profile PATH|auto|none`` as a ConvertOptions keyword; not given: the option's default (auto)."""
+    return {} if value is None else {"device_profile": value}
 
 
 def cmd_profile(ns: argparse.Namespace, ui: Terminal) -> int:

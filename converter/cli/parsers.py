@@ -109,7 +109,7 @@ def _model_options(p: argparse.ArgumentParser, command: str) -> None:
         p.add_argument("--no-measure", dest="no_measure", action="store_true",
                        help="skip measuring memory and numerics against fp32 and torch.autocast for the report")
     if command in ("convert", "audit"):
-        p.add_argument("--device-profile", dest="device_profile", default="auto", metavar="PATH|auto|none",
+        p.add_argument("--device-profile", dest="device_profile", default=None, metavar="PATH|auto|none",
                        help="the device figures (matmul timings per dtype) that the device-dependent kernel choices and the "
                             "slow-half advice read, recorded in report.json: auto measures this machine in this run "
                             "(default), PATH reads a file `mpconvert profile -o FILE` wrote (the same choices wherever "
