@@ -11,7 +11,7 @@ Variants, all from the same weights and batch, interleaved after warm-up (median
 
 * ``autocast``: the original under ``torch.autocast("cpu", bfloat16)`` (the fused SDPA kernel);
 * ``cpu``: ``convert(device="cpu")`` (lowered attention; O1, so the cost model recomputes it in backward);
-* ``cpu_keep``: the same lowering without the recompute (``lower.RECOMPUTE_ATTENTION = False``);
+* ``cpu_keep``: the same lowering without the recompute (``recompute_attention=False``);
 * ``portable``: ``convert()`` with no device (the fused op kept).
 
 Saved activations: the distinct storages autograd saves in one training forward (parameters and
@@ -36,7 +36,6 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import converter  # noqa: E402
 from benchmarks.common import SavedTensorMeter, interleaved, machine_info, summarize  # noqa: E402
-from converter.passes import lower as lower_mod  # noqa: E402
 
 
 class Block(nn.Module):
@@ -113,11 +112,7 @@ def main(argv=None) -> int:
     targets = torch.randint(0, 256, (args.batch, args.seq), generator=g)
     models = {"autocast": model}
     models["cpu"] = converter.convert(model, (ids,), device="cpu").module
-    lower_mod.RECOMPUTE_ATTENTION = False
-    try:
-        models["cpu_keep"] = converter.convert(model, (ids,), device="cpu").module
-    finally:
-        lower_mod.RECOMPUTE_ATTENTION = None  # the cost model (O1 here: every attention recomputed)
+    models["cpu_keep"] = converter.convert(model, (ids,), device="cpu", recompute_attention=False).module
     models["portable"] = converter.convert(model, (ids,)).module
     # independent weights per variant (the converted modules share the model's storage)
     models = {name: copy.deepcopy(m) for name, m in models.items()}

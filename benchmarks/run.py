@@ -85,12 +85,12 @@ VARIANTS = ("fp32", "autocast", "O1", "O2", "floor")
 #: so the table shows what each choice of the cost model (converter.passes.lower.recompute_plan) is worth
 ABLATIONS = {
     "O2-bf16-attention": "attention lowered to bf16 matmul·softmax·matmul (the cost model's recompute choice), not "
-                         "run in fp32 arithmetic (converter.passes.lower.FP32_ATTENTION = False)",
+                         "run in fp32 arithmetic (ConvertOptions.fp32_attention=False)",
     "O2-recompute": "as O2-bf16-attention, every lowered attention recomputed in backward (the rule before the cost model)",
     "O2-keep": "as O2-bf16-attention, no lowered attention recomputed (probabilities kept for backward)",
     "O2-portable": "no device lowering (converted without naming the device): kernels that choose per device at run time",
     "O2-portable-plain": "the portable graph without its dispatching kernels (fused attention, native half GEMMs; "
-                         "converter.passes.dispatch.DISPATCH_KERNELS = False)",
+                         "ConvertOptions.dispatch_kernels=False)",
     "O2-raw": "without the simplify pass",
     "O2-native-gemm": "half GEMMs on the native half kernels (no upcast to fp32 GEMMs; converter.passes.cpu_gemm)",
 }
@@ -347,7 +347,6 @@ def ablation_variants(model: nn.Module, args: tuple, kwargs: dict, *, precision:
     import converter
     from converter.api import pipeline
     from converter.options import ConvertOptions
-    from converter.passes import lower as lower_mod
     from converter.train.trainer import MixedPrecisionTrainer
 
     def o2(name: str, module: nn.Module) -> Variant:
@@ -360,35 +359,16 @@ def ablation_variants(model: nn.Module, args: tuple, kwargs: dict, *, precision:
                                  opt_level="O2", **options).module
 
     out: dict[str, Variant] = {}
-    lower_mod.FP32_ATTENTION = False  # the bf16 lowering and its cost model (on a CPU with fast half GEMMs: the default)
-    try:
-        for name, forced in (("O2-bf16-attention", None), ("O2-recompute", True), ("O2-keep", False)):
-            lower_mod.RECOMPUTE_ATTENTION = forced
-            try:
-                out[name] = o2(name, convert(device=device.type))
-            finally:
-                lower_mod.RECOMPUTE_ATTENTION = None
-    finally:
-        lower_mod.FP32_ATTENTION = None
+    # the bf16 lowering and its cost model (on a CPU with fast half GEMMs: the default)
+    for name, forced in (("O2-bf16-attention", None), ("O2-recompute", True), ("O2-keep", False)):
+        out[name] = o2(name, convert(device=device.type, fp32_attention=False, recompute_attention=forced))
     out["O2-portable"] = o2("O2-portable", convert())
-    from converter.passes import dispatch
-
-    dispatch.DISPATCH_KERNELS = False
-    try:
-        out["O2-portable-plain"] = o2("O2-portable-plain", convert())
-    finally:
-        dispatch.DISPATCH_KERNELS = True
+    out["O2-portable-plain"] = o2("O2-portable-plain", convert(dispatch_kernels=False))
     options = ConvertOptions(precision=precision, opt_level="O2", device=device.type)
     captured, *_ = pipeline(copy.deepcopy(model), (args, kwargs), options, rules=rules, simplify_graph=False)
     out["O2-raw"] = o2("O2-raw", captured.gm)
     if device.type == "cpu":  # the GEMM kernels' choice (measured on this CPU) flipped to native half GEMMs
-        from converter.passes import cpu_gemm
-
-        cpu_gemm.UPCAST_HALF_GEMMS = False
-        try:
-            out["O2-native-gemm"] = o2("O2-native-gemm", convert(device=device.type))
-        finally:
-            cpu_gemm.UPCAST_HALF_GEMMS = None
+        out["O2-native-gemm"] = o2("O2-native-gemm", convert(device=device.type, upcast_half_gemms=False))
     return out
 
 

@@ -42,11 +42,11 @@ from converter.ir.ops import library_op
 from converter.ir.precision import ALIASES, half_precision
 from converter.ir.state import preserved_state
 from converter.numerics.device import half_gemm_slowdown, half_speed_advice
-from converter.numerics.profile import resolve_profile
 from converter.numerics.optional_inputs import find_optional_inputs
 from converter.numerics.optional_inputs import install as install_optional_inputs
 from converter.numerics.options import CalibrationOptions
 from converter.numerics.overflow import first_overflow
+from converter.numerics.profile import resolve_profile
 from converter.numerics.redecide import PlaceSettings
 from converter.options import FIELDS, ConvertOptions, build_options
 from converter.passes import cpu_gemm

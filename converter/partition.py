@@ -51,12 +51,12 @@ from converter.api import Conversion, SlowHalfWarning
 from converter.ir.errors import MpconvertError
 from converter.ir.meta import GM_PARAM_DTYPES
 from converter.ir.precision import half_dtype
+from converter.numerics.profile import resolve_profile
 from converter.options import ConvertOptions, build_options
 from converter.passes.capture import REFUSE_FROZEN, CaptureError, normalize_inputs
 from converter.passes.capture.probe import Impurity, ModuleProbe, Probe, probe
 from converter.passes.capture.shells import shell
 from converter.passes.fp8 import fp8_rule_set
-from converter.numerics.profile import resolve_profile
 from converter.report.build import merge_reports
 from converter.rules.loader import load_rules
 

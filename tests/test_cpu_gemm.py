@@ -94,12 +94,30 @@ def test_anything_but_two_operands_of_one_half_dtype_runs_the_plain_op():
     assert upcast_linear(x.bfloat16(), w.bfloat16().requires_grad_()).grad_fn.name().startswith(UpcastLinear.__name__)
 
 
-def test_the_choice_follows_the_measurement(monkeypatch):
-    monkeypatch.setattr(cpu_gemm, "UPCAST_HALF_GEMMS", None)
+def test_the_choice_follows_the_measurement():
     assert cpu_gemm.upcast_wanted(4.5)[0] is True and "4.5x" in cpu_gemm.upcast_wanted(4.5)[1]
-    assert cpu_gemm.upcast_wanted(1.1)[0] is False and cpu_gemm.upcast_wanted(None)[0] is False
-    monkeypatch.setattr(cpu_gemm, "UPCAST_HALF_GEMMS", True)
-    assert cpu_gemm.upcast_wanted(None) == (True, "forced on (converter.passes.cpu_gemm.UPCAST_HALF_GEMMS)")
+    assert cpu_gemm.upcast_wanted(1.1)[0] is False
+    assert cpu_gemm.upcast_wanted(None) == (False, "not measured (device_profile=None): the half GEMMs stay native")
+    assert cpu_gemm.upcast_wanted(None, True) == (True, "forced on (ConvertOptions.upcast_half_gemms=True)")
+    assert cpu_gemm.upcast_wanted(4.5, False) == (False, "forced off (ConvertOptions.upcast_half_gemms=False)")
+
+
+def test_device_cpu_reads_the_profile_not_the_machine():
+    """``device="cpu"`` chooses its GEMM kernels and attention from the profile's figures, the same on any machine."""
+    from converter.numerics.profile import DeviceProfile
+
+    def profile(bf16: float) -> DeviceProfile:
+        return DeviceProfile(cpu="Test CPU", cores=2, torch_version="2.x",
+                             matmul_seconds=(("fp32", 1e-4), ("bf16", bf16 * 1e-4), ("fp16", 1e-4)))
+
+    torch.manual_seed(0)
+    model, x = Block(), torch.randn(2, 16, 64)
+    for bf16, upcast in ((4.5, True), (1.0, False)):
+        conv = converter.convert(model, (x,), precision="bf16", device="cpu", device_profile=profile(bf16))
+        [choice] = [c for c in conv.report.to_dict()["lowering"] if c["lowering"] == "upcast_gemm"]
+        assert f"measured {bf16:.1f}x" in choice["why"] or f"measured {bf16:.2f}x" in choice["why"], choice
+        assert ("upcast_attention" in _targets(conv.module)) is upcast, _targets(conv.module)
+        assert conv.report.to_dict()["device_profile"]["matmul_seconds"]["bf16"] == bf16 * 1e-4
 
 
 class Block(nn.Module):
@@ -121,9 +139,8 @@ class Block(nn.Module):
 
 
 def _convert(model, x, upcast: bool, monkeypatch, **options):
-    monkeypatch.setattr(cpu_gemm, "UPCAST_HALF_GEMMS", upcast)
     monkeypatch.setattr(cpu_gemm, "MIN_GEMM_FLOPS", 0)  # the test models are small: every GEMM call is upcast
-    return converter.convert(model, (x,), precision="bf16", device="cpu", **options)
+    return converter.convert(model, (x,), precision="bf16", device="cpu", upcast_half_gemms=upcast, **options)
 
 
 def _targets(gm) -> list:
@@ -202,11 +219,9 @@ def test_an_hf_model_with_library_defaults_on_a_padded_batch(monkeypatch):
     mask[2, 5:] = 0
     labels = ids.masked_fill(mask == 0, -100)
     example = {"input_ids": ids, "attention_mask": mask, "labels": labels}
-    monkeypatch.setattr(cpu_gemm, "UPCAST_HALF_GEMMS", True)
     monkeypatch.setattr(cpu_gemm, "MIN_GEMM_FLOPS", 0)
-    conv = converter.convert(model, example, precision="bf16", device="cpu")
-    monkeypatch.setattr(cpu_gemm, "UPCAST_HALF_GEMMS", False)
-    native = converter.convert(model, example, precision="bf16", device="cpu")
+    conv = converter.convert(model, example, precision="bf16", device="cpu", upcast_half_gemms=True)
+    native = converter.convert(model, example, precision="bf16", device="cpu", upcast_half_gemms=False)
     assert _targets(conv.module).count("upcast_linear") >= 2 * 7, _targets(conv.module)
     grads = []
     for module in (conv.module, native.module):
@@ -302,10 +317,9 @@ def test_the_onnx_export_writes_plain_half_matmuls(monkeypatch, tmp_path):
 def test_gemms_below_the_size_bound_stay_native(monkeypatch):
     torch.manual_seed(0)
     model, x = Block(), torch.randn(2, 16, 64)  # 32 tokens: qkv 2·32·64·192, up 2·32·64·256 FLOPs, ...
-    monkeypatch.setattr(cpu_gemm, "UPCAST_HALF_GEMMS", True)
     # between the MLP's (2·32·64·256 = 1.05 MFLOP) and the attention projections' (out: 0.26 MFLOP)
     monkeypatch.setattr(cpu_gemm, "MIN_GEMM_FLOPS", 10**6)
-    conv = converter.convert(model, (x,), precision="bf16", device="cpu")
+    conv = converter.convert(model, (x,), precision="bf16", device="cpu", upcast_half_gemms=True)
     upcast = {n.name for n in conv.module.graph.nodes if n.op == "call_function" and _targets_name(n) in ("upcast_linear", "upcast_matmul")}
     # qkv: 2·32·64·192 = 0.79 MFLOP, out: 0.26, up and down: 1.05 each; the attention matmuls 2·16·16·16 per matrix
     assert upcast == {"up", "down"}, upcast

@@ -23,7 +23,7 @@ from converter.export.model_py import generate_model_source
 from converter.ir.meta import META_DECISION
 from converter.kernels import upcast
 from converter.kernels.upcast import dispatch_attention, dispatch_linear, dispatch_matmul
-from converter.passes import cpu_gemm, dispatch
+from converter.passes import cpu_gemm
 from tests.helpers import assert_half_ran, sqnr
 from tests.test_cpu_gemm import Block, run_model_py_alone
 
@@ -153,7 +153,7 @@ def test_the_gemm_choice_follows_the_device_and_a_measurement_made_once(monkeypa
 
     monkeypatch.setattr(upcast, "matmul_seconds", fake_seconds)
     monkeypatch.setattr(upcast, "_cpu_choice", {})
-    monkeypatch.delenv("MPCONVERT_NO_DEVICE_ADVICE", raising=False)
+    monkeypatch.setattr(upcast, "UPCAST_ON_CPU", None)
     x, w = torch.randn(4, 64), torch.randn(32, 64)
     upcast_name = upcast.UpcastLinear.__name__
     for _ in range(2):
@@ -166,12 +166,16 @@ def test_the_gemm_choice_follows_the_device_and_a_measurement_made_once(monkeypa
     assert torch.equal(dispatch_matmul(a, w.t().bfloat16()), upcast.upcast_matmul(a, w.t().bfloat16()))
     on_meta = dispatch_linear(x.bfloat16().to("meta"), w.bfloat16().to("meta"))
     assert on_meta.device.type == "meta" and len(calls) == 4  # not a CPU tensor: the plain op
+    # no environment variable decides (issue 46): the old switch is ignored, the measurement stands
     monkeypatch.setenv("MPCONVERT_NO_DEVICE_ADVICE", "1")
     monkeypatch.setattr(upcast, "_cpu_choice", {})
+    assert dispatch_linear(x.bfloat16(), w.bfloat16().requires_grad_()).grad_fn.name().startswith(upcast_name)
+    assert len(calls) == 6
+    monkeypatch.setattr(upcast, "UPCAST_ON_CPU", False)
     assert not dispatch_linear(x.bfloat16(), w.bfloat16().requires_grad_()).grad_fn.name().startswith(upcast_name)
     monkeypatch.setattr(upcast, "UPCAST_ON_CPU", True)
     assert dispatch_linear(x.bfloat16(), w.bfloat16().requires_grad_()).grad_fn.name().startswith(upcast_name)
-    assert len(calls) == 4
+    assert len(calls) == 6
 
 
 def _names(gm) -> list[str]:
@@ -179,7 +183,7 @@ def _names(gm) -> list[str]:
 
 
 def _fast(monkeypatch, on: bool) -> None:
-    """The run-time choice of the dispatching kernels, forced (the suite sets MPCONVERT_NO_DEVICE_ADVICE=1)."""
+    """The run-time choice of the dispatching kernels, forced (else each process measures its CPU)."""
     monkeypatch.setattr(upcast, "UPCAST_ON_CPU", on)
 
 
@@ -273,11 +277,11 @@ def test_model_py_carries_the_dispatching_kernels_and_runs_with_only_torch(monke
     code = generate_model_source(conv).code
     assert "def dispatch_attention(" in code and "class UpcastAttention(" in code and "def dispatch_linear(" in code
     assert "from converter" not in code and code.count("dispatch_linear(") >= 5
-    # without MPCONVERT_NO_DEVICE_ADVICE the child measures its CPU and picks its kernels itself
-    got = run_model_py_alone(conv, x, tmp_path, env_drop=("MPCONVERT_NO_DEVICE_ADVICE",))
+    # the child measures its CPU and picks its kernels itself (no environment variable says)
+    got = run_model_py_alone(conv, x, tmp_path)
     assert got["modules"] == [] and got["grads"] == len(list(model.parameters())), got
     with torch.no_grad():
-        want = conv.module(x)  # the kernels' native path (the suite's environment)
+        want = conv.module(x)  # the kernels' choice measured in this process
     assert got["out"].dtype == want.dtype and sqnr(want.float(), got["out"].float()) >= 40, sqnr(want.float(), got["out"].float())
 
 
@@ -287,8 +291,7 @@ def test_the_onnx_export_writes_the_plain_ops(monkeypatch, tmp_path):
     model, x = Block(), torch.randn(2, 16, 64)
     monkeypatch.setattr(cpu_gemm, "MIN_GEMM_FLOPS", 0)
     conv = converter.convert(model, (x,), precision="bf16")
-    monkeypatch.setattr(dispatch, "DISPATCH_KERNELS", False)
-    plain = converter.convert(model, (x,), precision="bf16")
+    plain = converter.convert(model, (x,), precision="bf16", dispatch_kernels=False)
     assert not any(n.startswith("dispatch") for n in _names(plain.module))
     results = [c.export_onnx(tmp_path / f"{i}.onnx") for i, c in enumerate((conv, plain))]
     assert all(r.ok for r in results), [r.notes for r in results]
@@ -339,11 +342,11 @@ def test_stock_models_with_the_cpu_kernels_match_autocast_in_outputs_and_gradien
     import tests.test_defaults_caches as stock
 
     _fast(monkeypatch, True)
-    monkeypatch.setattr(cpu_gemm, "UPCAST_HALF_GEMMS", True)  # device="cpu": as on a CPU whose half GEMM measured slow
     applied, original = [], converter.apply
 
     def apply(model, example, **options):  # the stock check's converter.apply, for the device, its choices kept
-        original(model, example, device=device, **options)
+        # device="cpu": as on a CPU whose half GEMM measured slow
+        original(model, example, device=device, upcast_half_gemms=True, **options)
         applied.append(converter.conversion_of(model).report.to_dict()["lowering"])
 
     monkeypatch.setattr(converter, "apply", apply)

@@ -405,7 +405,6 @@ def test_lowered_causal_attention_is_recomputed_and_saves_no_more_than_autocast(
     import importlib.util
 
     from benchmarks.common import SavedTensorMeter
-    from converter.passes import lower as lower_mod
 
     spec = importlib.util.spec_from_file_location("cpu_attention", ROOT / "benchmarks" / "cpu_attention.py")
     bench = importlib.util.module_from_spec(spec)
@@ -416,8 +415,7 @@ def test_lowered_causal_attention_is_recomputed_and_saves_no_more_than_autocast(
     model = Decoder(layers=2).train()
     ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
     recomputed = converter.convert(model, (ids,), device="cpu")
-    monkeypatch.setattr(lower_mod, "RECOMPUTE_ATTENTION", False)
-    kept = converter.convert(model, (ids,), device="cpu")
+    kept = converter.convert(model, (ids,), device="cpu", recompute_attention=False)
     assert recomputed.report.extra["checkpoint"]["count"] == 2 and kept.report.extra["checkpoint"]["count"] == 0
     assert recomputed.module.code.count("torch.utils.checkpoint.checkpoint(") == 2
 
@@ -508,12 +506,9 @@ def test_cost_model_keeps_small_probabilities_under_o2_and_recomputes_under_o1(m
     ours, theirs = _saved_bytes(o2.module, x), _saved_bytes(model, x, autocast=True)
     assert ours <= 0.5 * theirs, f"O2 with kept probabilities saves {ours} B, autocast {theirs} B"
 
-    from converter.passes import lower as lower_mod
-
-    monkeypatch.setattr(lower_mod, "RECOMPUTE_ATTENTION", True)
-    forced = converter.convert(copy.deepcopy(model), (x,), opt_level="O2", device="cpu")
+    forced = converter.convert(copy.deepcopy(model), (x,), opt_level="O2", device="cpu", recompute_attention=True)
     assert forced.report.extra["checkpoint"]["count"] == 2
-    assert [c["why"] for c in _choices(forced)] == ["recomputed: forced by converter.passes.lower.RECOMPUTE_ATTENTION"] * 2
+    assert [c["why"] for c in _choices(forced)] == ["recomputed: forced by ConvertOptions.recompute_attention=True"] * 2
     MixedPrecisionTrainer(forced.module, torch.optim.SGD(forced.module.parameters(), lr=1e-3), precision="bf16",
                           master_weights=True)
     a, b = o2.module, forced.module

@@ -56,8 +56,8 @@ from converter.ir.meta import (
     itemsize,
     name_of,
 )
-from converter.passes.fp32_math import DEFAULT_FP32_MATH, global_math_settings, reduced_globals
 from converter.numerics.profile import DeviceProfile
+from converter.passes.fp32_math import DEFAULT_FP32_MATH, global_math_settings, reduced_globals
 from converter.report.flops import node_flops
 from converter.report.fp8 import fp8_line, fp8_section
 from converter.report.html import to_html
