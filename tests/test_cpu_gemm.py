@@ -102,7 +102,7 @@ def test_the_choice_follows_the_measurement():
     assert cpu_gemm.upcast_wanted(4.5, False) == (False, "forced off (ConvertOptions.upcast_half_gemms=False)")
 
 
-def test_device_cpu_reads_the_profile_not_the_machine():
+def test_device_cpu_reads_the_profile_not_the_machine(monkeypatch):
     """``device="cpu"`` chooses its GEMM kernels and attention from the profile's figures, the same on any machine."""
     from converter.numerics.profile import DeviceProfile
 
@@ -112,11 +112,13 @@ def test_device_cpu_reads_the_profile_not_the_machine():
 
     torch.manual_seed(0)
     model, x = Block(), torch.randn(2, 16, 64)
+    monkeypatch.setattr(cpu_gemm, "MIN_GEMM_FLOPS", 0)  # every GEMM call large enough: the upcast kernels run
     for bf16, upcast in ((4.5, True), (1.0, False)):
         conv = converter.convert(model, (x,), precision="bf16", device="cpu", device_profile=profile(bf16))
         [choice] = [c for c in conv.report.to_dict()["lowering"] if c["lowering"] == "upcast_gemm"]
         assert f"measured {bf16:.1f}x" in choice["why"] or f"measured {bf16:.2f}x" in choice["why"], choice
         assert ("upcast_attention" in _targets(conv.module)) is upcast, _targets(conv.module)
+        assert ("upcast_linear" in _targets(conv.module)) is upcast and conv.report.extra["device_advice"] is None
         assert conv.report.to_dict()["device_profile"]["matmul_seconds"]["bf16"] == bf16 * 1e-4
 
 
