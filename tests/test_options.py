@@ -16,6 +16,7 @@ import torch
 import converter
 from converter.ir.errors import MpconvertError
 from converter.ir.precision_names import PrecisionError
+from converter.numerics.profile import DeviceProfileError
 from converter.options import DEVICES, PLACEMENTS, ConvertOptions, OptionsError
 from tests.helpers import ROOT, load_sample
 from tests.test_cli import MLP, assert_bad_input, run, snapshot
@@ -77,6 +78,13 @@ def test_calibration_options_are_stored_as_one_record():
     ("keep_io_types", "yes", OptionsError, "keep_io_types must be True or False, got 'yes'"),
     ("dynamic", 1, OptionsError, "dynamic must be True or False, got 1"),
     ("strict_modes", None, OptionsError, "strict_modes must be True or False, got None"),
+    ("dispatch_kernels", "no", OptionsError, "dispatch_kernels must be True or False, got 'no'"),
+    ("check_graph", None, OptionsError, "check_graph must be True or False, got None"),
+    ("upcast_half_gemms", 1, OptionsError, "upcast_half_gemms must be None (decided), True or False (forced), got 1"),
+    ("recompute_attention", "yes", OptionsError, "recompute_attention must be None (decided), True or False (forced)"),
+    ("device_profile", 3, DeviceProfileError, "device_profile must be 'auto', 'none'/None, a DeviceProfile or a profile "
+                                              "file's path, got int"),
+    ("device_profile", "no-such-profile.json", DeviceProfileError, "cannot read device profile 'no-such-profile.json'"),
 ])
 def test_bad_values_are_one_line_errors(field, value, error, needle):
     with pytest.raises(error) as info:
@@ -102,6 +110,19 @@ def test_the_options_module_imports_no_torch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={"PYTHONPATH": str(ROOT), "PATH": ""}, cwd=ROOT)
     assert proc.stdout.split() == ["bf16", "False"], proc.stderr
+
+
+def test_a_saved_device_profile_is_read_without_torch(tmp_path):
+    """``device_profile=PATH`` is loaded when the options are built (a bad file fails there), still torch-free."""
+    (tmp_path / "p.json").write_text(json.dumps({"format": 1, "cpu": "X", "cores": 2, "torch_version": "2.x",
+                                                 "matmul_seconds": {"fp32": 1e-4, "bf16": 4e-4, "fp16": 9e-4}}))
+    code = ("import sys; from converter.options import ConvertOptions; o = ConvertOptions(device_profile='p.json'); "
+            "print(o.device_profile.slowdown('bf16'), o.device_profile.cuda_capability, 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(ROOT), "PATH": ""}, cwd=tmp_path)
+    assert proc.stdout.split() == ["4.0", "None", "False"], proc.stderr
+    defaults = {f.name: f.default for f in dataclasses.fields(ConvertOptions)}  # the product's (conftest changes two)
+    assert (defaults["device_profile"], defaults["check_graph"], defaults["dispatch_kernels"]) == ("auto", False, True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,10 +219,11 @@ _SHARED = {"--precision", "--rules", "--tracer", "--entry", "--batch", "--seq-le
            "--json", "--debug"}
 FLAGS = {
     "convert": _SHARED | {"--max-shard-size", "--no-measure", "--strict-modes", "--no-breaks", "--out", "--calibrate", "--calibration-data",
-                          "--tolerance", "--onnx", "--onnx-precision", "--force", "--version"},
-    "audit": _SHARED | {"--strict-modes", "--no-breaks", "--out", "--force"},
+                          "--tolerance", "--onnx", "--onnx-precision", "--force", "--version", "--device-profile"},
+    "audit": _SHARED | {"--strict-modes", "--no-breaks", "--out", "--force", "--device-profile"},
     "explain": _SHARED,
     "rules check": {"-q", "--quiet", "--json", "--debug"},
+    "profile": {"-o", "--output", "-q", "--quiet", "--json", "--debug"},
 }
 
 
