@@ -9,6 +9,7 @@ Public API (docs/architecture.md; the names are a stable contract)::
     scaler = converter.LossScaler()
     trainer = converter.MixedPrecisionTrainer(conv.module, optimizer, precision="fp16")
     graphed = converter.cuda_graph(conv.module)   # GPU: forward and backward replay CUDA graphs
+    profile = converter.DeviceProfile.measure()   # the device figures kernel choices read (device_profile=)
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ __all__ = [
     "Conversion",
     "ConvertOptions",
     "OptionsError",
+    "DeviceProfile",
+    "DeviceProfileError",
     "CalibrationOptions",
     "Report",
     "Rules",
@@ -86,6 +89,8 @@ _LAZY = {
     "RecaptureWarning": "converter.inplace",
     "ConvertOptions": "converter.options",
     "OptionsError": "converter.options",
+    "DeviceProfile": "converter.numerics.profile",
+    "DeviceProfileError": "converter.numerics.profile",
     "CalibrationOptions": "converter.numerics.options",
     "MpconvertError": "converter.ir.errors",
     "PrecisionError": "converter.ir.precision",

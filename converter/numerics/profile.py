@@ -31,7 +31,7 @@ from typing import Any, Mapping, Optional, Union
 
 from converter.ir.errors import MpconvertError
 
-__all__ = ["DeviceProfile", "DeviceProfileError", "PROFILE_FORMAT", "DTYPES", "measured_once", "resolve_profile"]
+__all__ = ["DeviceProfile", "DeviceProfileError", "PROFILE_FORMAT", "DTYPES", "measured_once", "resolve_profile", "coerce_profile"]
 
 #: the ``format`` of a saved profile; another number is refused
 PROFILE_FORMAT = 1
