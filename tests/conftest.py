@@ -12,13 +12,16 @@ settings.register_profile("ci", derandomize=True, database=None)
 if os.environ.get("CI") == "true" or os.environ.get("HYPOTHESIS_PROFILE") == "ci":
     settings.load_profile("ci")
 
-# The suite's conversions are deterministic without any environment variable: every ConvertOptions built in
-# this process (convert, audit, apply, the in-process CLI) defaults to no device profile (fixed kernel choices,
-# no slow-half advice: expected output must not depend on the CPU that runs the suite) and lints the graph
-# after each rewriting pass. A test that wants the product's defaults passes them (device_profile="auto").
-# CLI runs in a subprocess pass `--device-profile none` (SUITE_CLI_FLAGS).
+# The suite's conversions are deterministic without any environment variable (no conversion reads one): every
+# ConvertOptions built in this process (convert, audit, apply, the in-process CLI) defaults to no device profile
+# (fixed kernel choices, no slow-half advice: expected output must not depend on the CPU that runs the suite)
+# and lints the graph after each rewriting pass. A test that wants the product's defaults passes them
+# (device_profile="auto"). CLI runs in a subprocess pass `--device-profile none`.
 SUITE_OPTION_DEFAULTS = {"device_profile": None, "check_graph": True}
-SUITE_CLI_FLAGS = ("--device-profile", "none")
+# The emitted model's run-time kernel switch (converter/kernels/upcast.py; no conversion reads it): the converted
+# modules, the fresh model.py copies a test imports and child processes all run the native half kernels, so that
+# the suite's numbers do not depend on which CPU runs it. tests/test_dispatch.py measures without it.
+os.environ.setdefault("MPCONVERT_NO_DEVICE_ADVICE", "1")
 
 
 def _suite_option_defaults() -> None:

@@ -28,8 +28,11 @@ calls stood.
 :func:`dispatch_matmul` instead: the same choice made at run time, per call, from the operands' device. On a
 CPU whose half GEMM is at least :data:`MIN_SLOWDOWN` times slower than its fp32 GEMM (measured once per
 process and dtype by :func:`matmul_seconds`, a few milliseconds) they run the upcast kernels; on CUDA, and on
-a CPU with fast half math (AMX), the native half GEMM. :data:`UPCAST_ON_CPU` = False keeps them native
-(no environment variable is read).
+a CPU with fast half math (AMX), the native half GEMM. :data:`UPCAST_ON_CPU` = False, or
+``MPCONVERT_NO_DEVICE_ADVICE=1`` in the environment of the process that *runs* the model, keeps them native.
+That switch is the emitted model's run-time choice only: no conversion reads it (a conversion's choices are
+its ``ConvertOptions``, device figures included: :mod:`converter.numerics.profile`); the test suite sets it so
+that the converted modules, fresh model.py copies and child processes all run the same kernels.
 
 **Attention.** PyTorch's CPU flash-attention kernel is slow in half precision, above all its backward (one
 call, forward + backward, 2-core Xeon without AMX, one thread: B8 H8 T128 E64 25.1 ms in bf16, 13.0 ms in
@@ -51,6 +54,7 @@ arguments.
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Optional
 
@@ -198,10 +202,10 @@ def matmul_seconds(dtype: torch.dtype) -> float:
 
 def cpu_upcast_wanted(dtype: torch.dtype) -> bool:
     """Whether half GEMMs of ``dtype`` run faster as the upcast kernels on this CPU (:data:`UPCAST_ON_CPU`, else
-    measured once per process)."""
+    the run-time switch ``MPCONVERT_NO_DEVICE_ADVICE=1`` (no), else measured once per process)."""
     if UPCAST_ON_CPU is not None:
         return UPCAST_ON_CPU
-    if dtype not in UPCAST_DTYPES:
+    if dtype not in UPCAST_DTYPES or os.environ.get("MPCONVERT_NO_DEVICE_ADVICE") == "1":
         return False
     if dtype not in _cpu_choice:
         _cpu_choice[dtype] = matmul_seconds(dtype) >= MIN_SLOWDOWN * matmul_seconds(torch.float32)
