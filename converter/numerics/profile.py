@@ -114,14 +114,14 @@ class DeviceProfile:
                    matmul_seconds=_seconds(data["matmul_seconds"], bad), cuda_device=_cuda_device(data, bad),
                    cuda_capability=_capability(data.get("cuda_capability"), bad))
 
-    def save(self, path: Union[str, Path]) -> Path:
+    def save(self, path: Union[str, "os.PathLike[str]"]) -> Path:
         """Write the profile as JSON to ``path``; returns the path."""
         path = Path(path)
         path.write_text(json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n", encoding="utf-8")
         return path
 
     @classmethod
-    def load(cls, path: Union[str, Path]) -> "DeviceProfile":
+    def load(cls, path: Union[str, "os.PathLike[str]"]) -> "DeviceProfile":
         """The profile :meth:`save` wrote to ``path``; a missing, unreadable or malformed file is one line."""
         try:
             text = Path(path).read_text(encoding="utf-8")
