@@ -51,7 +51,7 @@ from __future__ import annotations
 import difflib
 import functools
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence, Union, cast
+from typing import Any, Iterable, Optional, Union, cast
 
 import torch
 import torch.fx
@@ -99,7 +99,7 @@ class Fp8PatternError(RulesError):
     """A pattern of a user's rule file matches no node of the model (an fp8 exclusion would be silent)."""
 
 
-def fp8_rule_set(rules: Union[None, str, Path, Sequence[Union[str, Path]], Rules] = None) -> Rules:
+def fp8_rule_set(rules: Union[None, str, Path, Iterable[Union[str, Path]], Rules] = None) -> Rules:
     """The rules of precision fp8: default.toml, ``rules/fp8.toml``, then ``rules`` (the user's files, on top).
 
     A :class:`Rules` object is taken as it is (the caller layered it) when it has an fp8 rule; otherwise its
