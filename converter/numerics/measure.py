@@ -271,7 +271,7 @@ def saved_activations(
     with preserved_state(module), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _unpack), \
             (counter if counter is not None else contextlib.nullcontext()), ctx:
         _run(module, args, kwargs or {})
-    result = {"activation_bytes": totals["bytes"] - totals["copy_bytes"], "weight_copy_bytes": totals["copy_bytes"],
+    result: dict[str, Any] = {"activation_bytes": totals["bytes"] - totals["copy_bytes"], "weight_copy_bytes": totals["copy_bytes"],
               "tensors": totals["tensors"]}
     if counter is not None:
         result["casts"] = counter.summary()
