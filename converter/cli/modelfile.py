@@ -187,6 +187,7 @@ def import_model_file(path: str | Path) -> ModuleType:
         from importlib.machinery import SourceFileLoader
 
         spec = importlib.util.spec_from_loader(name, SourceFileLoader(name, str(path)))
+    assert spec is not None and spec.loader is not None  # (spec_from_loader with a loader)
     module = importlib.util.module_from_spec(spec)
     directory = str(path.resolve().parent)
     sys.modules[name] = module

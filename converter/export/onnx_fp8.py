@@ -322,7 +322,7 @@ def _translate(x, weight_fp8, weight_scale, bias, recipe: str):
     if row:  # a per-axis zero point has the scale's shape: float8 zeros, one per row
         rows = [d for d in x.shape[:-1]] if x.shape is not None else [None]
         if all(isinstance(d, int) for d in rows):  # a static export (the default): a constant
-            zero = op.Constant(value=ir.tensor(np.zeros((math.prod(rows),), dtype=float8)))
+            zero = op.Constant(value=ir.tensor(np.zeros((math.prod(cast(list[int], rows)),), dtype=float8)))
         else:
             zero = op.Cast(op.ConstantOfShape(op.Shape(inverse)), to=_FLOAT8E4M3FN)
         quantised = op.QuantizeLinear(operand, inverse, zero, axis=0, saturate=1)
