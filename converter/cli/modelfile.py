@@ -93,7 +93,7 @@ class ModelFile:
     """What a model file provides (see the module docstring)."""
 
     path: Path
-    module: ModuleType
+    module: Optional[ModuleType]  # None: a save_pretrained folder (converter.cli.hfmodel)
     model: nn.Module
     entry: str
     example_inputs: tuple  # (args, kwargs)
