@@ -195,6 +195,7 @@ class _Graphs:
                 return device if isinstance(value, torch.device) and value == home else value
 
             _move_devices(graph, move)
+            moved: torch.fx.GraphModule
             if isinstance(base, TwoModeGraphModule):
                 eval_graph = copy.deepcopy(base.eval_graph)
                 _move_devices(eval_graph, move)
@@ -319,10 +320,10 @@ class ConvertedForward:
                 served, out = other._try_run(args, kwargs, owner=self)
                 if served:
                     return out
-        other = self._recaptured(why, args, kwargs)
-        if other is None:
+        again = self._recaptured(why, args, kwargs)
+        if again is None:
             return self._fallback(why, args, kwargs)
-        served, out = other._try_run(args, kwargs, owner=self)
+        served, out = again._try_run(args, kwargs, owner=self)
         return out if served else self._fallback(f"{why}, which its graph converted again refuses too", args, kwargs)
 
     def _entry_cast(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -546,7 +547,8 @@ class ConvertedForward:
         graph submodules the model has no module for)."""
         modules = dict(self.model.named_modules(remove_duplicate=False))
         links = [(parent, name, child) for parent in modules.values() for name, child in parent._modules.items()]
-        pairs, missing = [], []
+        pairs: list[tuple[str, torch.nn.Module, torch.nn.Module]] = []
+        missing: list[str] = []
         renamed = gm.__dict__.get(USER_NAMES) or {}  # root names that are GraphModule's own (graph_ -> graph)
         for path, sub in gm.named_modules(remove_duplicate=False):
             owner = modules.get(user_path(renamed, path))

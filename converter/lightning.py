@@ -134,7 +134,9 @@ class MixedPrecision(_Precision):
         if clip and "value" in algorithm:
             raise MpconvertError("MixedPrecision clips by norm on the unscaled gradients; gradient_clip_algorithm='value' "
                                  "is not supported: use 'norm'")
-        dtypes = conversion_of(self.target).module.meta.get(GM_PARAM_DTYPES)
+        conversion = conversion_of(self.target)
+        assert conversion is not None  # (convert_module applied it)
+        dtypes = conversion.module.meta.get(GM_PARAM_DTYPES)
         self.trainers = [
             MixedPrecisionTrainer(self.target, optimizer, precision=self.half, master_weights=self.opt_level == "O2",
                                   loss_scale=self.loss_scale if self.half == "fp16" else None,

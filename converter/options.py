@@ -163,7 +163,7 @@ def _half(precision: Any) -> str:
     return name
 
 
-def _choice(name: str, value: Any, allowed: tuple, *, or_none: bool = False) -> None:
+def _choice(name: str, value: Any, allowed: tuple[Any, ...], *, or_none: bool = False) -> None:
     if not isinstance(value, str) or value not in allowed:
         shown = ", ".join(repr(a) for a in allowed) + (" or None" if or_none else "")
         raise OptionsError(f"{name} must be one of {shown}, got {value!r}")
@@ -174,7 +174,7 @@ FIELDS = frozenset(f.name for f in fields(ConvertOptions))
 
 
 def build_options(options: Optional[ConvertOptions], keywords: Mapping[str, Any], *, caller: str,
-                  allowed: frozenset = FIELDS) -> ConvertOptions:
+                  allowed: frozenset[str] = FIELDS) -> ConvertOptions:
     """The one :class:`ConvertOptions` of a call: ``options`` itself, or one built from the keyword options.
 
     Both at once is an :class:`OptionsError`; a keyword that is no option (of ``allowed``) is a ``TypeError``

@@ -42,7 +42,7 @@ import re
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import torch
 
@@ -195,8 +195,9 @@ def apply(model: torch.nn.Module, example_inputs: Any, *, rules: Any = None, cal
     if done is not None:
         return done
     conv = convert_partial(model, example_inputs, rules=rules, calibration=batches, options=options, cause=cause)
+    assert conv.partition is not None  # (convert_partial's)
     install(model, conv.partition, storage_plan=False)  # the plan is conv.module.meta's: the model's own meta is left
-    model.forward.conversion = conv  # converter.conversion_of(model) finds it there
+    setattr(model.forward, "conversion", conv)  # noqa: B010 (the GlueForward install put): conversion_of(model) finds it
     return model
 
 
@@ -273,6 +274,7 @@ def _root_break(model: torch.nn.Module, cause: Any, probed: Probe, precision: st
         location, reason = cause.location, cause.reason
     else:
         impurity = probed.impure("")
+        assert impurity is not None  # (the root broke the capture: the probe saw why)
         reason, location = impurity.reason(""), _source_location(model, impurity)
     return GraphBreak("", type(model).__name__, location, reason, _runs(precision), probed.total_flops)
 
@@ -367,7 +369,8 @@ def convert_partial(model: torch.nn.Module, example_inputs: Any, *, rules: Any, 
                            capture_errors=dict(cause.reasons) if isinstance(cause, CaptureError) else {})
     report.device_profile = resolve_profile(options.device_profile)  # the one each region's conversion read
     tracers = sorted({r.conversion.tracer for r in regions})
-    return Conversion(module=module, report=report, tracer="+".join(tracers) or "eager", rules=rule_set, original=model,
+    # a partial conversion's module is the model's shell over its converted regions, not one GraphModule
+    return Conversion(module=cast(torch.fx.GraphModule, module), report=report, tracer="+".join(tracers) or "eager", rules=rule_set, original=model,
                       example_inputs=(args, kwargs), options=options, timings=timings, calibration=calibration,
                       partition=partition)
 
@@ -393,6 +396,7 @@ def install(root: torch.nn.Module, partition: Partition, *, storage_plan: bool =
         sub.forward = GlueForward(sub, partition.precision)
     # O2's storage plan for MixedPrecisionTrainer: each region's, under the model's names (parameter objects are shared)
     if storage_plan:
-        root.meta = {GM_PARAM_DTYPES: {f"{r.path}.{name}": dtype for r in partition.regions
-                                       for name, dtype in (r.conversion.module.meta.get(GM_PARAM_DTYPES) or {}).items()}}
+        setattr(root, "meta", {GM_PARAM_DTYPES: {  # noqa: B010 (a plain attribute: nn.Module's __setattr__ is typed for tensors)
+            f"{r.path}.{name}": dtype for r in partition.regions
+            for name, dtype in (r.conversion.module.meta.get(GM_PARAM_DTYPES) or {}).items()}})
 

@@ -116,7 +116,7 @@ def serve_every_call(conversion: Conversion, *, max_recaptures: int = DEFAULT_MA
         return conversion
     inner = vars(cls)["_wrapped_call"]
     if not isinstance(inner, _ServingCall):
-        cls._wrapped_call = _ServingCall(inner, conversion, max_recaptures)
+        setattr(cls, "_wrapped_call", _ServingCall(inner, conversion, max_recaptures))  # noqa: B010 (torch's class attribute)
     return conversion
 
 

@@ -247,3 +247,18 @@ def test_no_cycle_between_calibrate_and_search_or_api_and_onnx():
         upward = {m for m in _imports(path) if m.split(".")[:2] in (["converter", "report"], ["converter", "export"],
                                                                      ["converter", "api"], ["converter", "cli"])}
         assert not upward, (path.name, upward)
+
+
+def test_judge_checks_a_tolerance_given_only_atol_or_only_rtol():
+    """A Tolerance built with one of rtol/atol is an allclose check with the other at numpy's default (as
+    Tolerance.parse fills it in): atol alone was not checked at all, rtol alone failed on None + tensor."""
+    from converter.numerics.search import judge
+
+    ref = [torch.tensor([1.0, 2.0, 4.0])]
+    off = [torch.tensor([1.0, 2.0, 4.5])]  # |error| 0.5
+    atol_only = judge(Tolerance(atol=0.1), ref, off)
+    assert not atol_only.ok and atol_only.allclose_ratio == pytest.approx(0.5 / (0.1 + 1e-5 * 4.0)), atol_only
+    assert judge(Tolerance(atol=1.0), ref, off).ok
+    rtol_only = judge(Tolerance(rtol=0.05), ref, off)
+    assert not rtol_only.ok and rtol_only.allclose_ratio == pytest.approx(0.5 / (1e-8 + 0.05 * 4.0)), rtol_only
+    assert judge(Tolerance(rtol=0.2), ref, off).ok

@@ -14,7 +14,7 @@ import traceback
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 from converter.cli.parsers import UsageError
 from converter.cli.steps import (
@@ -231,11 +231,11 @@ def convert_model(ui: Terminal, mf, options: ConvertOptions, rules, *, calibrati
                 warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", BelowAutocastWarning)
             conv.report.add_measurements(measured(conv))
-        for warning in caught:  # said once, on stderr; the summary repeats it (report.terminal)
-            if issubclass(warning.category, BelowAutocastWarning):
-                ui.warn(f"{mf.name}: {warning.message}")
+        for said in caught:  # said once, on stderr; the summary repeats it (report.terminal)
+            if issubclass(said.category, BelowAutocastWarning):
+                ui.warn(f"{mf.name}: {said.message}")
             else:
-                warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+                warnings.warn_explicit(said.message, said.category, said.filename, said.lineno)
     return conv
 
 
@@ -310,7 +310,7 @@ def _write_conversion(ui: Terminal, conv, source: ModelSource, artifacts: Artifa
         with writing(out):
             shard = artifacts.max_shard_size
             emit(conv, out, force=artifacts.force, model_file=source.model_file, device=check_device, extra=export_into,
-                 messages=notes, **({} if shard is None else {"max_shard_size": shard}))
+                 messages=notes, **({} if shard is None else {"max_shard_size": cast(Any, shard)}))
     for note in notes:
         # passed checks are results, not warnings (they are in --json's "checks"); emit tags each note
         if note.kind == "check":
@@ -465,7 +465,7 @@ def _answer(ui: Terminal, nodes: list, casts: list, node: str, model: str, sourc
                          f"{hint}{_where_names(model)}")
     text = explain_rows(nodes, casts, node)
     if ui.json:
-        row = next((r for r in nodes if r["name"] == node), {})
+        row: dict[str, Any] = next((r for r in nodes if r["name"] == node), {})
         ui.emit_json({"ok": True, "command": "explain", "exit_code": EXIT_OK, "node": node, "source": source,
                       **{key: row.get(key) for key in ("precision", "requested", "rule", "reason", "notes", "matches")}, "text": text})
         return EXIT_OK

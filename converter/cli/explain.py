@@ -52,9 +52,9 @@ def read_report(path: Path) -> dict:
         if not isinstance(row, dict) or "name" not in row or "matches" not in row:
             raise ReportNotUsable(f"{path}: its nodes carry no matched rules (written by an older mpconvert); "
                                   "rerun mpconvert audit to write it again")
-    why = schema.problem(data)
-    if why is not None:
-        raise ReportNotUsable(f"{path}: not a report mpconvert wrote ({why}); rerun mpconvert or mpconvert audit to write it again")
+    problem = schema.problem(data)
+    if problem is not None:
+        raise ReportNotUsable(f"{path}: not a report mpconvert wrote ({problem}); rerun mpconvert or mpconvert audit to write it again")
     return schema.decode(data)
 
 

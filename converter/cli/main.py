@@ -100,9 +100,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             ui.close()
     ui.flush_err()
     ui.flush_out()
-    for code_, message, exc, payload in failure:
-        if debug and exc is not None:
-            traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+    for code_, message, error, payload in failure:
+        if debug and error is not None:
+            traceback.print_exception(type(error), error, error.__traceback__, file=sys.stderr)
         print(error_line(message), file=sys.stderr, flush=True)
         if json_mode:
             print(json.dumps({"ok": False, "exit_code": code_, "error": one_line(message), **(payload or {})}, default=str), flush=True)
@@ -114,7 +114,7 @@ _OOM_TEXT = ("can't allocate memory", "out of memory", "DefaultCPUAllocator", "C
              "failed to map segment from shared object")  # the last: a library cannot be loaded under a memory limit
 
 
-def _out_of_memory(exc: BaseException) -> Optional[BaseException]:
+def _out_of_memory(exc: Optional[BaseException]) -> Optional[BaseException]:
     """The out-of-memory error in ``exc``'s chain (a pass error wraps the allocator's), or None."""
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:

@@ -93,7 +93,7 @@ class ModelFile:
     """What a model file provides (see the module docstring)."""
 
     path: Path
-    module: ModuleType
+    module: Optional[ModuleType]  # None: a save_pretrained folder (converter.cli.hfmodel)
     model: nn.Module
     entry: str
     example_inputs: tuple  # (args, kwargs)
@@ -187,6 +187,7 @@ def import_model_file(path: str | Path) -> ModuleType:
         from importlib.machinery import SourceFileLoader
 
         spec = importlib.util.spec_from_loader(name, SourceFileLoader(name, str(path)))
+    assert spec is not None and spec.loader is not None  # (spec_from_loader with a loader)
     module = importlib.util.module_from_spec(spec)
     directory = str(path.resolve().parent)
     sys.modules[name] = module

@@ -78,7 +78,7 @@ def load_model(source: ModelSource, ui: Terminal):
         loaded = load_pretrained_folder(path, batch=source.batch, seq_len=source.seq_len, empty=empty,
                                         trust_remote_code=source.trust_remote_code,
                                         allow_missing_weights=source.allow_missing_weights)
-        invented = loaded.source.get("initialised_randomly") or []
+        invented = (loaded.source or {}).get("initialised_randomly") or []
         if invented:
             ui.warn(f"{path}: the checkpoint lacks {len(invented)} tensor(s), initialised randomly (--allow-missing-weights): "
                     + ", ".join(invented))

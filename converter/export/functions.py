@@ -28,7 +28,7 @@ import textwrap
 import types
 from importlib import resources
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from converter.export.errors import EmitError
 from converter.fp8 import kernels as fp8_kernels
@@ -85,7 +85,7 @@ def kernel_lines(module, what: str) -> list[str]:
         future = isinstance(stmt, ast.ImportFrom) and stmt.module == "__future__"
         exported = isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in stmt.targets)
         if future or exported:
-            drop.update(range(stmt.lineno, stmt.end_lineno + 1))
+            drop.update(range(stmt.lineno, (stmt.end_lineno or stmt.lineno) + 1))
     kept = [line for number, line in enumerate(text.splitlines(), 1) if number not in drop]
     taken = sorted(_template_names() & _top_level_names("\n".join(kept)))
     path = "converter/" + "/".join(module.__name__.split(".")[1:]) + ".py"
@@ -121,7 +121,7 @@ class _Carried:
 
     def __init__(self) -> None:
         self.imports: list[str] = []
-        self.blocks: list[tuple[str, object, str]] = []
+        self.blocks: list[tuple[str, Any, str]] = []  # (name, a Function class or a function, its code)
 
     def has(self, obj: object) -> bool:
         return any(o is obj for _, o, _ in self.blocks)
@@ -137,7 +137,7 @@ class _Carried:
                 self.blocks.append((name, obj, code))
 
 
-def _carry(obj: object, plan: _Carried, stack: tuple) -> Optional[str]:
+def _carry(obj: Any, plan: _Carried, stack: tuple) -> Optional[str]:
     """Add ``obj``'s code (a Function class, or a function of its module that it calls) and what it
     reads to ``plan``, dependencies first; None when it can be carried, else why not."""
     source, why = _own_source(obj)
@@ -191,7 +191,7 @@ def _import_or_refuse(cls: type, why: str, warnings: list[str]) -> list[str]:
         "level of an importable module, or make its code use only torch")
 
 
-def _own_source(obj: object) -> tuple[Optional[str], str]:
+def _own_source(obj: Any) -> tuple[Optional[str], str]:
     """(the code of class or function ``obj``, parsed and written back without annotations on
     function arguments; None if there is none to take, and why)."""
     if "<locals>" in obj.__qualname__:

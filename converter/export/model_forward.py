@@ -16,7 +16,7 @@ import importlib.util
 import re
 import sys
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, cast
 
 import torch
 import torch.fx
@@ -45,7 +45,7 @@ def _is_guard_module(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     if node.op != "call_module":
         return False
     try:
-        sub = gm.get_submodule(node.target)
+        sub = gm.get_submodule(str(node.target))
     except AttributeError:
         return False
     return type(sub).__name__ == "GuardsFn"
@@ -206,7 +206,7 @@ def _is_plain_value(node: ast.AST) -> bool:
 
 def check_defaults(body: str) -> None:
     """FX writes ``repr(default)`` for the forward's default values; only plain values may go into model.py."""
-    func = ast.parse(body).body[0]
+    func = cast(ast.FunctionDef, ast.parse(body).body[0])  # the forward's def
     for default in [*func.args.defaults, *(d for d in func.args.kw_defaults if d is not None)]:
         if not _is_plain_value(default):
             raise EmitError(
@@ -267,8 +267,8 @@ def library_imports(graphs: Iterable[torch.fx.Graph], warnings: list[str]) -> tu
 
 
 def _import_lines(globals_: dict[str, Any], warnings: list[str]) -> list[str]:
-    lines = [_import_line(name, obj, warnings) for name, obj in sorted(globals_.items())]
-    lines = [line for line in lines if line is not None]
+    found = [_import_line(name, obj, warnings) for name, obj in sorted(globals_.items())]
+    lines = [line for line in found if line is not None]
     return sorted(set(lines), key=lines.index)
 
 
@@ -287,6 +287,7 @@ def _annotate_lines(src: str, gm_nodes: dict[str, torch.fx.Node], roots: Iterabl
         decision = node.meta.get(META_DECISION)
         cast = node.meta.get(META_CAST)
         module = getattr(info, "module", "") or ""
+        assert m is not None  # (a node was found by the line's name)
         if module != current:
             kind = info.module_type or _class_name(roots, module)
             label = f"{module} ({kind})" if module else f"(top level: {kind})"

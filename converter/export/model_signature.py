@@ -10,7 +10,7 @@ plain Python containers.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional, cast
 
 import torch
 import torch.fx
@@ -134,7 +134,7 @@ def export_codegen(source: torch.fx.Graph, graph: torch.fx.Graph, original: Opti
     ``narrowed``: input -> dims a guard of the model pins (checked as fixed at the example's size).
     ``optional``: the inputs a caller may leave out (``GraphMeta.optional_inputs``): ``name=None`` in the
     signature, and the original's own value for them (:func:`converter.numerics.optional_inputs.fill_lines`)."""
-    pytree_info = source._codegen.pytree_info
+    pytree_info = cast(Any, source._codegen).pytree_info  # a _PyTreeCodeGen
     children = _spec_children(pytree_info.in_spec)
     if pytree_info.in_spec.type is not tuple or len(children) != 2:
         raise EmitError("cannot emit model.py: unexpected input structure of the exported graph")

@@ -15,7 +15,7 @@ import tempfile
 import uuid
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Optional, TypeVar
 
 import torch
 import torch.fx
@@ -33,14 +33,16 @@ class OnnxExportError(MpconvertError, RuntimeError):
     exit_code = EXIT_CHECK_FAILED  # the requested --onnx check could not be done
 
 
-def quiet_deepcopy(module: torch.nn.Module) -> torch.nn.Module:
+_M = TypeVar("_M", bound=torch.nn.Module)
+
+def quiet_deepcopy(module: _M) -> _M:
     """``copy.deepcopy(module)`` without torch.export's deprecation warnings."""
     with warnings.catch_warnings():  # torch.export's pytree specs warn on deepcopy (LeafSpec deprecation)
         warnings.simplefilter("ignore", FutureWarning)
         return copy.deepcopy(module)
 
 
-def export_copy(conv_module: torch.fx.GraphModule, param_dtypes: dict) -> torch.nn.Module:
+def export_copy(conv_module: torch.fx.GraphModule, param_dtypes: dict) -> torch.fx.GraphModule:
     """A copy of the converted module in eval mode with parameters stored per ``mp_param_dtypes``."""
     gm = quiet_deepcopy(conv_module)
     if isinstance(gm, TwoModeGraphModule):  # torch.export interprets `graph`, the train graph: give it eval's
@@ -131,6 +133,7 @@ def export_model(module: torch.nn.Module, args: tuple, kwargs: dict, *, opset: i
                 if which == "dynamo":
                     program = torch.onnx.export(module, args, kwargs=kwargs or None, dynamo=True, opset_version=opset,
                                                 verbose=False, optimize=True, custom_translation_table=translations)
+                    assert program is not None  # (dynamo=True returns the program)
                     model = program.model_proto
                 else:
                     with tempfile.TemporaryDirectory() as tmp:

@@ -49,7 +49,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 import torch.fx
@@ -234,7 +234,9 @@ def _weights_seen(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]) -> dict:
     seen: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for node in nodes:
-            needed, stack = set(), [node.args[1]]
+            weight = cast(torch.fx.Node, node.args[1])  # the fp8 stage rewrites linears whose weight is a parameter
+            needed: set[torch.fx.Node] = set()
+            stack: list[torch.fx.Node] = [weight]
             while stack:
                 current = stack.pop()
                 if current in needed or current in interpreter.env:
@@ -246,7 +248,7 @@ def _weights_seen(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]) -> dict:
                 stack.extend(current.all_input_nodes)
             for current in sorted(needed, key=order.__getitem__):
                 interpreter.env[current] = interpreter.run_node(current)
-            seen[node.name] = interpreter.env[node.args[1]].detach()
+            seen[node.name] = interpreter.env[weight].detach()
     return seen
 
 
@@ -279,7 +281,7 @@ def prepare_fp8(gm: torch.fx.GraphModule) -> list[Fp8Layer]:
     return layers
 
 
-def _erase_unused(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
+def _erase_unused(graph: torch.fx.Graph, node: object) -> None:
     """Erase the weight's old chain (its casts and ``get_attr``) where nothing else reads it, so that the
     export does not carry the high-precision weight beside the float8 one."""
     while isinstance(node, torch.fx.Node) and not node.users and node.op in ("get_attr", "call_method", "call_function"):
@@ -301,7 +303,10 @@ def _translate(x, weight_fp8, weight_scale, bias, recipe: str):
     """The ONNX nodes of one fp8 linear (module docstring)."""
     import numpy as np
     import onnx_ir as ir
-    from onnxscript import opset20 as op
+    from onnxscript import opset20
+
+    # onnxscript's opset is typed for scripted functions; here it is traced on torch.onnx's symbolic tensors
+    op: Any = opset20
 
     rec = RECIPES[recipe]
     row = rec.granularity == "row"
@@ -317,7 +322,7 @@ def _translate(x, weight_fp8, weight_scale, bias, recipe: str):
     if row:  # a per-axis zero point has the scale's shape: float8 zeros, one per row
         rows = [d for d in x.shape[:-1]] if x.shape is not None else [None]
         if all(isinstance(d, int) for d in rows):  # a static export (the default): a constant
-            zero = op.Constant(value=ir.tensor(np.zeros((math.prod(rows),), dtype=float8)))
+            zero = op.Constant(value=ir.tensor(np.zeros((math.prod(cast(list[int], rows)),), dtype=float8)))
         else:
             zero = op.Cast(op.ConstantOfShape(op.Shape(inverse)), to=_FLOAT8E4M3FN)
         quantised = op.QuantizeLinear(operand, inverse, zero, axis=0, saturate=1)

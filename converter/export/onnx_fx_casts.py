@@ -10,7 +10,7 @@ notes of :class:`~converter.export.onnx.OnnxResult`.
 from __future__ import annotations
 
 import collections
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx
@@ -111,6 +111,7 @@ def _cast_nodes_in_order(gm: torch.fx.GraphModule) -> list[_FxCast]:
         got = node.meta.get(META_VALUE)
         if not (isinstance(have, TensorSpec) and isinstance(got, TensorSpec)) or have.dtype == got.dtype:
             continue
+        assert isinstance(src, torch.fx.Node)  # (have is its spec)
         if src.op == "get_attr":
             kind = "weight"
         elif have.is_convertible and got.is_convertible:
@@ -140,7 +141,7 @@ def _mask_cast(node: torch.fx.Node, cache: dict, dependent: set) -> list[_FxCast
 def expected_casts(gm: torch.fx.GraphModule) -> dict:
     """The number of ONNX Casts the export of ``gm`` must contain, and its breakdown by kind."""
     nodes = _cast_nodes_in_order(gm)
-    counts = {"inserted": 0, "model": 0, "implicit": 0, "model-nonfloat": 0, "weight": 0, "fp8": 0}
+    counts: dict[str, Any] = {"inserted": 0, "model": 0, "implicit": 0, "model-nonfloat": 0, "weight": 0, "fp8": 0}
     for entry in nodes:
         counts[entry.kind] += 1
     counts["recorded"] = sum(

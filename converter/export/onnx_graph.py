@@ -240,4 +240,4 @@ def half_initializers(model) -> tuple[int, int, list[str]]:
 
 def type_name(t: Optional[int]) -> str:
     """A short name of an ONNX element type (``fp16``, ``int64``; ``type N`` for others)."""
-    return _ONNX_TYPE_NAMES.get(t, f"type {t}")
+    return _ONNX_TYPE_NAMES.get(t, f"type {t}") if t is not None else f"type {t}"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional, cast
 
 import torch
 import torch.fx
@@ -187,7 +187,7 @@ def verify_with_reference(path: Path, gm: torch.fx.GraphModule, args: tuple, kwa
     out = Verified()
     try:
         evaluator = ReferenceEvaluator(str(path))
-        got = evaluator.run(None, _feeds(evaluator.input_names, args, kwargs))
+        got = cast(list[Any], evaluator.run(None, _feeds(evaluator.input_names, args, kwargs)))  # (all outputs: a list)
         ref = _reference(gm, args, kwargs)
         out.max_err, scale = _compare(got, ref)
         out.sqnr_db = _outputs_db(got, ref)

@@ -35,7 +35,7 @@ def model_file_to_copy(model_file: Optional[str]) -> Optional[Path]:
 def _input_spec(value: Any) -> Any:
     """A literal description of one example input, for synthetic data in train.py."""
     if isinstance(value, torch.Tensor):
-        entry = {"shape": list(value.shape), "dtype": str(value.dtype).replace("torch.", "")}
+        entry: dict[str, Any] = {"shape": list(value.shape), "dtype": str(value.dtype).replace("torch.", "")}
         if value.numel() and not value.is_floating_point() and not value.is_complex() and not value.is_meta:
             entry["low"] = int(value.min())
             entry["high"] = int(value.max())

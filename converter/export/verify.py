@@ -28,6 +28,7 @@ def import_file(path: Path) -> Any:
     """Import the Python file at ``path`` as a fresh module (not registered in ``sys.modules``)."""
     name = f"_mpconvert_emitted_{uuid.uuid4().hex}"
     spec = importlib.util.spec_from_file_location(name, str(path))
+    assert spec is not None and spec.loader is not None  # (a .py path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

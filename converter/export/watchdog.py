@@ -77,10 +77,12 @@ def _start(tmp: Optional[Path], out: Optional[Path], *, speak: bool) -> Optional
 def _stop(watcher: Optional[subprocess.Popen]) -> None:
     if watcher is None:
         return
+    stdin = watcher.stdin
+    assert stdin is not None  # (started with stdin=PIPE)
     with contextlib.suppress(OSError, ValueError):
-        watcher.stdin.write(b"done")
+        stdin.write(b"done")
     with contextlib.suppress(OSError, ValueError):
-        watcher.stdin.close()
+        stdin.close()
     with contextlib.suppress(subprocess.SubprocessError, OSError):
         watcher.wait(timeout=30)
 

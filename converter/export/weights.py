@@ -109,7 +109,7 @@ def _untangle(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for start, length, name in spans:
         if start < end:
             tensors[name] = tensors[name].clone()
-        end = max(end, start + length)
+        end = max(end, int(start + length))
     return tensors
 
 

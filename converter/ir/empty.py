@@ -47,7 +47,7 @@ class EmptyWeightsError(MpconvertError, ValueError):
     """A buffer too large to build for real inside ``empty_weights()``; the message is one line."""
 
 
-def _shape(func: Any, args: tuple, kwargs: dict) -> tuple[int, ...] | None:
+def _shape(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...] | None:
     if func in _SIZED:
         size = kwargs.get("size", args)
     elif func in (torch.full, torch.empty_strided):
@@ -68,9 +68,10 @@ class _LargeOnMeta(TorchFunctionMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.made: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> tensor
+        self.made: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()  # id -> tensor
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         shape = _shape(func, args, kwargs) if kwargs.get("device") is None else None
         if shape is not None:
@@ -92,13 +93,13 @@ def empty_weights() -> Iterator[None]:
     original_buffer = nn.Module.register_buffer
     mode = _LargeOnMeta()
 
-    def register_parameter(self: nn.Module, name: str, param) -> None:
+    def register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
         original_param(self, name, param)
         if param is not None and not param.is_meta:
             meta = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
             self._parameters[name] = meta
 
-    def register_buffer(self: nn.Module, name: str, tensor, persistent: bool = True) -> None:
+    def register_buffer(self: nn.Module, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
         if isinstance(tensor, torch.Tensor) and tensor.is_meta and mode.made.get(id(tensor)) is tensor:
             size = tensor.numel() * tensor.element_size()
             raise EmptyWeightsError(
@@ -107,11 +108,11 @@ def empty_weights() -> Iterator[None]:
                 "config, or build the model on a machine that has the memory")
         original_buffer(self, name, tensor, persistent)
 
-    nn.Module.register_parameter = register_parameter
-    nn.Module.register_buffer = register_buffer
+    setattr(nn.Module, "register_parameter", register_parameter)  # noqa: B010 (mypy: a method is assigned on purpose)
+    setattr(nn.Module, "register_buffer", register_buffer)  # noqa: B010
     try:
         with mode:
             yield
     finally:
-        nn.Module.register_parameter = original_param
-        nn.Module.register_buffer = original_buffer
+        setattr(nn.Module, "register_parameter", original_param)  # noqa: B010
+        setattr(nn.Module, "register_buffer", original_buffer)  # noqa: B010

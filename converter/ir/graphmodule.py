@@ -18,7 +18,8 @@ import contextlib
 import functools
 import gc
 import inspect
-from typing import Any, Callable, Optional
+from collections.abc import Iterator
+from typing import Any, Callable, Optional, TypeVar, cast
 
 import torch
 import torch.fx
@@ -28,10 +29,14 @@ from converter.ir.fx_names import install as _quote_fx_names
 
 _quote_fx_names()  # a module name holding quotes or a newline is data in generated code (converter/ir/fx_names.py)
 
+_LazyGraphModule: Optional[type[torch.fx.GraphModule]]
 try:  # private, but stable since torch 2.3 and used by inductor on every compile
-    from torch.fx._lazy_graph_module import _LazyGraphModule
+    from torch.fx._lazy_graph_module import _LazyGraphModule as _Lazy
+    _LazyGraphModule = _Lazy
 except ImportError:  # pragma: no cover - a torch without it gets eager code generation
     _LazyGraphModule = None
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 __all__ = ["new_graph_module", "materialize", "gc_paused", "pauses_gc", "TwoModeGraphModule", "with_eval_graph", "EVAL_PREFIX",
            "resolve_attr"]
@@ -45,7 +50,7 @@ def new_graph_module(root: torch.nn.Module, graph: torch.fx.Graph, class_name: s
     return gm
 
 
-def retarget_calls(gm: torch.fx.GraphModule, targets: dict) -> int:
+def retarget_calls(gm: torch.fx.GraphModule, targets: dict[Any, Any]) -> int:
     """Point every ``call_function`` node whose target is a key of ``targets`` at its value (same arguments);
     recompiles when any changed; returns how many nodes changed."""
     count = 0
@@ -75,7 +80,7 @@ def materialize(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 @contextlib.contextmanager
-def gc_paused():
+def gc_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector for the duration (reference counting still frees)."""
     was = gc.isenabled()
     gc.disable()
@@ -86,15 +91,15 @@ def gc_paused():
             gc.enable()
 
 
-def pauses_gc(fn):
+def pauses_gc(fn: _F) -> _F:
     """Decorator form of :func:`gc_paused`, for the graph passes."""
 
     @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         with gc_paused():
             return fn(*args, **kwargs)
 
-    return wrapper
+    return cast(_F, wrapper)
 
 
 #: the prefix of the attributes only the eval graph reads (its own constants, export's guard function)
@@ -118,8 +123,12 @@ class TwoModeGraphModule(torch.fx.GraphModule):
     ``torch.fx.Interpreter``) see the train graph: :meth:`for_mode` gives a one-graph module.
     """
 
+    # set on the class by recompile(): the generated forward of each graph
+    _forward_train: Callable[..., Any]
+    _forward_eval: Callable[..., Any]
+
     def __init__(self, root: Any, graph: torch.fx.Graph, class_name: str = "GraphModule", *,
-                 eval_graph: Optional[torch.fx.Graph] = None, eval_root: Optional[torch.nn.Module] = None):
+                 eval_graph: Optional[torch.fx.Graph] = None, eval_root: Optional[torch.nn.Module] = None) -> None:
         if eval_graph is None:  # copy.deepcopy: root is a module holding a copy of our __dict__
             eval_graph = root.__dict__.get("_eval_graph")
         if not isinstance(eval_graph, torch.fx.Graph):
@@ -134,12 +143,14 @@ class TwoModeGraphModule(torch.fx.GraphModule):
     @property
     def eval_graph(self) -> torch.fx.Graph:
         """The graph ``forward`` runs in eval mode."""
-        return self.__dict__["_eval_graph"]
+        graph: torch.fx.Graph = self.__dict__["_eval_graph"]
+        return graph
 
     @property
     def eval_code(self) -> str:
         """The Python source of the eval-mode forward."""
-        return self.__dict__["_eval_code"]
+        code: str = self.__dict__["_eval_code"]
+        return code
 
     def for_mode(self, training: bool) -> torch.fx.GraphModule:
         """A plain GraphModule of one mode's graph over the same tensors (nothing is copied).
@@ -153,7 +164,7 @@ class TwoModeGraphModule(torch.fx.GraphModule):
         module.train(training)
         return module
 
-    def recompile(self):  # noqa: D102 - GraphModule.recompile, then the eval forward and the dispatch
+    def recompile(self) -> Any:  # noqa: D102 - GraphModule.recompile, then the eval forward and the dispatch
         python_code = super().recompile()
         cls = type(self)
         cls._forward_train = cls.forward
@@ -162,24 +173,24 @@ class TwoModeGraphModule(torch.fx.GraphModule):
             eval_code = eval_graph.python_code(root_module="self")
             self.__dict__["_eval_code"] = eval_code.src
             cls._forward_eval = _forward_from_src(eval_code.src, eval_code.globals)
-        cls.forward = _dispatching_forward(cls._forward_train)
+        setattr(cls, "forward", _dispatching_forward(cls._forward_train))  # noqa: B010 (mypy: a method is replaced)
         return python_code
 
-    def _deepcopy_init(self):
+    def _deepcopy_init(self) -> Callable[..., None]:
         return TwoModeGraphModule.__init__
 
-    def __reduce__(self):
+    def __reduce__(self) -> Any:
         raise TypeError("a converted module with separate train and eval graphs cannot be pickled; save its "
                         "state_dict() (the original model's keys) or the emitted model.py (Conversion.save)")
 
 
-def _dispatching_forward(train_forward):
-    def forward(self, *args, **kwargs):
+def _dispatching_forward(train_forward: Callable[..., Any]) -> Callable[..., Any]:
+    def forward(self: TwoModeGraphModule, *args: Any, **kwargs: Any) -> Any:
         if self.training:
             return self._forward_train(*args, **kwargs)
         return self._forward_eval(*args, **kwargs)
 
-    forward.__signature__ = inspect.signature(train_forward)
+    setattr(forward, "__signature__", inspect.signature(train_forward))  # noqa: B010 (not an attribute of a function's type)
     forward.__doc__ = "train(): the train-mode graph; eval(): the eval-mode graph (see TwoModeGraphModule)."
     return forward
 
@@ -205,7 +216,7 @@ def _keep_tied_names(root: torch.nn.Module, module: torch.nn.Module) -> None:
     ``emb.weight`` vanished from ``state_dict`` and the converted module no longer loaded strictly
     into the original class. Each missing alias is registered again on the same Parameter or buffer
     (in an empty container module where the path does not exist)."""
-    have = {id(t): t for _n, t in module.named_parameters(remove_duplicate=False)}
+    have: dict[int, torch.Tensor] = {id(t): t for _n, t in module.named_parameters(remove_duplicate=False)}
     have.update({id(t): t for _n, t in module.named_buffers(remove_duplicate=False)})
     for kind, members in (("parameter", root.named_parameters(remove_duplicate=False)),
                           ("buffer", root.named_buffers(remove_duplicate=False))):
@@ -219,7 +230,7 @@ def _keep_tied_names(root: torch.nn.Module, module: torch.nn.Module) -> None:
                     owner.add_module(part, torch.nn.Module())
                 owner = getattr(owner, part)
             if kind == "parameter":
-                owner.register_parameter(leaf, tensor)
+                owner.register_parameter(leaf, cast(torch.nn.Parameter, tensor))
             else:
                 original = root.get_submodule(".".join(path)) if path else root
                 owner.register_buffer(leaf, tensor, persistent=leaf not in original._non_persistent_buffers_set)
@@ -263,7 +274,7 @@ def with_eval_graph(train: torch.fx.GraphModule, eval_gm: torch.fx.GraphModule, 
     train_codegen, eval_codegen = train.graph._codegen, graph._codegen
     train_info, eval_info = getattr(train_codegen, "pytree_info", None), getattr(eval_codegen, "pytree_info", None)
     if (train_info is None) != (eval_info is None) or (
-            train_info is not None and (train_info.in_spec != eval_info.in_spec or train_info.out_spec != eval_info.out_spec)):
+            train_info is not None and eval_info is not None and (train_info.in_spec != eval_info.in_spec or train_info.out_spec != eval_info.out_spec)):
         raise ValueError("the train-mode and eval-mode graphs take or return different structures")
     own: dict[str, Any] = {}
     for node in graph.nodes:

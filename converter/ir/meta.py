@@ -385,10 +385,10 @@ class Decision:
     unmatched: bool = False
     notes: tuple[tuple[NoteStage, str], ...] = ()
 
-    def replace(self, **changes) -> "Decision":
+    def replace(self, **changes: Any) -> "Decision":
         return dataclasses.replace(self, **changes)
 
-    def noted(self, stage: NoteStage, text: str, **changes) -> "Decision":
+    def noted(self, stage: NoteStage, text: str, **changes: Any) -> "Decision":
         """A copy with ``changes`` applied and ``(stage, text)`` appended to :attr:`notes`."""
         return dataclasses.replace(self, notes=self.notes + ((stage, text),), **changes)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import operator
 import re
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.fx
@@ -254,9 +254,9 @@ _INPLACE_NAMES = frozenset({"copy_", "__iadd__", "__isub__", "__imul__", "__itru
 
 def _aten_name(target: Any) -> Optional[str]:
     if isinstance(target, torch._ops.OpOverload):
-        return target.overloadpacket.__name__
+        return str(target.overloadpacket.__name__)
     if isinstance(target, torch._ops.OpOverloadPacket):
-        return target.__name__
+        return str(target.__name__)
     return None
 
 
@@ -282,7 +282,7 @@ def _conv_name(node: torch.fx.Node) -> str:
 def canonical_op(node: torch.fx.Node, root: Optional[torch.nn.Module] = None) -> str:
     """The canonical op name of an FX node (see module docstring)."""
     if node.op == "call_module":
-        sub = root.get_submodule(node.target) if root is not None else None
+        sub = root.get_submodule(str(node.target)) if root is not None else None
         cls = type(sub).__name__ if sub is not None else str(node.target)
         if cls in _MODULE_OPS:
             return _MODULE_OPS[cls]
@@ -346,7 +346,7 @@ def castable_arg_positions(op_name: str, nargs: int) -> Optional[tuple[int, ...]
     return None
 
 
-def map_castable_args(node: torch.fx.Node, op_name: str, fn) -> None:
+def map_castable_args(node: torch.fx.Node, op_name: str, fn: Callable[[torch.fx.Node], Any]) -> None:
     """Apply ``fn`` to every node the op's precision applies to, in place (see castable_arg_positions).
 
     ``node.args`` is only reassigned when ``fn`` replaced something: every assignment makes FX
@@ -356,7 +356,7 @@ def map_castable_args(node: torch.fx.Node, op_name: str, fn) -> None:
 
     changed = False
 
-    def track(arg):
+    def track(arg: torch.fx.Node) -> Any:
         nonlocal changed
         new = fn(arg)
         if new is not arg:
@@ -372,12 +372,12 @@ def map_castable_args(node: torch.fx.Node, op_name: str, fn) -> None:
         if changed:
             node.args, node.kwargs = args, kwargs
         return
-    args = list(node.args)
+    listed = list(node.args)
     for pos in positions:
-        if pos < len(args):
-            args[pos] = map_arg(args[pos], track)
+        if pos < len(listed):
+            listed[pos] = map_arg(listed[pos], track)
     if changed:
-        node.args = tuple(args)
+        node.args = tuple(listed)
 
 
 @functools.lru_cache(maxsize=1)

@@ -6,7 +6,7 @@ is accepted by all, and an unknown one gets the same message everywhere.
 """
 from __future__ import annotations
 
-from typing import Union
+from typing import Union, cast
 
 import torch
 
@@ -15,7 +15,7 @@ from converter.ir.precision_names import ALIASES, PrecisionError, precision_mess
 
 __all__ = ["ALIASES", "PrecisionError", "canonical", "half_precision", "half_dtype"]
 
-_BY_DTYPE: dict[torch.dtype, Precision] = {dtype: name for name, dtype in DTYPES.items()}
+_BY_DTYPE: dict[torch.dtype, Precision] = {dtype: cast(Precision, name) for name, dtype in DTYPES.items()}
 
 
 def canonical(precision: Union[str, torch.dtype]) -> Precision:

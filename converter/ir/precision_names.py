@@ -6,7 +6,7 @@ torch dtypes on top of this table and re-exports it.
 from __future__ import annotations
 
 import difflib
-from typing import Literal, Optional
+from typing import Literal, Optional, cast
 
 from converter.ir.errors import MpconvertError
 
@@ -78,4 +78,5 @@ def target_name(name: str) -> Literal["fp16", "bf16", "fp8"]:
 
 def run_half(target: str) -> Literal["fp16", "bf16"]:
     """The half dtype a conversion to ``target`` runs its half nodes in (``fp8`` -> ``bf16``)."""
-    return COMPUTE_MODES.get(target, target)  # type: ignore[return-value]
+    mode = COMPUTE_MODES.get(target)
+    return mode if mode is not None else cast(Literal["fp16", "bf16"], target)

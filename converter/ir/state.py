@@ -15,7 +15,7 @@ __all__ = ["preserved_state"]
 
 def _rng_devices() -> list[int]:
     """The CUDA devices whose RNG state must be kept (only when CUDA is already initialised)."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         return [torch.cuda.current_device()]
     return []
 

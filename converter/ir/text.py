@@ -17,7 +17,7 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 _CONTROL_ALL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
-def _escape(match: re.Match) -> str:
+def _escape(match: re.Match[str]) -> str:
     return f"\\x{ord(match.group(0)):02x}"
 
 

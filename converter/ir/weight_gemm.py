@@ -77,7 +77,7 @@ def weight_parameter(node: Any, root: Optional[torch.nn.Module]) -> Optional[tor
 
 def _default_scale(node: torch.fx.Node, name: str, pos: int) -> bool:
     value = node.args[pos] if len(node.args) > pos else node.kwargs.get(name, 1)
-    return not isinstance(value, torch.fx.Node) and value == 1
+    return not isinstance(value, torch.fx.Node) and bool(value == 1)
 
 
 def weight_gemm_operands(node: torch.fx.Node, op: str, root: Optional[torch.nn.Module]) -> Optional[tuple[Any, Any, Any]]:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Iterable, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional, cast
 
 import torch
 import torch.fx
@@ -46,6 +46,7 @@ from converter.ir.meta import (
     META_STATS,
     Decision,
     Match,
+    RequestedPrecision,
     RuleRef,
 )
 from converter.numerics.common import json_float
@@ -107,7 +108,7 @@ def _fallback_decision(node: torch.fx.Node, decision: Decision, evidence: tuple[
         f"calibration: {value} {_fmt(absmax)} × margin {margin:g} > fp16 max 65504 → {fallback} "
         f"(was fp16 by {decision.rule}: {decision.full_reason})"
     )
-    match = Match(rule=ref, precision=fallback, level=rank(OVERRIDE_LEVEL), level_name=OVERRIDE_LEVEL, reason=reason)
+    match = Match(rule=ref, precision=cast(RequestedPrecision, fallback), level=rank(OVERRIDE_LEVEL), level_name=OVERRIDE_LEVEL, reason=reason)
     new = decision.replace(precision=fallback, requested=fallback, rule=ref, reason=reason,
                            matches=(match,) + tuple(decision.matches), unmatched=False, notes=())
     stats: NodeStats = node.meta[META_STATS]
@@ -150,7 +151,7 @@ def redecide_overflow(
     ref = None  # the rule reference, made on the first re-decision (finding the file reads TOML)
     fresh = fresh if fresh is not None else fresh_decisions(gm, rules, settings.target)
     overrides: dict[str, Decision] = {}
-    rows: list[dict] = []
+    rows: list[dict[str, Any]] = []
     for _ in range(len(gm.graph.nodes) + 1):
         newly = 0
         for node in gm.graph.nodes:
@@ -228,7 +229,8 @@ def shared_reads_in_fp32(gm: torch.fx.GraphModule, cal: Calibration, margin: flo
     scale = recommend_loss_scale(max(finite, default=0.0), margin)
     if scale is None:
         return [], {}
-    rows, seen = [], set()
+    rows: list[dict[str, Any]] = []
+    seen: set[str] = set()
     for node in gm.graph.nodes:
         name = str(node.target)
         if node.op != "get_attr" or name not in per_read or name in seen or not _read_in_fp16(node):
@@ -249,7 +251,7 @@ def shared_reads_in_fp32(gm: torch.fx.GraphModule, cal: Calibration, margin: flo
     return rows, {row["param"]: per_read[row["param"]] for row in rows}
 
 
-def _gradient_report(gm: torch.fx.GraphModule, margin: float, target: str, per_read: Mapping[str, float]) -> dict:
+def _gradient_report(gm: torch.fx.GraphModule, margin: float, target: str, per_read: Mapping[str, float]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Underflow risk and the loss scale, over the gradients that fp16 nodes produce in half.
 
     Those are the gradients of the outputs of fp16 nodes and of the parameters they cast (O1:
@@ -259,7 +261,7 @@ def _gradient_report(gm: torch.fx.GraphModule, margin: float, target: str, per_r
     if target != "fp16":
         return {"recommended_initial_scale": None,
                 "why": f"{target} has the range of fp32: no loss scaling is needed"}, {"applies": False, "why": f"{target} has the range of fp32"}
-    hist = None
+    hist: Optional[dict[int, int]] = None
     count = zeros = 0
     max_grad = 0.0
     names = []
@@ -270,6 +272,7 @@ def _gradient_report(gm: torch.fx.GraphModule, margin: float, target: str, per_r
         names.append(node.name)
         stats: NodeStats = node.meta[META_STATS]
         g = stats.grad
+        assert g is not None  # _half_gradient_absmax: the node has gradient statistics
         hist = {} if hist is None else hist
         for e, c in stats.grad_log2_hist:
             hist[e] = hist.get(e, 0) + c
@@ -278,7 +281,7 @@ def _gradient_report(gm: torch.fx.GraphModule, margin: float, target: str, per_r
         if not math.isnan(absmax):
             max_grad = max(max_grad, absmax)
     if hist is None:
-        scale_info = {"recommended_initial_scale": None, "why": "no gradient reached an fp16 node (backward off, or nothing requires grad)"}
+        scale_info: dict[str, Any] = {"recommended_initial_scale": None, "why": "no gradient reached an fp16 node (backward off, or nothing requires grad)"}
         return scale_info, {"applies": False, "why": scale_info["why"]}
     scale = recommend_loss_scale(max_grad, margin)
     nonzero = sum(hist.values())

@@ -114,7 +114,8 @@ def copy_graph(gm: torch.fx.GraphModule) -> tuple[torch.fx.Graph, dict]:
     old = gm.graph
     mapping: dict = {}
     graph = torch.fx.Graph(tracer_cls=old._tracer_cls)
-    output_val, old_output = graph.graph_copy(old, val_map=mapping, return_output_node=True)
+    copied: Any = graph.graph_copy(old, val_map=mapping, return_output_node=True)  # typed without the output node
+    output_val, old_output = copied
     graph._codegen = copy.deepcopy(old._codegen)
     new_output = graph.output(output_val, type_expr=getattr(old_output, "type", None))
     new_output.meta = copy.copy(old_output.meta)

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Optional, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Union, cast
 
 import torch
 import torch.fx
@@ -202,7 +202,7 @@ class _Layer:
         under = {k: (c[0] / c[1] if c[1] else 0.0) for k, c in self.counts.items()}
         over = {k: (c[2] / c[3] if c[3] else 0.0) for k, c in self.counts.items()}
         return Fp8LayerNumerics(node=node.name, module=_module_of(node), recipe=recipe.name, flops=_linear_flops(node),
-                                sqnr_output=self.pooled_db("output"), sqnr_grad_input=self.pooled_db("grad_input"),
+                                sqnr_output=cast(float, self.pooled_db("output")), sqnr_grad_input=self.pooled_db("grad_input"),
                                 sqnr_grad_weight=self.pooled_db("grad_weight"), amax=dict(self.amax), underflow=under,
                                 overflow=over, batches=self.batches)
 
@@ -219,7 +219,7 @@ def _measure_layer(acc: _Layer, recipe: Fp8Recipe, x: torch.Tensor, weight: torc
         y8 = fp8_linear(x8, w8, b, recipe)
         yr = F.linear(xr, wr, None if b is None else b.to(torch.bfloat16))
         acc.add_error("output", yr, y8)
-        if backward:
+        if grad_output is not None:
             gx8, gw8 = torch.autograd.grad(y8, (x8, w8), grad_output.to(y8.dtype))
             gxr, gwr = torch.autograd.grad(yr, (xr, wr), grad_output.to(yr.dtype))
             acc.add_error("grad_input", gxr, gx8)
@@ -257,7 +257,7 @@ def _seed(output: Any, item: Any, loss_fn: Optional[Callable], gen: torch.Genera
     leaves = [t for t in floating_outputs(output, fp64=False) if t.requires_grad]
     if not leaves:
         return None
-    return sum((t.float() * torch.randn(t.shape, generator=gen).to(t.device)).sum() for t in leaves)
+    return cast(torch.Tensor, sum((t.float() * torch.randn(t.shape, generator=gen).to(t.device)).sum() for t in leaves))
 
 
 def measure_fp8_layers(gm: torch.fx.GraphModule, batches: Iterable, recipe: Union[str, Fp8Recipe], *,

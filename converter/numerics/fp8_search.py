@@ -58,7 +58,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, cast
 
 import torch
 import torch.fx
@@ -244,7 +244,7 @@ def _score_batch(module: torch.nn.Module, args: tuple, kwargs: dict, slots: list
         if not outs or not owned:
             return
         for k in range(projections):
-            dot = sum((t * torch.randn(t.shape, generator=gen, dtype=t.dtype)).sum() for t in outs)
+            dot = cast(torch.Tensor, sum((t * torch.randn(t.shape, generator=gen, dtype=t.dtype)).sum() for t in outs))
             grads = torch.autograd.grad(dot, [slot[0] for _, slot in owned], allow_unused=True,
                                         retain_graph=k + 1 < projections)
             for g, (i, (_, delta, _)) in zip(grads, owned):

@@ -182,7 +182,7 @@ class CastCounter(TorchDispatchMode):
         return (self.autocast_dtype is not None and dtype == self.autocast_dtype and src.dtype == torch.float32
                 and src.requires_grad and src.is_leaf and not src._is_view())
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Optional[dict[str, Any]] = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if func is torch.ops.aten._to_copy.default and isinstance(out, torch.Tensor):
             src = args[0]
@@ -271,7 +271,7 @@ def saved_activations(
     with preserved_state(module), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _unpack), \
             (counter if counter is not None else contextlib.nullcontext()), ctx:
         _run(module, args, kwargs or {})
-    result = {"activation_bytes": totals["bytes"] - totals["copy_bytes"], "weight_copy_bytes": totals["copy_bytes"],
+    result: dict[str, Any] = {"activation_bytes": totals["bytes"] - totals["copy_bytes"], "weight_copy_bytes": totals["copy_bytes"],
               "tensors": totals["tensors"]}
     if counter is not None:
         result["casts"] = counter.summary()

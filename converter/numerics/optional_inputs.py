@@ -29,7 +29,7 @@ from __future__ import annotations
 import inspect
 import re
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 import torch.fx
@@ -182,6 +182,7 @@ def find_optional_inputs(model: torch.nn.Module, gm: torch.fx.GraphModule, args:
                 why[name] = ("no required input gives the size of its dynamic dims" if shape is None else
                              "the original computes something else than a constant tensor when it is left out")
                 continue
+            assert shape is not None  # (no shape: no fill)
             found[name] = OptionalInput(name, fill, str(kwargs[name].dtype), shape, required[0])
     out: list[OptionalInput] = []
     for i, name in enumerate(order):  # Python: only a trailing run of parameters has defaults
@@ -199,7 +200,13 @@ def find_optional_inputs(model: torch.nn.Module, gm: torch.fx.GraphModule, args:
 _DEF = re.compile(r"^def (\w+)\((.*)\)(.*):$")
 
 
-class _OptionalInputs:
+if TYPE_CHECKING:  # mixed into a CodeGen class (below): its super() is that class
+    _OptionalBase = _PyTreeCodeGen
+else:
+    _OptionalBase = object
+
+
+class _OptionalInputs(_OptionalBase):
     """A graph's code generator whose forward gives the optional inputs their default and fill."""
 
     _mp_optional: tuple[OptionalInput, ...] = ()
@@ -221,7 +228,7 @@ class OptionalPyTreeCodeGen(_OptionalInputs, _PyTreeCodeGen):
     """torch.export's pytree code generator with optional inputs."""
 
 
-_CLASSES: dict[type, type] = {_PyTreeCodeGen: OptionalPyTreeCodeGen}
+_CLASSES: dict[type, type[_OptionalInputs]] = {_PyTreeCodeGen: OptionalPyTreeCodeGen}
 
 
 def _with_optional(codegen: Any, optional: tuple[OptionalInput, ...]) -> Any:

@@ -86,7 +86,7 @@ def _large(value: Any) -> bool:
 def _overflowed(mixed: Any, ref: Any) -> list[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]:
     """Per floating output: (mixed, ref, mask of the elements that are inf/NaN in ``mixed`` but finite in ``ref``;
     None when the shapes differ, a data-dependent shape, so the whole tensor counts); empty when nothing overflowed."""
-    found = []
+    found: list[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]] = []
     for m, r in zip(output_tensors(mixed), output_tensors(ref)):
         if not (m.is_floating_point() and r.is_floating_point() and m.numel()):
             continue

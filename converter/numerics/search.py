@@ -37,7 +37,7 @@ import math
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Protocol, Sequence
 
 import torch
 import torch.fx
@@ -211,11 +211,15 @@ def judge(tol: Tolerance, refs: Sequence[torch.Tensor], outs: Sequence[torch.Ten
     ratio = None
     if tol.sqnr_db is not None:
         ok = q >= tol.sqnr_db
-    if tol.rtol is not None:
+    if tol.rtol is not None or tol.atol is not None:
+        # allclose; given one of rtol/atol, the other defaults like numpy's (as Tolerance.parse fills it in): a
+        # Tolerance(atol=...) was not checked at all and a Tolerance(rtol=...) failed on None + tensor
+        rtol = 1e-5 if tol.rtol is None else tol.rtol
+        atol = 1e-8 if tol.atol is None else tol.atol
         if not bool(torch.isfinite(out).all()):
             ratio = math.inf
         else:
-            bound = tol.atol + tol.rtol * ref.abs()
+            bound = atol + rtol * ref.abs()
             excess = (ref - out).abs()
             ratio = float((excess / bound).max()) if bound.numel() and bool((bound > 0).all()) else (
                 0.0 if bool((excess == 0).all()) else math.inf)
@@ -345,10 +349,20 @@ class HalfEmulator:
 # search
 
 
+class Evaluator(Protocol):
+    """What :class:`Budget` runs: :class:`HalfEmulator`, or the fp8 search's ``Fp8Evaluator``."""
+
+    runs: int
+
+    def known_keep(self, keep: Iterable[str]) -> bool: ...
+
+    def evaluate_keep(self, keep: Iterable[str], *, memo: bool = True) -> Outcome: ...
+
+
 class Budget:
     """``evaluate_keep`` with a cap on the runs and a record of the best result reached."""
 
-    def __init__(self, emulator: HalfEmulator, max_evaluations: int):
+    def __init__(self, emulator: Evaluator, max_evaluations: int):
         self.em = emulator
         self.max = max_evaluations
         self.start = emulator.runs
@@ -416,11 +430,11 @@ def bisect_graph_order(evaluate_keep: Callable[[Sequence[str]], Outcome], nodes:
     fp32 set and the number of attempts, final validation included (the fp32 reference run is not
     included: the caller adds it, as for :func:`search_ranked`).
     """
-    segments = [[0, len(nodes), "?"]]  # start, size, state: ? / good / bad
+    segments: list[list[Any]] = [[0, len(nodes), "?"]]  # start, size, state: ? / good / bad
     attempts = 0
 
-    def blocked(skip) -> list[str]:
-        out = []
+    def blocked(skip: Optional[list[Any]]) -> list[str]:
+        out: list[str] = []
         for seg in segments:
             if seg is not skip and seg[2] != "good":
                 out.extend(nodes[seg[0]: seg[0] + seg[1]])

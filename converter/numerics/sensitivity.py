@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, cast
 
 import torch
 import torch.fx
@@ -151,7 +151,7 @@ def _add_projection(outs: list[torch.Tensor], wrt: list[torch.Tensor], owner: li
                     acc: _Scores, gen: torch.Generator, *, projections: int, retain: bool) -> None:
     """One random output direction ``v``: adds ``(gᵢ·δᵢ)² / projections`` to each node's score."""
     vs = [torch.randn(t.shape, generator=gen, dtype=t.dtype) for t in outs]
-    dot = sum((t * v).sum() for t, v in zip(outs, vs))
+    dot = cast(torch.Tensor, sum((t * v).sum() for t, v in zip(outs, vs)))
     grads = torch.autograd.grad(dot, wrt, allow_unused=True, retain_graph=retain)
     per_node: dict[int, float] = {}
     for g, (i, d) in zip(grads, owner):

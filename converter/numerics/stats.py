@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence, cast
 
 import torch
 import torch.fx
@@ -161,7 +161,7 @@ def _loss(output: Any, item: Any, loss_fn: Optional[Callable], note: list) -> Op
     leaves = [t for t in floating_outputs(output, fp64=False) if t.requires_grad]
     if not leaves:
         return None
-    return sum(t.float().sum() for t in leaves)
+    return cast(torch.Tensor, sum(t.float().sum() for t in leaves))
 
 
 #: ops whose output holds exactly the values of their input, rearranged
@@ -200,7 +200,7 @@ def _plan_taps(gm: torch.fx.GraphModule, candidates: Sequence[torch.fx.Node]) ->
         elif isinstance(node.meta.get(META_VALUE), tuple):
             n_out = len(node.meta[META_VALUE])
             users = list(node.users)
-            picks = {}
+            picks: dict[Any, Any] = {}
             ok = n_out > 0
             for u in users:
                 uinfo = u.meta.get(META_INFO)
@@ -319,12 +319,13 @@ def _resolve(node: torch.fx.Node, results: dict, derived: dict) -> Optional[tupl
         if any(p is None for p in parts):
             got = None
         else:
-            grads = [p[1] for p in parts]
+            full = cast("list[tuple[Any, ...]]", parts)  # (none is None)
+            grads = [p[1] for p in full]
             merged: dict[int, int] = {}
-            for p in parts:
+            for p in full:
                 for e, c in p[2]:
                     merged[e] = merged.get(e, 0) + c
-            got = (merge_stats([p[0] for p in parts]),
+            got = (merge_stats([p[0] for p in full]),
                    merge_stats(grads) if all(g is not None for g in grads) else None,
                    tuple(sorted(merged.items())))
     if got is not None:
@@ -405,7 +406,7 @@ def _loss_text(*, backward: bool, note: list, loss_fn: Optional[Callable], grads
 
 
 def _take(iterable: Iterable, n: int) -> list:
-    out = []
+    out: list[Any] = []
     for item in iterable:
         if len(out) >= n:
             break

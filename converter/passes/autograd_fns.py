@@ -57,7 +57,7 @@ def function_call(cls: type) -> Callable:
         target.__qualname__ = f"{cls.__qualname__}_apply"
         target.__module__ = cls.__module__
         target.__doc__ = f"{cls.__qualname__}.apply: the custom autograd Function, forward and backward."
-        target.autograd_function = cls
+        setattr(target, "autograd_function", cls)  # noqa: B010 (an attribute of ours on a function)
         _TARGETS[cls] = target
     return target
 
@@ -164,11 +164,11 @@ class OpaqueFunctions:
             return record(cls, args, kwargs, original)
 
         self._saved = Function.__dict__["apply"]
-        Function.apply = classmethod(apply)
+        setattr(Function, "apply", classmethod(apply))  # noqa: B010 (torch's classmethod is replaced on purpose)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        Function.apply = self._saved
+        setattr(Function, "apply", self._saved)  # noqa: B010
 
     def _record_fx(self, cls, args, kwargs, original):
         if not any(isinstance(v, torch.fx.Proxy) for v in pytree.tree_leaves((args, kwargs))):

@@ -44,7 +44,7 @@ import contextlib
 import operator
 import re
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional, cast
 
 import torch
 import torch.fx
@@ -114,11 +114,13 @@ class CheckpointMarks:
                     return function(*args)
 
         _ckpt._checkpoint_without_reentrant_generator = generator
-        _ckpt.CheckpointFunction = Reentrant
+        setattr(_ckpt, "CheckpointFunction", Reentrant)  # noqa: B010 (torch's class is replaced on purpose)
         return self
 
     def __exit__(self, *exc) -> None:
-        _ckpt._checkpoint_without_reentrant_generator, _ckpt.CheckpointFunction = self._saved
+        generator, function = self._saved
+        _ckpt._checkpoint_without_reentrant_generator = generator
+        setattr(_ckpt, "CheckpointFunction", function)  # noqa: B010
         _STACK.clear()
 
 
@@ -279,7 +281,7 @@ def _split(graph: torch.fx.Graph, regions: list[Region], namespace) -> tuple[tor
         fn_name = namespace.create_name(f"_checkpoint_{region.tag.region}", object())
         call_name = fn_name.lstrip("_")
         call = outer.create_node(
-            "call_function", _ckpt.checkpoint, (_Name(fn_name),) + tuple(env[a] for a in region.inputs),
+            "call_function", _ckpt.checkpoint, (cast(Any, _Name(fn_name)), *(env[a] for a in region.inputs)),
             {"use_reentrant": False, "preserve_rng_state": region.tag.preserve_rng_state}, name=call_name)
         for k, out in enumerate(region.outputs):
             got = outer.create_node("call_function", operator.getitem, (call, k), name=f"{out.name}_out")
@@ -289,7 +291,13 @@ def _split(graph: torch.fx.Graph, regions: list[Region], namespace) -> tuple[tor
     return outer, parts
 
 
-class _CheckpointRegions:
+if TYPE_CHECKING:  # mixed into a CodeGen class (below): its super() is that class
+    _RegionsBase = CodeGen
+else:
+    _RegionsBase = object
+
+
+class _CheckpointRegions(_RegionsBase):
     """Code generation that runs each checkpoint region as a nested function under checkpoint.
 
     Mixed into the graph's own code generator class (plain, torch.export's pytree one, or
@@ -347,7 +355,7 @@ class CheckpointPyTreeCodeGen(_CheckpointRegions, _PyTreeCodeGen):
     """torch.export's pytree code generator, with checkpoint regions."""
 
 
-_WITH_REGIONS: dict[type, type] = {CodeGen: CheckpointCodeGen, _PyTreeCodeGen: CheckpointPyTreeCodeGen}
+_WITH_REGIONS: dict[type, type[_CheckpointRegions]] = {CodeGen: CheckpointCodeGen, _PyTreeCodeGen: CheckpointPyTreeCodeGen}
 
 
 def with_checkpoints(codegen: CodeGen) -> CodeGen:

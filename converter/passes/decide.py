@@ -43,16 +43,29 @@ that marks another op ``fp8`` is a :class:`~converter.rules.loader.RulesError`.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.fx
 
 from converter.ir.errors import MpconvertError
 from converter.ir.graphmodule import pauses_gc
-from converter.ir.meta import BUILTIN, META_DECISION, META_INFO, META_VALUE, Decision, Match, RuleRef, TensorSpec, name_of
+from converter.ir.meta import (
+    BUILTIN,
+    META_DECISION,
+    META_INFO,
+    META_VALUE,
+    Decision,
+    DecisionPrecision,
+    Match,
+    RequestedPrecision,
+    RuleRef,
+    TensorSpec,
+    name_of,
+)
 from converter.ir.ops import ACCUMULATE_OPS
 from converter.passes.autograd_fns import autograd_function
-from converter.passes.intent import applicable_intent, drop_enabled_autocast, half_in
+from converter.passes.intent import UserIntent, applicable_intent, drop_enabled_autocast, half_in
 from converter.rules.loader import FP8_OPS, GEMM_PRECISIONS, Rules, RulesError
 from converter.rules.precedence import DEFAULT_LEVEL, PRECEDENCE, SCOPED_LEVELS, USER_LEVEL, rank
 
@@ -134,7 +147,7 @@ def decide(gm: torch.fx.GraphModule, rules: Rules, *, precision: str) -> None:
     tainted: dict[torch.fx.Node, str] = {}
     for node in gm.graph.nodes:
         region = half_in(node)  # an enabled autocast region: a rule's half is its dtype
-        half = region.half if region is not None else precision
+        half = cast(str, region.half) if region is not None else precision  # an autocast region has its dtype
         _decide_node(node, rules, precision, half)
         if META_DECISION in node.meta:
             node.meta[META_DECISION] = _keep_for_constant(node, node.meta[META_DECISION], half, tainted)
@@ -204,7 +217,7 @@ def _decide_node(node: torch.fx.Node, rules: Rules, precision: str, half: str) -
                                                     alias=info.op_alias)), info.op, node.name, info.op_alias)
     if info.kind == "fixed":
         node.meta[META_DECISION] = Decision(
-            precision=name_of(info.fixed_dtype),
+            precision=cast(DecisionPrecision, name_of(info.fixed_dtype)),
             requested="fixed",
             rule=RuleRef(BUILTIN, "builtin", "fixed-dtype"),
             reason=info.why,
@@ -243,24 +256,25 @@ def _decide_node(node: torch.fx.Node, rules: Rules, precision: str, half: str) -
         return
     win = matches[0] if matches else None
     ban = next((m for m in matches if m.precision == "banned"), None)
-    if ban is not None and (win.level_name != PRECEDENCE[0] or win.precision == "banned"):  # a node rule may lift a ban
+    if ban is not None and win is not None and (win.level_name != PRECEDENCE[0] or win.precision == "banned"):  # a node rule may lift a ban
         message = rules.rule_for(ban).message
         raise BannedOpError(f"node {node.name!r} (op {info.op}) is banned by {ban.rule}: {message}")
     if intent is not None:  # the user's intent in the model code outranks every rule file
-        user = Match(rule=intent.rule, precision=intent.precision, level=rank(USER_LEVEL), level_name=USER_LEVEL,
+        user = Match(rule=intent.rule, precision=cast(RequestedPrecision, intent.precision), level=rank(USER_LEVEL), level_name=USER_LEVEL,
                      reason=intent.reason)
         node.meta[META_DECISION] = Decision(
-            precision=intent.precision, requested=intent.precision, rule=intent.rule,
+            precision=cast(DecisionPrecision, intent.precision), requested=user.precision, rule=intent.rule,
             reason=f"{USER_LEVEL} intent [{intent.label}]: {intent.reason}", matches=(user, *matches))
         return
+    assert win is not None  # no matches and no intent returned above
     resolved = _resolved(win.precision, half)
     reason = decision_reason(win.level_name, win.rule.pattern, win.rule.file, win.reason, win.scope)
     if win.level_name == DEFAULT_LEVEL:
         reason = f"no rule matches op {info.op!r}: {win.rule.file} default is {win.precision}"
     if win.precision == "half" and half != precision:
-        reason += f"; half is {half} here, the dtype of the [user] {half_in(node).label}"
+        reason += f"; half is {half} here, the dtype of the [user] {cast(UserIntent, half_in(node)).label}"
     node.meta[META_DECISION] = Decision(
-        precision=resolved,
+        precision=cast(DecisionPrecision, resolved),
         requested=win.precision,
         rule=win.rule,
         reason=reason,

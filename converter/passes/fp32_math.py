@@ -46,7 +46,7 @@ has no ``finally``); the next converted forward restores nothing it did not set.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 import torch.fx
@@ -227,7 +227,8 @@ def _bracket(graph: torch.fx.Graph, region: int, mode: FP32Math, members: list[t
         leave = graph.create_node("call_function", mp_fp32_math_exit, (enter,), name=f"fp32_math_exit_{region}")
     if META_CHECKPOINT in members[0].meta:  # the scope runs inside the checkpoint region too
         enter.meta[META_CHECKPOINT] = leave.meta[META_CHECKPOINT] = members[0].meta[META_CHECKPOINT]
-    for node, scope in ((enter, "enter"), (leave, "exit")):
+    scopes: tuple[tuple[torch.fx.Node, Literal["enter", "exit"]], ...] = ((enter, "enter"), (leave, "exit"))
+    for node, scope in scopes:
         node.meta[META_MATH] = MathRecord(mode=mode, enforced=True, reason=f"region {region}: {len(members)} nodes",
                                           region=region, scope=scope)
 

@@ -51,7 +51,7 @@ from __future__ import annotations
 import difflib
 import functools
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Iterable, Optional, Union, cast
 
 import torch
 import torch.fx
@@ -87,7 +87,7 @@ _LINEAR_TARGETS = (F.linear, torch.ops.aten.linear.default)
 UNSUPPORTED_RULE = RuleRef(BUILTIN, "builtin", "fp8-unsupported")
 #: the rule tables whose patterns must match a node of the model
 _NAMED_LEVELS = tuple(level for level in MATCH_TABLES if level != "op")
-_WHAT = dict(zip(_NAMED_LEVELS, ("node name", "module path", "module class")))
+_WHAT: dict[str, str] = dict(zip(_NAMED_LEVELS, ("node name", "module path", "module class")))
 #: the ``[settings]`` key of each GEMM's SQNR floor (the fp8 fallback with calibration)
 MIN_SQNR_SETTINGS = {"output": "fp8_min_sqnr_output", "grad_input": "fp8_min_sqnr_grad_input",
                      "grad_weight": "fp8_min_sqnr_grad_weight"}
@@ -99,7 +99,7 @@ class Fp8PatternError(RulesError):
     """A pattern of a user's rule file matches no node of the model (an fp8 exclusion would be silent)."""
 
 
-def fp8_rule_set(rules: Union[None, str, Path, Sequence[Union[str, Path]], Rules] = None) -> Rules:
+def fp8_rule_set(rules: Union[None, str, Path, Iterable[Union[str, Path]], Rules] = None) -> Rules:
     """The rules of precision fp8: default.toml, ``rules/fp8.toml``, then ``rules`` (the user's files, on top).
 
     A :class:`Rules` object is taken as it is (the caller layered it) when it has an fp8 rule; otherwise its
@@ -168,7 +168,7 @@ def _tensor_of(gm: torch.fx.GraphModule, node: Any) -> Optional[torch.Tensor]:
     if not isinstance(node, torch.fx.Node) or node.op != "get_attr":
         return None
     try:
-        return functools.reduce(getattr, node.target.split("."), gm)
+        return cast(Optional[torch.Tensor], functools.reduce(getattr, str(node.target).split("."), gm))
     except AttributeError:
         return None
 
@@ -198,7 +198,7 @@ def _weight_shape(node: torch.fx.Node, gm: torch.fx.GraphModule) -> Optional[tup
     if node.target not in _LINEAR_TARGETS:
         return None
     weight = _tensor_of(gm, _operands(node)[1])
-    return tuple(weight.shape) if weight is not None and weight.dim() == 2 else None
+    return (int(weight.shape[0]), int(weight.shape[1])) if weight is not None and weight.dim() == 2 else None
 
 
 def _gate(node: torch.fx.Node, gm: torch.fx.GraphModule, rules: Rules, recipe: str, position: str) -> Optional[tuple[str, str]]:

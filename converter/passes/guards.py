@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import sympy
 import torch
@@ -80,7 +80,7 @@ def _symbols(named_values: list[tuple[str, Any]]) -> tuple[dict, Any]:
             sym = _symbol(size)
             if sym is not None:
                 symbols.setdefault(sym, []).append((name, dim))
-                shape_env = shape_env or size.node.shape_env
+                shape_env = shape_env or cast(torch.SymInt, size).node.shape_env  # a symbol: a SymInt
     return symbols, shape_env
 
 

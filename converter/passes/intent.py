@@ -186,7 +186,8 @@ class AutocastMarks:
                 if exits:
                     exits.pop().close()
 
-        cls.__enter__, cls.__exit__ = __enter__, __exit__
+        setattr(cls, "__enter__", __enter__)  # noqa: B010 (torch's methods are replaced on purpose)
+        setattr(cls, "__exit__", __exit__)  # noqa: B010
         return self
 
     def _open(self, ctx: Any, frame) -> contextlib.ExitStack:
@@ -199,10 +200,11 @@ class AutocastMarks:
         self.count += 1
         _STACK.append(entry)
         stack.callback(lambda: _STACK.remove(entry) if entry in _STACK else None)
-        if self.tracer is not None:  # FX: the calls the inlined export regions have (converter.passes.regions)
+        tracer = self.tracer
+        if tracer is not None:  # FX: the calls the inlined export regions have (converter.passes.regions)
             args = (str(ctx.device), ctx.fast_dtype, bool(ctx._enabled), bool(ctx._cache_enabled))
-            enter = self.tracer.create_proxy("call_function", _ENTER, args, {})
-            stack.callback(lambda: self.tracer.create_proxy("call_function", _EXIT, (enter,), {}))
+            enter = tracer.create_proxy("call_function", _ENTER, args, {})
+            stack.callback(lambda: tracer.create_proxy("call_function", _EXIT, (enter,), {}))
         if self.annotate:
             import torch.fx.traceback as fx_traceback
 
@@ -212,7 +214,9 @@ class AutocastMarks:
 
     def __exit__(self, *exc) -> None:
         cls = torch.amp.autocast_mode.autocast
-        cls.__enter__, cls.__exit__ = self._saved
+        enter, leave = self._saved
+        setattr(cls, "__enter__", enter)  # noqa: B010
+        setattr(cls, "__exit__", leave)  # noqa: B010
         _STACK.clear()
 
 

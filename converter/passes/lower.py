@@ -65,7 +65,7 @@ import itertools
 import math
 import operator
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, cast
 
 import torch
 import torch.fx
@@ -315,7 +315,7 @@ def _sdpa_call(node: torch.fx.Node) -> Optional[dict[str, Any]]:
     """The call's arguments by name when it can be lowered exactly, else None."""
     if node.op != "call_function" or len(node.args) > len(_SDPA_PARAMS):
         return None
-    call = dict(_SDPA_DEFAULTS)
+    call: dict[str, Any] = dict(_SDPA_DEFAULTS)
     call.update(zip(_SDPA_PARAMS, node.args))
     if set(node.kwargs) - set(_SDPA_PARAMS):
         return None
@@ -412,9 +412,9 @@ def _annotate(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], like: NodeIn
         args = torch.fx.node.map_arg(node.args, meta_value)
         kwargs = torch.fx.node.map_arg(node.kwargs, meta_value)
         if node.op == "call_method":
-            value = getattr(args[0], node.target)(*args[1:], **kwargs)
+            value = getattr(args[0], str(node.target))(*args[1:], **kwargs)
         else:
-            value = node.target(*args, **kwargs)
+            value = cast(Callable[..., Any], node.target)(*args, **kwargs)
         computed[node] = value
         node.meta[META_VALUE] = spec_of(value)
         outputs = tuple(flat_specs(node.meta[META_VALUE]))

@@ -30,7 +30,7 @@ region's own intent wins).
 from __future__ import annotations
 
 import operator
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 import torch.fx
@@ -69,9 +69,9 @@ def _split_args(node: torch.fx.Node) -> tuple[tuple, torch.fx.Node, tuple]:
     """(bracket arguments, the get_attr of the submodule, the operands)."""
     if node.target is _GRAD:
         enabled, sub, *operands = node.args
-        return (enabled,), sub, tuple(operands)
+        return (enabled,), cast(torch.fx.Node, sub), tuple(operands)
     device_type, dtype, enabled, cache_enabled, sub, *operands = node.args
-    return (device_type, dtype, enabled, cache_enabled), sub, tuple(operands)
+    return (device_type, dtype, enabled, cache_enabled), cast(torch.fx.Node, sub), tuple(operands)
 
 
 def _inline_one(gm: torch.fx.GraphModule, node: torch.fx.Node, *, region_id: int) -> bool:
@@ -104,7 +104,7 @@ def _inline_one(gm: torch.fx.GraphModule, node: torch.fx.Node, *, region_id: int
                 add_intent(n, intent)
     _keep_checkpoint(first, node)
     for user in list(node.users):
-        user.replace_all_uses_with(outputs[user.args[1]])
+        user.replace_all_uses_with(outputs[cast(int, user.args[1])])
         graph.erase_node(user)
     graph.erase_node(node)
     if not sub_node.users:

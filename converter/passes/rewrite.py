@@ -25,7 +25,8 @@ necessary.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+import typing
+from typing import Any, Optional
 
 import torch
 import torch.fx
@@ -46,6 +47,7 @@ from converter.ir.meta import (
     META_VALUE,
     CastRecord,
     NodeInfo,
+    Precision,
     RuleRef,
     TensorSpec,
     name_of,
@@ -61,6 +63,11 @@ from converter.ir.ops import (
 
 __all__ = ["rewrite", "inserted_casts", "runtime_dtype"]
 
+
+
+def _name(dtype: Optional[torch.dtype]) -> Precision:
+    """A cast's dtype by name (the convertible floating dtypes: fp32, fp16, bf16)."""
+    return typing.cast(Precision, name_of(typing.cast(torch.dtype, dtype)))
 
 def runtime_dtype(node: torch.fx.Node, cache: dict) -> Optional[torch.dtype]:
     """The dtype a producer's tensor has after the rewrite (None for non-tensors)."""
@@ -107,7 +114,7 @@ class _Casts:
         checkpoint = consumer.meta.get(META_CHECKPOINT)
         # never share a cast across a no_grad region's edge (see passes.regions) nor a checkpoint's:
         # a cast for a checkpointed consumer runs inside the region (passes.checkpoint)
-        key = (src, dtype, region, checkpoint)
+        key: tuple[Any, ...] = (src, dtype, region, checkpoint)
         if src.op == "get_attr" and str(src.target) in self.per_read:
             key += (consumer,)  # the reads' gradients then add in fp32, in the parameter
         if key in self.casts:
@@ -141,8 +148,8 @@ class _Casts:
         cast.meta[META_INFO] = NodeInfo(op="to", module=consumer.meta.get(META_INFO, NodeInfo("")).module, kind="cast", outputs=(out,))
         cast.meta[META_CAST] = CastRecord(
             src=src.name,
-            dtype=name_of(dtype),
-            src_dtype=name_of(src_dtype),
+            dtype=_name(dtype),
+            src_dtype=_name(src_dtype),
             numel=spec.numel,
             consumers=(consumer.name,),
             rule=rule,
@@ -205,7 +212,7 @@ def _cast_inputs(node: torch.fx.Node, info: NodeInfo, casts: _Casts, native: lis
         _fold_dynamic_dtype(node, info)
     accumulates = info.kind == "alias" and info.inplace and info.op in ACCUMULATE_OPS and isinstance(node.args[0], torch.fx.Node)
     if accumulates:  # the operands take the dtype of the tensor it mutates
-        want = runtime_dtype(node.args[0], casts.cache)
+        want = runtime_dtype(typing.cast(torch.fx.Node, node.args[0]), casts.cache)
         if want is None or not want.is_floating_point:
             return
         reason = f"{node.name} ({info.op}_) accumulates in place in {name_of(want)}: {decision.full_reason}"
@@ -257,7 +264,8 @@ def _reads_parameters(node: torch.fx.Node, limit: int = 64) -> bool:
     trained input of attention, cast with q/k/v as autocast casts it (kept fp32, T5's gradients lose 5 dB), unlike a
     padding mask, whose ``finfo.min`` fills the fp32 keeps (looked at up to ``limit`` nodes back)."""
     owner = node.graph.owning_module
-    seen, todo = set(), [node]
+    seen: set[torch.fx.Node] = set()
+    todo = [node]
     while todo and len(seen) < limit:
         current = todo.pop()
         if current in seen:
@@ -293,7 +301,7 @@ def _share_casts_with_promotes(native: list, casts: dict, cache: dict) -> None:
     """
     if not native:
         return
-    position = {n: i for i, n in enumerate(native[0][0].graph.nodes)}
+    position: dict[torch.fx.Node, float] = {n: i for i, n in enumerate(native[0][0].graph.nodes)}
     for node, want in native:
         for arg in list(node.all_input_nodes):
             cast = casts.get((arg, want, node.meta.get(META_REGION, ()), node.meta.get(META_CHECKPOINT)))  # own region only
@@ -356,12 +364,12 @@ def _record_user_cast(node: torch.fx.Node, info: NodeInfo, cache: dict) -> None:
         return
     node.meta[META_CAST] = CastRecord(
         src=src.name,
-        dtype=name_of(info.fixed_dtype),
-        src_dtype=name_of(have),
+        dtype=_name(info.fixed_dtype),
+        src_dtype=_name(have),
         numel=value.numel,
         consumers=tuple(u.name for u in node.users),
         rule=RuleRef(BUILTIN, "builtin", "model-cast"),
-        reason=f"the model's own cast {node.name!r} now converts {name_of(have)} to {name_of(info.fixed_dtype)}",
+        reason=f"the model's own cast {node.name!r} now converts {_name(have)} to {_name(info.fixed_dtype)}",
         on_weight=src.op == "get_attr",
         inserted=False,
     )

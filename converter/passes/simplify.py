@@ -93,7 +93,7 @@ def _dtype_of(node: Any) -> Optional[torch.dtype]:
 
 def _dropout_identity(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Optional[str]:
     if node.op == "call_module":
-        module = gm.get_submodule(node.target)
+        module = gm.get_submodule(str(node.target))
         if isinstance(module, _DROPOUT_MODULES) and module.p == 0:
             return f"{type(module).__name__} with p=0"
         return None
@@ -255,7 +255,8 @@ def _share_module_lookups(body: list[str]) -> list[str]:
         match = _ASSIGN.match(line)
         path = _attr_path(match.group(3)) if match else None
         parsed.append((match, path))
-        for depth in range(1, len(path) if path else 0):
+        for depth in range(1, len(path or ())):
+            assert path is not None
             uses[tuple(path[:depth])] = uses.get(tuple(path[:depth]), 0) + 1
     aliases: dict[tuple, str] = {}
     out: list[str] = []
@@ -263,6 +264,7 @@ def _share_module_lookups(body: list[str]) -> list[str]:
         if not path or len(path) < 2 or uses.get(tuple(path[:1]), 0) < 2:
             out.append(line)
             continue
+        assert match is not None  # a line with an attribute path matched
         indent, base = match.group(1), "self"
         for depth in range(1, len(path)):
             prefix = tuple(path[:depth])
@@ -315,7 +317,7 @@ def _install_lean_calls(gm: torch.fx.GraphModule) -> int:
         return (lambda body: _lean_body(previous(body))) if previous is not None else _lean_body
 
     gm.graph.on_generate_code(make_transformer)
-    gm.graph._codegen._mp_lean_calls = True
+    setattr(gm.graph._codegen, "_mp_lean_calls", True)  # noqa: B010 (a mark of ours on torch's object)
     return count
 
 
@@ -345,7 +347,7 @@ def simplify(gm: torch.fx.GraphModule) -> tuple[Fold, ...]:
         # compare their structure with the exported one; with a _guards_fn in the graph it checks
         # nothing else (the guards check the shapes), and forward's own signature and pytree
         # flatten still reject a wrong call
-        gm.validate_inputs = False
+        setattr(gm, "validate_inputs", False)  # noqa: B010 (torch.export's attribute, not GraphModule's)
         folds.append(Fold(node="<forward>", op="_check_input_constraints_pre_hook", kind="hook",
                           why="torch.export's per-call input-structure check (the graph's _guards_fn still checks shapes)"))
     folds.extend(_drop_idle_export_hooks(gm))

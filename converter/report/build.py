@@ -322,13 +322,13 @@ def _module_tree(rows: list[tuple[dict, tuple[tuple[str, str], ...]]], casts: li
     for cast in casts:
         if cast["on_weight"]:
             continue
-        path = cast_module.get(cast["name"], "")
-        while path is not None and path not in modules:
-            path = path.rsplit(".", 1)[0] if "." in path else ("" if path else None)
-        while path is not None:
-            modules[path]["casts"] += 1
-            modules[path]["cast_bytes"] += cast["bytes"]
-            path = modules[path]["parent"]
+        where: Optional[str] = cast_module.get(cast["name"], "")
+        while where is not None and where not in modules:
+            where = where.rsplit(".", 1)[0] if "." in where else ("" if where else None)
+        while where is not None:
+            modules[where]["casts"] += 1
+            modules[where]["cast_bytes"] += cast["bytes"]
+            where = modules[where]["parent"]
     # depth-first order, children in order of first appearance
     children: dict[Optional[str], list[str]] = {}
     for path in order:
@@ -381,7 +381,7 @@ def _fp32_math(gm: torch.fx.GraphModule, nodes: list[dict]) -> dict:
     """The fp32 math section: setting, global flags now, per-math counts, and the silent-reduction warning."""
     graph_meta = gm.meta.get(GM_GRAPH)
     counts = {"ieee": 0, "tf32": 0, "inherit": 0}
-    inherit = {False: [], True: []}  # conv? -> node names running with the global math
+    inherit: dict[bool, list[str]] = {False: [], True: []}  # conv? -> node names running with the global math
     for row in nodes:
         mode = row.get("fp32_math")
         if mode is None:

@@ -131,10 +131,10 @@ def tuned_for(report: ReportView, escape: Callable[[str], str]) -> str:
         choices = [c for c in report.extra.get("lowering") or [] if isinstance(c, dict)]
         attention = sum(1 for c in choices if c.get("lowering") == "dispatch_attention")
         gemms = [c.get("node") for c in choices if c.get("lowering") == "dispatch_gemm" and c.get("chosen")]
-        what = [f"{attention} attention call(s)"] * bool(attention) + [str(g) for g in gemms]
-        if not what:
+        parts = [f"{attention} attention call(s)"] * bool(attention) + [str(g) for g in gemms]
+        if not parts:
             return "portable (no device named: nothing device-specific)"
-        return escape(f"portable (no device named): {' and '.join(what)} choose their kernel per device at run time "
+        return escape(f"portable (no device named): {' and '.join(parts)} choose their kernel per device at run time "
                       "(fp32 arithmetic on a CPU whose half GEMM is slow; native elsewhere)")
     lowered = report.extra.get("lowered") or []
     what = escape(", ".join(lowered)) if lowered else "nothing to lower"

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import io
 import re
+from typing import Any
 
 from converter.report.common import COLORS, ORDER, ReportView, fmt_flops, module_bytes, precision_class
 
 __all__ = ["plots_html"]
 
-_RC = {"svg.fonttype": "none", "svg.hashsalt": "mpconvert", "text.parse_math": False, "font.size": 9,
+_RC: dict[Any, Any] = {"svg.fonttype": "none", "svg.hashsalt": "mpconvert", "text.parse_math": False, "font.size": 9,
        "font.family": ["DejaVu Sans", "sans-serif"], "axes.spines.top": False, "axes.spines.right": False,
        "axes.edgecolor": "#9aa3ad", "axes.labelcolor": "#39424d", "xtick.color": "#5f6b78", "ytick.color": "#39424d"}
 

@@ -1,7 +1,7 @@
 """The audit in the terminal, with rich tables; every model-supplied name is a ``rich.text.Text``, never markup."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from converter.numerics.gap import below_autocast
 from converter.report.common import (
@@ -34,6 +34,8 @@ class _Printable:
 
         return printable_tree(getattr(self._report, name))
 
+
+_Justify = Literal["left", "right"]  # rich.Table.add_column(justify=)
 
 def print_report(report: ReportView, console: Optional[Any] = None, *, nodes: bool = False) -> None:
     """Print the report with rich: summary, memory, numerics, ops, worst nodes, unmatched, casts (``nodes``: every node)."""
@@ -95,7 +97,9 @@ def _ops_table(report: ReportView):
     from rich.text import Text
 
     ops = Table(title="Ops", title_justify="left", header_style="bold")
-    for col, just in (("Op", "left"), ("Total", "right"), ("FP16", "right"), ("BF16", "right"), ("FP32", "right"), ("Deciding rules", "left")):
+    columns: tuple[tuple[str, _Justify], ...] = (("Op", "left"), ("Total", "right"), ("FP16", "right"), ("BF16", "right"),
+                                                ("FP32", "right"), ("Deciding rules", "left"))
+    for col, just in columns:
         ops.add_column(col, justify=just, overflow="fold", max_width=18 if col == "Op" else None,
                        min_width=24 if col == "Deciding rules" else None)
     for o in report.ops:
@@ -149,7 +153,9 @@ def _casts_table(report: ReportView):
         return None
     casts = Table(title=f"Activation casts ({len(act)}, {fmt_bytes(report.summary['cast_bytes'])} per forward)",
                   title_justify="left", header_style="bold")
-    for col, just in (("Cast", "left"), ("From → to", "left"), ("Bytes", "right"), ("Consumers", "left")):
+    cast_columns: tuple[tuple[str, _Justify], ...] = (("Cast", "left"), ("From → to", "left"), ("Bytes", "right"),
+                                                      ("Consumers", "left"))
+    for col, just in cast_columns:
         casts.add_column(col, justify=just)
     for c in sorted(act, key=lambda c: -c["bytes"])[:12]:
         casts.add_row(Text(c["name"]), f"{c['src_dtype']} → {c['dtype']}", f"{c['bytes']:,}", Text(", ".join(c["consumers"])))

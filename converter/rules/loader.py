@@ -81,12 +81,12 @@ import re
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Iterable, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Mapping, Optional, Sequence, Union, cast
 
 import tomllib
 
 from converter.ir.errors import MpconvertError
-from converter.ir.meta import BUILTIN, Match, RuleRef
+from converter.ir.meta import BUILTIN, Match, RequestedPrecision, RuleRef, RuleTable
 from converter.ir.ops import WEIGHT_MATMUL, known_op_names
 from converter.rules.precedence import MATCH_TABLES
 from converter.rules.precedence import rank as level_rank
@@ -218,7 +218,7 @@ class Rule:
     @property
     def ref(self) -> RuleRef:
         pattern = f"{self.pattern}.ops.{self.op}" if self.op else self.pattern
-        return RuleRef(file=self.file, table=self.level, pattern=pattern)
+        return RuleRef(file=self.file, table=cast(RuleTable, self.level), pattern=pattern)
 
     def to_dict(self) -> dict:
         out = {"level": self.level, "pattern": self.pattern, "precision": self.precision, "file": self.file}
@@ -242,6 +242,11 @@ class Rules:
     settings: Mapping[str, object] = field(default_factory=dict)
     #: setting -> the file that set it last (the provenance of a decision a threshold makes)
     setting_files: Mapping[str, str] = field(default_factory=dict)
+    if TYPE_CHECKING:  # the lookup indexes __post_init__ sets per instance (ClassVar: not dataclass fields)
+        _index: ClassVar[dict[str, tuple[dict[str, list[Rule]], list[tuple[re.Pattern[str], Rule]]]]]
+        _cache: ClassVar[dict[str, dict[Any, Any]]]
+        _default: ClassVar[Optional[Rule]]
+        _layer: ClassVar[dict[Rule, int]]
 
     def __post_init__(self) -> None:
         # Lookup indexes (not part of the value): exact patterns by name, globs compiled once, and
@@ -432,12 +437,12 @@ class Rules:
             rank = level_rank(level)
             if level == "node":
                 for rule in self._rules_matching(level, node):
-                    found.append(((rank, 0, 1, -rule.order), Match(rule.ref, rule.precision, rank, level, "", rule.reason)))
+                    found.append(((rank, 0, 1, -rule.order), Match(rule.ref, cast(RequestedPrecision, rule.precision), rank, level, "", rule.reason)))
                 continue
             if level == "op":
                 for rule, named in self._op_rules(op, alias):
                     key = (rank, 0, 1, -self._layer[rule], 0 if named else 1, -rule.order)
-                    found.append((key, Match(rule.ref, rule.precision, rank, level, "", rule.reason)))
+                    found.append((key, Match(rule.ref, cast(RequestedPrecision, rule.precision), rank, level, "", rule.reason)))
                 continue
             idx = 0 if level == "module" else 1
             innermost = len(module_stack)
@@ -450,11 +455,11 @@ class Rules:
                         continue  # the op runs in a child module of the one this rule names
                     key = (rank, -depth, 0 if rule.op else 1, -self._layer[rule], 0 if named else 1,
                            -rule.order)
-                    found.append((key, Match(rule.ref, rule.precision, rank, level, entry[0], rule.reason)))
+                    found.append((key, Match(rule.ref, cast(RequestedPrecision, rule.precision), rank, level, entry[0], rule.reason)))
         default = self.default_rule()
         if default is not None:
             last = level_rank("default")
-            found.append(((last, 0, 1, -default.order), Match(default.ref, default.precision, last, "default", "", default.reason)))
+            found.append(((last, 0, 1, -default.order), Match(default.ref, cast(RequestedPrecision, default.precision), last, "default", "", default.reason)))
         found.sort(key=lambda item: item[0])
         return [m for _, m in found]
 
@@ -596,7 +601,7 @@ def _builtin_or_path(item: Union[str, Path]) -> Path:
     return path
 
 
-def load_rules(paths: Union[None, str, Path, Sequence[Union[str, Path]], Rules] = None, *, include_default: bool = True) -> Rules:
+def load_rules(paths: Union[None, str, Path, Iterable[Union[str, Path]], Rules] = None, *, include_default: bool = True) -> Rules:
     """Load and layer rule files; later files override earlier ones.
 
     ``None`` gives the default rules. A bare name such as ``"llm"`` names a built-in file. The

@@ -11,6 +11,7 @@ import functools
 import operator
 from collections import defaultdict
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 
@@ -89,7 +90,7 @@ def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     ``sync_found_inf`` makes the ranks agree.
     """
     if _DTENSOR is not None and isinstance(tensor, _DTENSOR):
-        return tensor.to_local()
+        return cast(torch.Tensor, tensor.to_local())  # type: ignore[attr-defined]  # _DTENSOR is DTensor when set
     return tensor
 
 
@@ -114,7 +115,8 @@ def unscale_grads(
         # Python work per gradient; only a complex group needs its real views
         grouped = torch._C._group_tensors_by_device_and_dtype([grads], False)
         dense: list[tuple[tuple[torch.device, torch.dtype], list[torch.Tensor]]] = []
-        for (device, dtype), ((tensors,), _indices) in grouped.items():
+        for (device, dtype), ((group,), _indices) in grouped.items():
+            tensors = cast(list[torch.Tensor], group)  # gradients: no None in a group
             if not allow_fp16 and dtype == torch.float16:
                 raise ValueError("Attempting to unscale FP16 gradients.")
             if dtype.is_complex:  # a complex weight (a Fourier layer): unscaled in place through its real view

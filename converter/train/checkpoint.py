@@ -7,7 +7,7 @@ history), so that a mismatch loads nothing rather than half a checkpoint.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -41,7 +41,7 @@ def check_spike_history(history: Any) -> None:
         raise ValueError("checkpoint spike_history must be a list of finite gradient norms (floats >= 0)")
 
 
-def check_tensors(what: str, given: Any, expected: dict[str, torch.Tensor], *, finite: bool = True) -> None:
+def check_tensors(what: str, given: Any, expected: Mapping[str, torch.Tensor], *, finite: bool = True) -> None:
     """``given`` must name exactly ``expected``'s tensors, each with the same shape and dtype, holding data
     (and, with ``finite``, no inf or NaN: a model's buffers may hold -inf mask fills on purpose)."""
     if not isinstance(given, dict):

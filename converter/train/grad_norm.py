@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import operator
 import weakref
+from typing import Optional, cast
 
 import torch
 
@@ -28,8 +29,9 @@ def total_norm(grads: list[torch.Tensor], buffers: list[torch.Tensor] | None,
     else:
         # get_total_norm's arithmetic and order (per (device, dtype) group, _foreach_norm, a norm of the
         # stacked norms), without its .to() on every per-tensor norm when there is only one group
-        grouped = torch._C._group_tensors_by_device_and_dtype([grads], False)
-        norms = [norm for (tensors,), _indices in grouped.values() for norm in torch._foreach_norm(tensors)]
+        grouped = torch._C._group_tensors_by_device_and_dtype([cast(list[Optional[torch.Tensor]], grads)], False)
+        norms = [norm for (tensors,), _indices in grouped.values()
+                 for norm in torch._foreach_norm(cast(list[torch.Tensor], tensors))]
         if len(grouped) > 1:
             norms = [norm.to(grads[0].device) for norm in norms]
     source = norms[0] if buffers is not None and len(buffers) == 1 else torch.stack(
@@ -63,9 +65,10 @@ class LazyNorm:
         if self._buffers is not None:
             tensors = self._buffers
         else:
-            tensors = [ref() for ref in self._refs]
-            if any(t is None for t in tensors):
+            live = [ref() for ref in cast("list[weakref.ref[torch.Tensor]]", self._refs)]  # set without buffers
+            if any(t is None for t in live):
                 return None
+            tensors = cast(list[torch.Tensor], live)
         if list(map(_VERSION, tensors)) != self._versions:
             return None
         return float(total_norm(tensors, self._buffers).item())

@@ -39,9 +39,11 @@ class HostScale:
     def current(self) -> float:
         """The live scale as a float: known on the host from the last read of the updated value unless something
         changed the scale since (the scaler's version moved: a synchronising read then)."""
-        if self._scaler._version != self._seen_version or self._seen is None:
-            self._seen, self._seen_version = self._scaler.get_scale(), self._scaler._version
-        return self._seen
+        seen = self._seen
+        if self._scaler._version != self._seen_version or seen is None:
+            seen = self._seen = self._scaler.get_scale()
+            self._seen_version = self._scaler._version
+        return seen
 
     def begin_step(self, found: bool) -> float:
         """Record this step's scale and the scaler's found-inf flag (read in the step's sync); returns the scale."""
@@ -52,16 +54,17 @@ class HostScale:
     def update(self, after: torch.Tensor) -> None:
         """Update the scale (the host read this step's flag and knows the scale: the bounds' clamp only runs when
         needed) and copy its new value into ``after``, the readout slot the next read settles from."""
-        scaler = self._scaler
-        scaler._update(known=(self.step_found, self.step_scale))
-        after.copy_(scaler._scale)  # (enabled: a HostScale exists only for a scaler that scales)
+        scaler, step_scale, scale = self._scaler, self.step_scale, self._scaler._scale
+        assert step_scale is not None and scale is not None  # after begin_step, of a scaler that scales
+        scaler._update(known=(self.step_found, step_scale))
+        after.copy_(scale)  # (enabled: a HostScale exists only for a scaler that scales)
         self.pending = self.step_scale
         self._version_after_update = scaler._version
 
     def settle(self, after: float, stats: TrainStats) -> None:
         """The last step's scale after its update is known: set ``stats.scale`` and count an overflow."""
         stats.scale = after
-        stats.overflows += int(after < self.pending)
+        stats.overflows += int(self.pending is not None and after < self.pending)
         self.pending = None
         self._seen, self._seen_version = after, self._version_after_update
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -48,7 +48,7 @@ def storage_plan(inner: nn.Module, half: torch.dtype, given: dict | None = None)
     }
     meta = getattr(inner, "meta", None)
     if given is not None or (isinstance(meta, dict) and GM_PARAM_DTYPES in meta):
-        recorded = given if given is not None else meta[GM_PARAM_DTYPES]
+        recorded = given if given is not None else cast(dict, meta)[GM_PARAM_DTYPES]
         if not isinstance(recorded, dict):
             raise TypeError(f"module.meta['mp_param_dtypes'] must be a dict fqn -> torch.dtype, got {type(recorded)}")
         unknown = sorted(set(recorded) - set(dict(inner.named_parameters())))
@@ -61,7 +61,7 @@ def storage_plan(inner: nn.Module, half: torch.dtype, given: dict | None = None)
                     f"torch.float32, got {dtype!r}"
                 )
         return {name: recorded.get(name, torch.float32) for name in params}
-    owners = {}
+    owners: dict[str, str] = {}
     for module_name, module in inner.named_modules():
         for param_name, _ in module.named_parameters(recurse=False):
             fqn = f"{module_name}.{param_name}" if module_name else param_name
@@ -199,9 +199,9 @@ class MasterWeights:
                 param.data = original.clone()
         for group in optimizer.param_groups:
             group["params"] = [master_of.get(id(p), p) for p in group["params"]]
-        for param in list(optimizer.state.keys()):
-            if id(param) in master_of:
-                optimizer.state[master_of[id(param)]] = optimizer.state.pop(param)
+        for key in list(optimizer.state.keys()):
+            if id(key) in master_of:
+                optimizer.state[master_of[id(key)]] = optimizer.state.pop(key)
         store._grad_bufs = [None] * len(store._entries)
         store._flatten(optimizer)
         return store
@@ -247,13 +247,13 @@ class MasterWeights:
                     owners.setdefault(device, []).append(master)
             group.pin()
             self._flat_groups.append(group)
-        masters = {id(master) for _fqn, _param, master in self._entries}
+        master_ids = {id(master) for _fqn, _param, master in self._entries}
         # trainable contiguous fp32 params the optimizer steps directly (O2 keeps them fp32: norms)
-        direct = [p for p in _optimizer_params(optimizer) if id(p) not in masters and p.requires_grad
+        direct = [p for p in _optimizer_params(optimizer) if id(p) not in master_ids and p.requires_grad
                   and p.dtype == torch.float32 and p.is_contiguous()]
-        for param in direct:
-            owners.setdefault(param.device, []).append(param)
-        self._build_arena(owners, masters)
+        for tensor in direct:
+            owners.setdefault(tensor.device, []).append(tensor)
+        self._build_arena(owners, master_ids)
 
     def _build_arena(self, owners: dict[torch.device, list[torch.Tensor]], masters: set[int]) -> None:
         arena = self.arena
@@ -295,7 +295,7 @@ class MasterWeights:
             return None
         known, slots = self._slots_of_params
         if len(known) != len(params) or not all(map(operator.is_, params, known)):  # (compares no tensor data)
-            slots = list(map(arena.slot_of.get, map(id, params)))
+            slots = cast(list[torch.Tensor], [arena.slot_of.get(id(p)) for p in params])  # None: checked next
             if not all(map(_NOT_NONE, slots)):  # a param the arena has no slot for: never settled
                 slots = None
             self._slots_of_params = (params, slots)

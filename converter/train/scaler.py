@@ -33,7 +33,7 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 
@@ -77,6 +77,10 @@ class _OptimizerRecord:
     found_inf: torch.Tensor | None = None
 
 
+@overload
+def _check_positive_finite(name: str, value: Any, *, allow_none: Literal[False] = False) -> float: ...
+@overload
+def _check_positive_finite(name: str, value: Any, *, allow_none: bool) -> float | None: ...
 def _check_positive_finite(name: str, value: Any, *, allow_none: bool = False) -> float | None:
     if value is None and allow_none:
         return None
@@ -318,6 +322,7 @@ class LossScaler:
             self._unscale(optimizer, buffers, found_inf=found_inf)
             return
         record = self._ready_record(optimizer)
+        assert self._scale is not None  # _ready_record made it
         torch._amp_foreach_non_finite_check_and_unscale_(buffers, found_inf.zero_(), inverse_scale(self._scale))
         record.found_inf = found_inf
         record.stage = _Stage.UNSCALED
@@ -347,6 +352,7 @@ class LossScaler:
         if record.stage is _Stage.READY:
             self.unscale_(optimizer)
         result = None
+        assert record.found_inf is not None  # unscale_ recorded it
         if not bool(record.found_inf.item()):
             result = optimizer.step(*args, **kwargs)
         record.stage = _Stage.STEPPED
@@ -427,6 +433,7 @@ class LossScaler:
 
     def _update_dynamic(self, found_inf: torch.Tensor, known: tuple[bool, float] | None = None) -> None:
         scale, tracker, left = self._scale, self._growth_tracker, self._hysteresis_left
+        assert scale is not None and tracker is not None and left is not None  # made together by _lazy_init
         if self._hysteresis == 1 and (self._update_kernel or has_kernel(UPDATE_OP, scale.device)):
             self._update_kernel = True  # found once, registered for good (the scale never changes device)
             torch._amp_update_scale_(
@@ -563,7 +570,7 @@ class LossScaler:
         self._init_scale = values["scale"]
         self._init_growth_tracker = values["_growth_tracker"]
         self._init_hysteresis_left = values["_hysteresis_left"]
-        if self._scale is not None:
+        if self._scale is not None and self._growth_tracker is not None and self._hysteresis_left is not None:
             self._scale.fill_(values["scale"])
             self._growth_tracker.fill_(values["_growth_tracker"])
             self._hysteresis_left.fill_(values["_hysteresis_left"])

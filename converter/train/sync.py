@@ -9,7 +9,7 @@ only what their wrappers need.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -120,7 +120,8 @@ class DDPSync(SyncStrategy):
                 tensor.grad = torch.zeros_like(tensor)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for tensor in reduced:
-            by_dtype.setdefault(tensor.grad.dtype, []).append(tensor.grad)
+            grad = cast(torch.Tensor, tensor.grad)  # made above where it was None
+            by_dtype.setdefault(grad.dtype, []).append(grad)
         for grads in by_dtype.values():
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
@@ -147,7 +148,7 @@ class FSDP2Sync(SyncStrategy):
     local_state = False
 
     def __init__(self, fsdp: nn.Module) -> None:
-        self._fsdp = fsdp
+        self._fsdp: Any = fsdp  # an FSDPModule (fully_shard swaps the class): its methods are not nn.Module's
 
     def start(self, *, accumulation_steps: int) -> None:
         self._fsdp.set_requires_gradient_sync(accumulation_steps == 1)

@@ -57,7 +57,7 @@ import operator
 import statistics
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -252,7 +252,7 @@ class MixedPrecisionTrainer:
         self._stats = TrainStats(scale=scaler.get_scale() if scaler is not None else 1.0)
         # a scaler that scales (a disabled LossScaler is a pass-through: the norm is then the check)
         scaling = scaler is not None and scaler.is_enabled()
-        self._host_scale = HostScale(scaler, self._stats.scale) if scaling else None
+        self._host_scale = HostScale(scaler, self._stats.scale) if scaling and scaler is not None else None
         # the gradient norm is computed in the step only where the step or a caller needs it (see LazyNorm);
         # without scaling it is also the check where it is the cheapest one (O2's arena: one read-only reduction)
         self._eager_norm = (opts.max_grad_norm is not None or opts.spike_guard is not None
@@ -357,7 +357,7 @@ class MixedPrecisionTrainer:
             grad_norm, non_finite, norm_t = self._scaled_check(host, params, grads, buffers)
         else:
             grad_norm, non_finite, norm_t = self._unscale_and_check(params, grads, buffers)
-        spike = not non_finite and self._opts.spike_guard is not None and self._is_spike(grad_norm)
+        spike = not non_finite and self._opts.spike_guard is not None and self._is_spike(cast(float, grad_norm))  # (a spike guard: eager norm)
         stepped = not (non_finite or spike)
         if host is not None:  # (the update needs only the flag: done before the optimizer's passes over memory)
             host.update(self._slots[_AFTER])
@@ -365,7 +365,7 @@ class MixedPrecisionTrainer:
             if grad_norm is None:
                 self._lazy_norm = LazyNorm(grads, buffers)
             if self._opts.max_grad_norm is not None:
-                self._clip(params, buffers, norm_t)
+                self._clip(params, buffers, cast(torch.Tensor, norm_t))  # max_grad_norm: the norm is eager
             self._optimizer.step()
             if self._has_masters:
                 self._masters.copy_to_model()
@@ -431,6 +431,7 @@ class MixedPrecisionTrainer:
         by_norm = self._eager_norm or (host is None and buffers is not None)
         found = norm_t = None
         if host is not None:
+            assert self._scaler is not None  # a host scale is made for a scaler
             found = self._scaler._unscale(self._optimizer, buffers, found_inf=slot[_FOUND])
         elif not by_norm:
             found = slot[_FOUND].zero_()
@@ -468,6 +469,7 @@ class MixedPrecisionTrainer:
         by ``1/scale`` below 1: only then the unscaled gradients are checked again, element-wise."""
         readout = self._readout
         scaler = self._scaler
+        assert scaler is not None  # a step that scales has a scaler
         scale = scaler._scale
         if readout is None or scale is None or self._readout_scale is not scale:  # (placed once, by the scale)
             readout = self._readout_on(self._scalar_device(grads, buffers))[0]
@@ -492,7 +494,7 @@ class MixedPrecisionTrainer:
     def _scalar_device(self, grads: list[torch.Tensor], buffers: list[torch.Tensor] | None) -> torch.device:
         """Where the step's scalars live: the loss scale's device (found_inf is written next to it), else the
         gradients' (the norm)."""
-        scale = self._scaler._scale_tensor() if self._host_scale is not None else None
+        scale = self._scaler._scale_tensor() if self._host_scale is not None and self._scaler is not None else None
         if scale is not None:
             return scale.device
         if buffers:
@@ -517,6 +519,7 @@ class MixedPrecisionTrainer:
         norm was computed; the gradients are the same on every rank here (DDP reduces them, FSDP
         always computes the norm), so every rank reaches the same answer.
         """
+        assert self._readout is not None  # placed by the step's check
         flag = torch.zeros((), dtype=torch.float32, device=self._readout.device)
         one = self._slots[_ONE]
         if buffers is not None:
@@ -531,7 +534,7 @@ class MixedPrecisionTrainer:
     def _clip(self, params: list[torch.Tensor], buffers: list[torch.Tensor] | None, norm: torch.Tensor) -> None:
         """Scale the gradients by ``min(1, max_grad_norm / (norm + 1e-6))``: ``clip_grad_norm_``'s arithmetic,
         with the norm already computed, and one multiply per arena buffer when there is one."""
-        max_norm = self._opts.max_grad_norm
+        max_norm = cast(float, self._opts.max_grad_norm)  # called only with clipping
         if buffers is None:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
             return
@@ -548,8 +551,9 @@ class MixedPrecisionTrainer:
         if pending or loss is not None:
             if loss is not None:
                 self._slots[_LOSS].copy_(loss)
+            assert self._readout is not None  # a pending scale or loss was copied into it
             values = self._readout.tolist()
-            if pending:
+            if pending and host is not None:
                 host.settle(values[_AFTER], self._stats)
             if loss is not None:
                 self._stats.loss = values[_LOSS] / self._opts.accumulation_steps
@@ -572,7 +576,7 @@ class MixedPrecisionTrainer:
                      median, len(history) - 1)
         return True
 
-    def _record_step(self, *, stepped: bool, non_finite: bool, spike: bool, grad_norm: float) -> None:
+    def _record_step(self, *, stepped: bool, non_finite: bool, spike: bool, grad_norm: float | None) -> None:
         stats = self._stats
         if stepped:
             stats.steps += 1

@@ -16,7 +16,7 @@ import torch
 import torch.fx
 from torch.nn.utils.parametrize import ParametrizationList
 
-from converter.ir.meta import META_INFO, META_SOURCE, META_VALUE, NodeInfo
+from converter.ir.meta import META_INFO, META_SOURCE, META_VALUE, NodeInfo, NodeKind
 from converter.ir.ops import CAST_OPS, NORM_OPS, canonical_op, explicit_dtype, is_inplace
 from converter.ir.weight_gemm import op_alias
 from converter.passes.capture.values import flat_specs, float_specs, input_nodes
@@ -88,7 +88,7 @@ def _pin_written_views(gm: torch.fx.GraphModule) -> None:
 
 
 def classify(gm: torch.fx.GraphModule, node: torch.fx.Node, op: str,
-             outputs: tuple) -> tuple[str, Optional[torch.dtype], str, bool]:
+             outputs: tuple) -> tuple[NodeKind, Optional[torch.dtype], str, bool]:
     """(kind, fixed dtype, why, opaque_leaf) of one node; ``opaque_leaf``: a module FX kept as a leaf whose
     floating parameters it cannot convert (NodeInfo.opaque_leaf; capture then tries torch.export)."""
     float_out = [s for s in outputs if s.dtype.is_floating_point]
@@ -114,11 +114,11 @@ def classify(gm: torch.fx.GraphModule, node: torch.fx.Node, op: str,
             return "fixed", observed, f"cast to a dtype computed at run time (observed {observed}); kept as observed", False
         kind_why = "explicit cast in the model code" if op in CAST_OPS else f"the op's own dtype argument fixes its output to {fixed}"
         return "fixed", fixed, kind_why, False
-    parametrization = node.op == "call_module" and isinstance(gm.get_submodule(node.target), ParametrizationList)
+    parametrization = node.op == "call_module" and isinstance(gm.get_submodule(str(node.target)), ParametrizationList)
     if not float_in and not parametrization:  # a parametrized weight (weight_norm...) is computed from no input
         return "fixed", float_out[0].dtype, "no floating-point input: its dtype is set by its own arguments", False
     if node.op == "call_module" and op not in NORM_OPS:
-        sub = gm.get_submodule(node.target)
+        sub = gm.get_submodule(str(node.target))
         if any(p.is_floating_point() for p in sub.parameters(recurse=True)):
             return (
                 "fixed",

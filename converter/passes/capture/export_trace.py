@@ -60,8 +60,8 @@ def trace_export(model: torch.nn.Module, args: tuple, kwargs: dict, shapes: Shap
     shapes.pinned = {name: kept for name, dims in pinned_dims(named).items()
                      if (kept := tuple(d for d in dims if d in shapes.narrowed.get(name, {})))}
     # a finite range (BERT's 2..max_position_embeddings) is served: the dim stays dynamic, with its range
-    shapes.ranges = {name: kept for name, dims in dim_ranges(named, gm).items()
-                     if (kept := {d: r for d, r in dims.items() if d not in shapes.narrowed.get(name, {})})}
+    shapes.ranges = {name: kept_ranges for name, dims in dim_ranges(named, gm).items()
+                     if (kept_ranges := {d: r for d, r in dims.items() if d not in shapes.narrowed.get(name, {})})}
     for name, val in named:
         if isinstance(val, torch.Tensor):
             dims = [i for i, s in enumerate(val.shape) if not is_concrete_int(s) and i not in shapes.narrowed.get(name, {})]
@@ -131,7 +131,7 @@ def _input_names(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tuple, 
         else:  # keyword argument
             name = str(getattr(rest[0], "key", rest[0])) if rest else "input"
             rest = rest[1:]
-        return name + "".join(pytree.keystr([k]) for k in rest)
+        return name + "".join(pytree.keystr((k,)) for k in rest)
 
     names = pytree.tree_map_with_path(label, (tuple(args), dict(kwargs)))
     flat = placeholder_values(gm, *names)
@@ -191,7 +191,9 @@ def _run_export(model: torch.nn.Module, args: tuple, kwargs: dict, spec: Any, *,
     from torch.fx.experimental import _config as fx_config
 
     # RecurrentOps: LSTM/GRU/RNN keep their sequence dim dynamic (converter.passes.recurrent)
-    with fx_config.patch(backed_size_oblivious=oblivious), RecurrentOps(), \
+    # (patch is added to the config module by torch's install_config_module: not visible to mypy)
+    size_oblivious = fx_config.patch(backed_size_oblivious=oblivious)  # type: ignore[attr-defined]
+    with size_oblivious, RecurrentOps(), \
             (SizeBudget() if budget else contextlib.nullcontext()), CheckpointMarks(annotate=True), OpaqueFunctions(), \
             AutocastMarks(annotate=True), _quiet_failures():
         ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=spec)

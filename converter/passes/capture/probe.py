@@ -104,7 +104,7 @@ class Probe:
 def attribute_fingerprint(module: torch.nn.Module) -> dict[str, Any]:
     """A comparable picture of ``module``'s own plain attributes (not parameters, buffers or submodules):
     scalars by value, containers by identity and length (an append is a write), anything else by identity."""
-    picture = {}
+    picture: dict[str, tuple[Any, ...]] = {}
     for name, value in vars(module).items():
         if name in _TORCH_TABLES:
             continue
@@ -207,7 +207,7 @@ def probe(model: torch.nn.Module, args: tuple, kwargs: dict, *, record: bool = F
         for handle in handles:
             handle.remove()
         random.setstate(saved_random)
-        if saved_numpy is not None:
+        if saved_numpy is not None and np is not None:
             np.random.set_state(saved_numpy)
     if record:
         example_runs = runs[:2]

@@ -56,7 +56,8 @@ def rename_reserved(shell: torch.nn.Module) -> dict[str, str]:
             new += "_"
         taken.add(new)
         renamed[new] = old
-        for table in (shell._modules, shell._parameters, shell._buffers, shell.__dict__):
+        tables: tuple[dict[str, Any], ...] = (shell._modules, shell._parameters, shell._buffers, shell.__dict__)
+        for table in tables:
             if old in table:
                 table[new] = table.pop(old)
         if old in shell._non_persistent_buffers_set:

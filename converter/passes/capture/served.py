@@ -62,7 +62,7 @@ class _NamedGuards:
 
 def name_guard_failures(gm: torch.fx.GraphModule) -> None:
     """Make ``gm``'s ``_guards_fn`` (torch.export's shape guards) raise :class:`ShapeNotServedError`."""
-    guards = getattr(gm, "_guards_fn", None)
+    guards: Any = getattr(gm, "_guards_fn", None)
     check = getattr(guards, "forward", None) if guards is not None else None
     if check is None or isinstance(check, _NamedGuards) or "forward" not in vars(guards):
         return

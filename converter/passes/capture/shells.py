@@ -38,14 +38,14 @@ def shell(model: torch.nn.Module, *, config: Optional[dict] = None) -> torch.nn.
     original_config = getattr(model, "config", None) if config else None
     hf_config = getattr(sys.modules.get("transformers.configuration_utils"), "PretrainedConfig", None)
     configs: dict[int, Any] = {}
-    dropping = bool(config) and any(config.get(f) == 0 for f in _LAYERDROP_FIELDS)
+    dropping = config is not None and bool(config) and any(config.get(f) == 0 for f in _LAYERDROP_FIELDS)
 
     def changed(value: Any) -> Any:
         """The shell's copy of a config: the root's, and any other Hugging Face config in the tree
         that has the field (T5's decoder stack reads a deep copy of the root's)."""
         if id(value) not in configs:
             new = configs[id(value)] = copy.copy(value)
-            for field_name, field_value in config.items():
+            for field_name, field_value in (config or {}).items():  # (called only with a config)
                 if value is original_config or hasattr(value, field_name):
                     setattr(new, field_name, field_value)
         return configs[id(value)]
@@ -94,7 +94,7 @@ def _unscripted(module: torch.nn.Module) -> Optional[torch.nn.Module]:
     class is exactly what it compiled: the graph traces that, and its tensors stay the model's."""
     if not isinstance(module, torch.jit.RecursiveScriptModule):
         return None
-    concrete = getattr(module, "_concrete_type", None)
+    concrete: Any = getattr(module, "_concrete_type", None)
     cls = getattr(concrete, "py_class", None)
     if not isinstance(cls, type) or not issubclass(cls, torch.nn.Module) or issubclass(cls, torch.jit.ScriptModule):
         return None
@@ -111,7 +111,7 @@ def _unscripted(module: torch.nn.Module) -> Optional[torch.nn.Module]:
     return new
 
 
-def _shared_param(param: Optional[torch.Tensor], memo: dict) -> Optional[torch.Tensor]:
+def _shared_param(param: Optional[torch.nn.Parameter], memo: dict) -> Optional[torch.nn.Parameter]:
     """A new ``nn.Parameter`` over ``param``'s storage (one per original: tied weights stay tied).
     Parameter subclasses (quantised weights...) are kept as they are."""
     if param is None or type(param) is not torch.nn.Parameter:

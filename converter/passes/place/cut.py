@@ -104,7 +104,7 @@ def _cut_graph(
     inf = sum(caps.values()) + 1
     for edge in infinite:
         caps[edge] = inf
-    graph = nx.DiGraph()
+    graph: nx.DiGraph[int] = nx.DiGraph()
     graph.add_nodes_from(range(k + 2))
     graph.add_edges_from((u, v, {"capacity": c}) for (u, v), c in caps.items())
     return graph, s, t, inf
@@ -114,7 +114,7 @@ def _sink_side(residual: nx.DiGraph, t: int) -> set[int]:
     """Nodes that can still reach ``t`` in the residual network (the fp32 side)."""
     seen = {t}
     queue = deque((t,))
-    pred = residual._pred  # raw dicts: the public views iterate in Python
+    pred = residual._pred  # type: ignore[attr-defined]  # raw dicts (not in the stubs): the public views iterate in Python
     while queue:
         v = queue.popleft()
         for u, attr in pred[v].items():
@@ -133,7 +133,7 @@ class _Residual:
         adj: list[list[int]] = [[] for _ in range(n)]
         head: list[int] = []
         res: list[int] = []
-        succ = residual._succ  # raw dicts: the public views iterate in Python
+        succ = residual._succ  # type: ignore[attr-defined]  # raw dicts (not in the stubs): the public views iterate in Python
         for u, nbrs in succ.items():
             for v, attr in nbrs.items():
                 if u < v:  # networkx keeps both directions of every pair

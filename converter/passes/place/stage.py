@@ -21,7 +21,7 @@ alias.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.fx
@@ -42,7 +42,7 @@ def _label(node: torch.fx.Node, current: dict[torch.fx.Node, str]) -> Optional[s
         return current[node]
     info = node.meta.get(META_INFO)
     if node.op in ("placeholder", "get_attr"):
-        value = node.meta.get(META_VALUE)
+        value: Any = node.meta.get(META_VALUE)
         return name_of(value.dtype) if hasattr(value, "dtype") else None
     decision = node.meta.get(META_DECISION)
     if decision is not None and decision.precision not in _UNRESOLVED:
