@@ -88,7 +88,7 @@ _LAZY = {
     "OptionsError": "converter.options",
     "CalibrationOptions": "converter.numerics.options",
     "MpconvertError": "converter.ir.errors",
-    "PrecisionError": "converter.ir.precision",
+    "PrecisionError": "converter.vocab",
     "CaptureError": "converter.passes.capture",
     "BannedOpError": "converter.passes.decide",
     "Report": "converter.report.build",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import time
 import warnings
@@ -39,7 +40,6 @@ from converter.ir.meta import (
     set_graph_facts,
 )
 from converter.ir.ops import library_op
-from converter.ir.precision import ALIASES, half_precision
 from converter.ir.state import preserved_state
 from converter.numerics.device import half_gemm_slowdown, half_speed_advice
 from converter.numerics.optional_inputs import find_optional_inputs
@@ -48,6 +48,7 @@ from converter.numerics.options import CalibrationOptions
 from converter.numerics.overflow import first_overflow
 from converter.numerics.redecide import PlaceSettings
 from converter.options import FIELDS, ConvertOptions, build_options
+from converter.vocab import ALIASES, HALF_PRECISIONS, precision
 from converter.passes import cpu_gemm
 from converter.passes import lower as lower_stage
 from converter.passes.capture import Captured, capture, guard_cache_calls, guard_cache_calls_keeping, keep_user_names
@@ -67,13 +68,11 @@ from converter.rules.loader import Rules, load_rules
 __all__ = ["convert", "audit", "pipeline", "place_settings", "Conversion", "ConvertOptions", "PassError", "Fp16OverflowError", "FrozenModeError", "SlowHalfWarning",
            "normalize_precision", "PRECISION_ALIASES"]
 
-#: the half-precision spellings ``convert`` accepts (see :mod:`converter.ir.precision`)
+#: the half-precision spellings ``convert`` accepts (see :mod:`converter.vocab`)
 PRECISION_ALIASES = {name: value for name, value in ALIASES.items() if value in HALF_NAMES}
-
-
-def normalize_precision(precision: Union[str, torch.dtype]) -> str:
-    """``fp16``/``bf16`` and their aliases (``float16``, ``16-mixed``, ``bf16-mixed``, torch dtypes) -> fp16/bf16."""
-    return half_precision(precision)
+#: ``fp16``/``bf16`` for their aliases (``float16``, ``16-mixed``, ``bf16-mixed``, torch dtypes): the one
+#: normaliser, :func:`converter.vocab.precision`, with the half precisions allowed
+normalize_precision = functools.partial(precision, allowed=HALF_PRECISIONS)
 
 
 class PassError(MpconvertError, RuntimeError):
