@@ -48,7 +48,6 @@ from converter.numerics.options import CalibrationOptions
 from converter.numerics.overflow import first_overflow
 from converter.numerics.redecide import PlaceSettings
 from converter.options import FIELDS, ConvertOptions, build_options
-from converter.vocab import ALIASES, HALF_PRECISIONS, precision
 from converter.passes import cpu_gemm
 from converter.passes import lower as lower_stage
 from converter.passes.capture import Captured, capture, guard_cache_calls, guard_cache_calls_keeping, keep_user_names
@@ -64,6 +63,7 @@ from converter.passes.simplify import fold_counts, simplify
 from converter.passes.verify import check_forward
 from converter.report.build import Report, build_report
 from converter.rules.loader import Rules, load_rules
+from converter.vocab import ALIASES, HALF_PRECISIONS, precision
 
 __all__ = ["convert", "audit", "pipeline", "place_settings", "Conversion", "ConvertOptions", "PassError", "Fp16OverflowError", "FrozenModeError", "SlowHalfWarning",
            "normalize_precision", "PRECISION_ALIASES"]

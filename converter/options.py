@@ -31,6 +31,8 @@ from converter.vocab import (
     TRACERS,
     ChoiceError,
     choice,
+)
+from converter.vocab import (
     precision as _precision,
 )
 

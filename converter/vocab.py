@@ -39,7 +39,7 @@ HalfPrecision = Literal["fp16", "bf16"]
 HALF_PRECISIONS: tuple[HalfPrecision, ...] = ("fp16", "bf16")
 #: a floating dtype this tool converts between (a node's decided precision, a report's ``by_precision`` key)
 FloatPrecision = Literal["fp32", "fp16", "bf16"]
-FLOAT_PRECISIONS: tuple[FloatPrecision, ...] = ("fp32", "fp16", "bf16")
+FLOAT_PRECISIONS: tuple[FloatPrecision, ...] = ("fp16", "bf16", "fp32")  # report.json's by_precision order
 #: every canonical name :func:`precision` knows
 PrecisionName = Literal["fp32", "fp16", "bf16", "fp8"]
 #: the half dtype a conversion to each target runs its half nodes, glue and trainer in (``fp8`` -> ``bf16``)

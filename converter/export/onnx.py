@@ -114,6 +114,7 @@ from converter.export.onnx_verify import (
 from converter.ir.meta import GM_PARAM_DTYPES
 from converter.numerics.common import to_json
 from converter.passes.cpu_gemm import native_gemms
+from converter.vocab import HALF_PRECISIONS
 
 __all__ = [
     "DEFAULT_OPSET",
@@ -392,7 +393,7 @@ def _static_checks(model, path: Path, written: _Written, notes: list[str]) -> tu
         checks["checker"] = False
         notes.append(f"onnx.checker failed: {exc}")
     inputs, outputs = io_dtypes(model)
-    half_io = [f"{n} ({d})" for n, d in inputs + outputs if d in ("fp16", "bf16")]
+    half_io = [f"{n} ({d})" for n, d in inputs + outputs if d in HALF_PRECISIONS]
     checks["io_fp32"] = not half_io
     if half_io:
         differences.append(f"graph inputs/outputs in half precision: {', '.join(half_io)}")

@@ -87,10 +87,10 @@ from converter.ir.meta import (
 from converter.ir.ops import canonical_op
 from converter.passes.capture.annotation import classify
 from converter.passes.capture.values import flat_specs, spec_of
+from converter.vocab import DEVICES, HALF_PRECISIONS
 
 __all__ = ["lower", "DEVICES", "RECOMPUTE_ATTENTION", "FP32_ATTENTION", "MAX_UNFUSED_SCORES_BYTES", "LoweringChoice", "recompute_plan"]
 
-DEVICES = ("cpu", "cuda")
 #: whether a lowered attention runs inside a checkpoint region of its own (backward recomputes its scores and
 #: probabilities instead of keeping the (B, H, L, S) probability matrix, so it saves what the fused kernel
 #: saves, q, k and v, at the price of a second attention forward and a checkpoint call). ``None`` (the
@@ -105,7 +105,7 @@ _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scal
 _LOWERED_PRECISIONS = ("bf16",)
 _HALF_IO_NORMS = ("batch_norm",)
 #: the half dtypes whose activations each device's batch norm kernels take with fp32 statistics
-_HALF_IO_PRECISIONS = {"cpu": ("bf16",), "cuda": ("fp16", "bf16")}
+_HALF_IO_PRECISIONS = {"cpu": ("bf16",), "cuda": HALF_PRECISIONS}
 _HALF_BYTES = 2
 #: a call whose lowered scores + probabilities (bf16) would exceed this many bytes keeps the fused kernel
 MAX_UNFUSED_SCORES_BYTES = 256 * 2 ** 20
@@ -176,7 +176,7 @@ def _reads_as_half_weight(user: torch.fx.Node, param: torch.fx.Node) -> bool:
     """Does ``user``, a half matmul or convolution, read ``param`` as its weight (which autograd saves; a
     bias is not saved)? A linear's or convolution's weight is its second argument."""
     info, decision = user.meta.get(META_INFO), user.meta.get(META_DECISION)
-    if info is None or info.op not in _WEIGHT_OPS or decision is None or decision.precision not in ("fp16", "bf16"):
+    if info is None or info.op not in _WEIGHT_OPS or decision is None or decision.precision not in HALF_PRECISIONS:
         return False
     if info.op.startswith(("linear", "conv")):
         return (len(user.args) > 1 and user.args[1] is param) or user.kwargs.get("weight") is param
