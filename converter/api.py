@@ -76,9 +76,17 @@ normalize_precision = functools.partial(precision, allowed=HALF_PRECISIONS)
 
 
 class PassError(MpconvertError, RuntimeError):
-    """A stage failed; the message names it and the stages that ran before it."""
+    """A stage failed; the message names it and the stages that ran before it, and so do the fields:
+    ``stage`` (``"calibrate"``...), ``ran`` (the stages before it, in order) and ``node`` (the failing node,
+    when the cause named one)."""
 
     exit_code = EXIT_INTERNAL
+
+    def __init__(self, message: str, *, stage: str = "", ran: tuple[str, ...] = (), node: Optional[str] = None):
+        super().__init__(message)
+        self.stage = stage
+        self.ran = tuple(ran)
+        self.node = node
 
 
 class Fp16OverflowError(MpconvertError, ValueError):
@@ -237,7 +245,9 @@ def _run_stage(name: str, done: list[str], fn, *args, **kwargs):
         raise
     except Exception as exc:
         before = ", ".join(done) or "none"
-        raise PassError(f"stage {name!r} failed after [{before}]: {type(exc).__name__}: {exc}") from exc
+        node = getattr(exc, "node", None)
+        raise PassError(f"stage {name!r} failed after [{before}]: {type(exc).__name__}: {exc}", stage=name, ran=tuple(done),
+                        node=node if isinstance(node, str) and node else None) from exc
     done.append(name)
     return result
 

@@ -299,7 +299,7 @@ def _capture_one(name: str, model: torch.nn.Module, args: tuple, kwargs: dict, s
             if model.training or REFUSE_FROZEN.get():
                 raise
             where = failure_location(exc)[0] if flow and not isinstance(exc, RandomAtTraceTime) else ""
-            cause = (str(exc) if isinstance(exc, RandomAtTraceTime) else f"a data-dependent branch{' at ' + where if where else ''}"
+            cause = (exc.reason if isinstance(exc, RandomAtTraceTime) else f"a data-dependent branch{' at ' + where if where else ''}"
                      if flow else short_reason(exc))
             why = f"tracing in train mode failed ({cause})"
     if why:
