@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from converter.ir.meta import name_of
 from converter.ir.precision import run_dtype
 from converter.train.scaler import LossScaler
 from converter.train.stats import SpikeGuard, TrainStats
@@ -50,7 +51,7 @@ class TrainerOptions:
     @property
     def precision(self) -> str:
         """``"fp16"`` or ``"bf16"`` (the name a checkpoint records)."""
-        return "fp16" if self.half == torch.float16 else "bf16"
+        return name_of(self.half)
 
 
 def _check_optional_count(name: str, value: Any) -> int | None:
