@@ -370,8 +370,11 @@ class OutOfBudget(MpconvertError):
     exit_code = EXIT_INTERNAL
 
 
-class NoPassingSet(LookupError):
-    """:func:`search_ranked` found no passing prefix; ``why`` says so in one phrase (``ToleranceNotMet.why``)."""
+class NoPassingSet(MpconvertError, LookupError):
+    """:func:`search_ranked` found no passing prefix; ``why`` says so in one phrase (``ToleranceNotMet.why``).
+    Caught by the searches, which raise :class:`ToleranceNotMet`; it never reaches a user (exit 3 if it did)."""
+
+    exit_code = EXIT_INTERNAL
 
     def __init__(self, why: str) -> None:
         super().__init__(why)
