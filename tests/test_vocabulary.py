@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+import converter
 from converter import vocab
 from converter.options import ConvertOptions, OptionsError
 from converter.vocab import ALIASES, HALF_PRECISIONS, PRECISIONS, ChoiceError, PrecisionError, choice, precision
@@ -135,10 +136,14 @@ def test_fp8_is_accepted_by_the_options_the_trainer_and_the_lightning_plugin(spe
 
     options = ConvertOptions(precision=spelling)
     assert (options.precision, options.fp8_recipe) == ("bf16", "auto")
-    model = _Tiny()
-    trainer = MixedPrecisionTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), precision=spelling)
+    conv = converter.convert(_Tiny(), (torch.randn(4, 8),), precision=spelling)
+    assert (conv.precision, conv.options) == ("bf16", options)
+    trainer = MixedPrecisionTrainer(conv.module, torch.optim.SGD(conv.module.parameters(), lr=0.1), precision=spelling)
     state = trainer.state_dict()
     assert state["precision"] == "bf16" and trainer.scaler is None, state["precision"]  # fp8 trains as its bf16
+    trainer.zero_grad()
+    trainer.backward(conv.module(torch.randn(4, 8)).float().square().mean())
+    assert trainer.step() is True and trainer.stats.steps == 1, trainer.stats
     plugin = MixedPrecision(spelling)
     assert (plugin.options, plugin.half, plugin.precision) == (options, "bf16", "bf16-mixed")
 
