@@ -93,7 +93,7 @@ _LAZY = {
     "DeviceProfileError": "converter.numerics.profile",
     "CalibrationOptions": "converter.numerics.options",
     "MpconvertError": "converter.ir.errors",
-    "PrecisionError": "converter.ir.precision",
+    "PrecisionError": "converter.vocab",
     "CaptureError": "converter.passes.capture",
     "BannedOpError": "converter.passes.decide",
     "Report": "converter.report.build",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import time
 import warnings
@@ -39,7 +40,6 @@ from converter.ir.meta import (
     set_graph_facts,
 )
 from converter.ir.ops import library_op
-from converter.ir.precision import ALIASES, half_precision
 from converter.ir.state import preserved_state
 from converter.numerics.device import half_gemm_slowdown, half_speed_advice
 from converter.numerics.optional_inputs import find_optional_inputs
@@ -63,23 +63,30 @@ from converter.passes.simplify import fold_counts, simplify
 from converter.passes.verify import check_forward
 from converter.report.build import Report, build_report
 from converter.rules.loader import Rules, load_rules
+from converter.vocab import ALIASES, HALF_PRECISIONS, precision
 
 __all__ = ["convert", "audit", "pipeline", "place_settings", "Conversion", "ConvertOptions", "PassError", "Fp16OverflowError", "FrozenModeError", "SlowHalfWarning",
            "normalize_precision", "PRECISION_ALIASES"]
 
-#: the half-precision spellings ``convert`` accepts (see :mod:`converter.ir.precision`)
+#: the half-precision spellings ``convert`` accepts (see :mod:`converter.vocab`)
 PRECISION_ALIASES = {name: value for name, value in ALIASES.items() if value in HALF_NAMES}
-
-
-def normalize_precision(precision: Union[str, torch.dtype]) -> str:
-    """``fp16``/``bf16`` and their aliases (``float16``, ``16-mixed``, ``bf16-mixed``, torch dtypes) -> fp16/bf16."""
-    return half_precision(precision)
+#: ``fp16``/``bf16`` for their aliases (``float16``, ``16-mixed``, ``bf16-mixed``, torch dtypes): the one
+#: normaliser, :func:`converter.vocab.precision`, with the half precisions allowed
+normalize_precision = functools.partial(precision, allowed=HALF_PRECISIONS)
 
 
 class PassError(MpconvertError, RuntimeError):
-    """A stage failed; the message names it and the stages that ran before it."""
+    """A stage failed; the message names it and the stages that ran before it, and so do the fields:
+    ``stage`` (``"calibrate"``...), ``ran`` (the stages before it, in order) and ``node`` (the failing node,
+    when the cause named one)."""
 
     exit_code = EXIT_INTERNAL
+
+    def __init__(self, message: str, *, stage: str = "", ran: tuple[str, ...] = (), node: Optional[str] = None):
+        super().__init__(message)
+        self.stage = stage
+        self.ran = tuple(ran)
+        self.node = node
 
 
 class Fp16OverflowError(MpconvertError, ValueError):
@@ -238,7 +245,9 @@ def _run_stage(name: str, done: list[str], fn, *args, **kwargs):
         raise
     except Exception as exc:
         before = ", ".join(done) or "none"
-        raise PassError(f"stage {name!r} failed after [{before}]: {type(exc).__name__}: {exc}") from exc
+        node = getattr(exc, "node", None)
+        raise PassError(f"stage {name!r} failed after [{before}]: {type(exc).__name__}: {exc}", stage=name, ran=tuple(done),
+                        node=node if isinstance(node, str) and node else None) from exc
     done.append(name)
     return result
 

@@ -493,7 +493,7 @@ class ConvertedForward:
                 f"forward under torch.autocast({self.conversion.precision})", FallbackWarning, stacklevel=3)
         self.calls["cache"] += 1
         device_type = _autocast_type(self._device() or self._graphs.home)
-        dtype = torch.bfloat16 if self.conversion.precision == "bf16" else torch.float16
+        dtype = half_dtype(self.conversion.precision)
         with torch.autocast(device_type=device_type, dtype=dtype):
             return self.original(*args, **kwargs)
 

@@ -10,11 +10,11 @@
 :func:`converter.convert`, :func:`converter.audit`, :func:`converter.apply`, the Lightning plugin and the
 ``mpconvert`` command each build one :class:`ConvertOptions` and hand it down; every field is checked and
 normalised once, in ``__post_init__`` (``"bfloat16"``, ``torch.bfloat16`` and ``"bf16-mixed"`` are all
-``"bf16"``). A bad value is one line: :class:`~converter.ir.precision_names.PrecisionError` for a precision,
+``"bf16"``). A bad value is one line: :class:`~converter.vocab.PrecisionError` for a precision,
 :class:`OptionsError` for anything else (both ``ValueError``; the CLI exits 2).
 
 This module imports no torch (``mpconvert explain OUT_DIR`` builds its options without it): a torch dtype
-is read through :mod:`converter.ir.precision`, and calibration options through
+is read by name (:func:`converter.vocab.precision`), and calibration options through
 :mod:`converter.numerics.options`, only when one is given.
 """
 from __future__ import annotations
@@ -22,26 +22,32 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional
 
-from converter.ir.errors import MpconvertError
-from converter.ir.precision_names import precision_message, target_name
+from converter.vocab import (
+    DEVICES,
+    FP8_RECIPE_CHOICES,
+    OPT_LEVELS,
+    PLACEMENTS,
+    RUNS_IN,
+    TRACERS,
+    ChoiceError,
+    choice,
+)
+from converter.vocab import (
+    precision as _precision,
+)
 
 __all__ = ["ConvertOptions", "OptionsError", "build_options", "TRACERS", "PLACEMENTS", "OPT_LEVELS", "DEVICES",
            "FP8_RECIPES"]
 
-#: ``tracer``: ``auto`` tries torch.fx, then torch.export (:mod:`converter.passes.capture`)
-TRACERS = ("auto", "fx", "export")
-#: ``placement``: the strategies of :mod:`converter.passes.place.stage` (its ``STRATEGIES``; a test holds them equal)
-PLACEMENTS = ("mincut", "mincut-bytes", "simple")
-#: ``opt_level``: how parameters are stored for training
-OPT_LEVELS = ("O1", "O2")
-#: ``device``: the devices with lowerings (:mod:`converter.passes.lower`'s ``DEVICES``), or None
-DEVICES = ("cpu", "cuda")
-#: ``fp8_recipe``: :data:`converter.fp8.kernels.RECIPES`' names (a test holds them equal), or ``"auto"``:
-#: the rule files' ``fp8_recipe`` setting, else tensorwise
-FP8_RECIPES = ("auto", "tensorwise", "rowwise", "rowwise_gw_hp", "blockwise")
+# the choice lists are :mod:`converter.vocab`'s (re-exported here under their historical names):
+# ``tracer``: ``auto`` tries torch.fx, then torch.export; ``placement``: the strategies of
+# :mod:`converter.passes.place.stage` (a test holds them equal); ``opt_level``: how parameters are stored for
+# training; ``device``: the devices with lowerings, or None; ``fp8_recipe``: :data:`converter.fp8.kernels.RECIPES`'
+# names (a test holds them equal), or ``"auto"``: the rule files' ``fp8_recipe`` setting, else tensorwise
+FP8_RECIPES = FP8_RECIPE_CHOICES
 
 
-class OptionsError(MpconvertError, ValueError):
+class OptionsError(ChoiceError):
     """An option has a value :class:`ConvertOptions` does not take (or options were given twice); one line."""
 
 
@@ -116,21 +122,20 @@ class ConvertOptions:
     check_graph: bool = False
 
     def __post_init__(self) -> None:
-        precision = self.precision
-        if isinstance(precision, str) and precision.strip().lower() == "fp8":
+        target = _precision(self.precision)  # the one normaliser: a spelling or torch dtype, fp8 among the choices
+        if target == "fp8":
             object.__setattr__(self, "fp8_recipe", self.fp8_recipe or "auto")
-            precision = "bf16"
-        object.__setattr__(self, "precision", _half(precision))
+        object.__setattr__(self, "precision", RUNS_IN[target])
         if self.fp8_recipe is not None:
-            _choice("fp8_recipe", self.fp8_recipe, FP8_RECIPES, or_none=True)
+            choice(self.fp8_recipe, FP8_RECIPES, what="fp8_recipe", or_none=True, error=OptionsError)
             if self.precision != "bf16":
                 raise OptionsError(f"fp8_recipe={self.fp8_recipe!r} runs the GEMMs in fp8 and the rest in bf16, "
                                    f"not {self.precision}; use precision='fp8' (or 'bf16'), or drop fp8_recipe")
-        _choice("tracer", self.tracer, TRACERS)
-        _choice("placement", self.placement, PLACEMENTS)
-        _choice("opt_level", self.opt_level, OPT_LEVELS)
+        choice(self.tracer, TRACERS, what="tracer", error=OptionsError)
+        choice(self.placement, PLACEMENTS, what="placement", error=OptionsError)
+        choice(self.opt_level, OPT_LEVELS, what="opt_level", error=OptionsError)
         if self.device is not None:
-            _choice("device", self.device, DEVICES, or_none=True)
+            choice(self.device, DEVICES, what="device", or_none=True, error=OptionsError)
         for name in ("keep_io_types", "dynamic", "strict_modes", "partial", "dispatch_kernels", "check_graph"):
             value = getattr(self, name)
             if not isinstance(value, bool):
@@ -146,27 +151,6 @@ class ConvertOptions:
             from converter.numerics.options import CalibrationOptions
 
             object.__setattr__(self, "calibration_options", CalibrationOptions.coerce(self.calibration_options))
-
-
-def _half(precision: Any) -> str:
-    """``fp16``/``bf16`` for any spelling or torch dtype (the one table, :mod:`converter.ir.precision_names`)."""
-    if isinstance(precision, str):  # a conversion target: an unknown name's message lists fp8 too
-        return target_name(precision)
-    from converter.ir.precision import PrecisionError, canonical  # a torch dtype: torch is loaded already
-
-    try:  # the same one line as for a name, fp8 among the choices
-        name = canonical(precision)
-    except PrecisionError:
-        raise PrecisionError(precision_message(precision, known=False, targets=True)) from None
-    if name == "fp32":
-        raise PrecisionError(precision_message(precision, known=True, targets=True))
-    return name
-
-
-def _choice(name: str, value: Any, allowed: tuple[Any, ...], *, or_none: bool = False) -> None:
-    if not isinstance(value, str) or value not in allowed:
-        shown = ", ".join(repr(a) for a in allowed) + (" or None" if or_none else "")
-        raise OptionsError(f"{name} must be one of {shown}, got {value!r}")
 
 
 #: the field names, for the keyword form of convert/audit/apply

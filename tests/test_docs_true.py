@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from converter.cli.parsers import build_parsers
-from converter.ir.precision_names import ALIASES, COMPUTE_MODES, HALF_NAMES
+from converter.vocab import ALIASES, PRECISIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -102,7 +102,7 @@ def test_every_help_flag_and_choice_is_in_cli_md():
 
 def test_precision_help_and_docs_name_every_target():
     """--precision has no argparse choices: its help and its docs row must name fp16, bf16, fp8 and the aliases."""
-    names = [*HALF_NAMES, *COMPUTE_MODES, *(a for a, c in ALIASES.items() if c in HALF_NAMES and not a.isdigit())]
+    names = [*PRECISIONS, *(a for a, c in ALIASES.items() if c in PRECISIONS and not a.isdigit())]
     for command, parser in build_parsers().items():
         if command in ("rules check", "profile"):  # no model: no precision
             continue

@@ -172,14 +172,13 @@ def test_fp8_is_a_rule_target_for_gemms_only(tmp_path):
 
 
 def test_fp8_is_a_conversion_target_but_never_a_dtype():
-    from converter.ir.precision import PrecisionError, canonical, half_precision
-    from converter.ir.precision_names import run_half, target_name
+    from converter.vocab import FLOAT_PRECISIONS, HALF_PRECISIONS, RUNS_IN, PrecisionError, precision
 
-    assert [target_name(n) for n in ("fp8", "FP8", "bf16-mixed", "16")] == ["fp8", "fp8", "bf16", "fp16"]
-    assert (run_half("fp8"), run_half("fp16")) == ("bf16", "fp16")
-    for call, name in ((target_name, "fp32"), (canonical, "fp8"), (half_precision, "fp8")):
+    assert [precision(n) for n in ("fp8", "FP8", "bf16-mixed", "16")] == ["fp8", "fp8", "bf16", "fp16"]
+    assert (RUNS_IN["fp8"], RUNS_IN["fp16"]) == ("bf16", "fp16")
+    for allowed, name in ((None, "fp32"), (FLOAT_PRECISIONS, "fp8"), (HALF_PRECISIONS, "fp8")):
         with pytest.raises(PrecisionError):
-            call(name)
+            precision(name) if allowed is None else precision(name, allowed=allowed)
 
 
 def test_a_node_rule_marking_a_non_gemm_fp8_fails_at_decide(decoder, tmp_path):

@@ -20,11 +20,10 @@ import converter
 import converter.report.explain as explain_module
 from converter.ir import meta as ir_meta
 from converter.ir.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, EXIT_INTERNAL, MpconvertError
-from converter.ir.precision import ALIASES, PrecisionError, canonical, half_precision
-from converter.ir.precision_names import precision_message
 from converter.report.common import node_reason as _reason
 from converter.report.explain import explain
 from converter.rules import precedence
+from converter.vocab import ALIASES, FLOAT_PRECISIONS, HALF_PRECISIONS, PrecisionError, precision
 from tests.helpers import load_sample
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -252,7 +251,7 @@ class _Tiny(nn.Module):
         return self.fc(x).relu()
 
 
-@pytest.mark.parametrize("name", sorted(k for k, v in ALIASES.items() if v != "fp32") + ["FLOAT16", "BF16-Mixed"])
+@pytest.mark.parametrize("name", sorted(k for k, v in ALIASES.items() if v in HALF_PRECISIONS) + ["FLOAT16", "BF16-Mixed"])
 def test_every_half_alias_is_accepted_by_convert_audit_and_the_trainer(name):
     from converter.train.trainer import MixedPrecisionTrainer
 
@@ -268,8 +267,9 @@ def test_every_half_alias_is_accepted_by_convert_audit_and_the_trainer(name):
 
 @pytest.mark.parametrize(("dtype", "want"), [(torch.float16, "fp16"), (torch.bfloat16, "bf16")])
 def test_torch_dtypes_are_accepted(dtype, want):
-    assert half_precision(dtype) == want and canonical(dtype) == want
-    assert canonical(torch.float32) == "fp32" and canonical("Float32") == "fp32"
+    assert precision(dtype, allowed=HALF_PRECISIONS) == want and precision(dtype, allowed=FLOAT_PRECISIONS) == want
+    assert precision(torch.float32, allowed=FLOAT_PRECISIONS) == "fp32"
+    assert precision("Float32", allowed=FLOAT_PRECISIONS) == "fp32"
 
 
 @pytest.mark.parametrize(("bad", "hint"), [("flaot16", "did you mean 'float16'?"), ("bf61", "did you mean 'bf16'?"),
@@ -278,7 +278,7 @@ def test_one_message_for_a_bad_precision_everywhere(bad, hint, tmp_path):
     from converter.train.trainer import MixedPrecisionTrainer
 
     with pytest.raises(PrecisionError) as direct:
-        half_precision(bad)
+        precision(bad, allowed=HALF_PRECISIONS)
     message = str(direct.value)
     assert "precision must be one of fp16 or bf16 (aliases: float16, half, 16-mixed, bfloat16, bf16-mixed)" in message
     assert message.endswith(hint) if hint else "did you mean" not in message, message
@@ -291,11 +291,13 @@ def test_one_message_for_a_bad_precision_everywhere(bad, hint, tmp_path):
         MixedPrecisionTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), precision=bad)
     # a conversion target also takes the compute mode fp8 (issue 34): same message, fp8 listed among the choices;
     # the trainer takes what convert takes (issue 43: precision="fp8" trains as bf16), with convert's message
-    target_message = precision_message(bad, known=bad in ("fp32", torch.float32), targets=True)
+    with pytest.raises(PrecisionError) as as_target:
+        precision(bad)
+    target_message = str(as_target.value)
     assert "one of fp16, bf16 or fp8 (aliases:" in target_message, target_message
     assert str(via_convert.value) == target_message, (str(via_convert.value), target_message)
-    want_trainer = target_message if isinstance(bad, str) else message  # a torch dtype is never a compute mode
-    assert str(via_trainer.value) == want_trainer, (str(via_trainer.value), want_trainer)
+    assert str(via_trainer.value) == target_message, (str(via_trainer.value), target_message)
+    assert (via_convert.value.value, via_convert.value.allowed) == (bad, ("fp16", "bf16", "fp8"))
     assert isinstance(direct.value, ValueError) and direct.value.exit_code == EXIT_BAD_INPUT
 
 
@@ -310,7 +312,7 @@ def test_onnx_export_and_cli_use_the_same_table(tmp_path, capfd):
     assert code == 2 and "unknown precision 'flaot16'" in err and "did you mean 'float16'?" in err, err
     code = main([str(ROOT / "samples" / "mlp.py"), "--onnx", "--onnx-precision", "fp8", "--out", str(tmp_path / "o")])
     err = capfd.readouterr().err
-    assert code == 2 and "unknown precision 'fp8'" in err and not (tmp_path / "o").exists(), err
+    assert code == 2 and "precision 'fp8' is not a half precision" in err and not (tmp_path / "o").exists(), err
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ Layers, lowest first (docs/architecture.md)::
 
     _version < ir < rules < passes < numerics < options < report < export < api < inplace < partition < lightning < cli
 
-``train`` stands beside the stack: it may import ``converter.ir`` and nothing else from the package, so the
+``vocab`` (the names of every choice, and the one precision normaliser) is part of ``ir``.
+``train`` stands beside the stack: it may import ``converter.ir`` (and ``converter.vocab``) and nothing else from the package, so the
 training wrapper never drags in the converter. ``fp8`` (the FP8 kernels) and ``kernels`` (the
 upcast GEMMs) stand beside it too and import nothing of the package at all: model.py carries their source verbatim. ``converter/__init__.py`` and ``__main__`` sit on top.
 Every import counts, also those inside functions: a lazy import is still a dependency.
@@ -20,6 +21,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "converter"
 LAYERS = ["_version", "ir", "rules", "passes", "numerics", "options", "report", "export", "api", "inplace", "serving", "partition",
           "lightning", "cli"]
 RANK = {name: i for i, name in enumerate(LAYERS)}
+#: ``converter/vocab.py``, the vocabulary of choices and the one precision normaliser, belongs to the ir layer
+#: (torch-free; it imports only ``converter.ir.errors``, and ``converter.ir.meta`` reads it)
+RANK["vocab"] = RANK["ir"]
 #: torch-only kernel packages that model.py carries verbatim: they import nothing of the package
 STANDALONE = ("fp8", "kernels")
 
@@ -99,8 +103,8 @@ def test_no_upward_imports():
             upward.append(f"{src} -> {dst} ({a}/ imports nothing of the package: model.py carries it)")
             continue
         if a == "train":
-            if b not in ("train", "ir", "_version"):
-                upward.append(f"{src} -> {dst} (train/ may import only converter.ir)")
+            if b not in ("train", "ir", "vocab", "_version"):
+                upward.append(f"{src} -> {dst} (train/ may import only converter.ir and converter.vocab)")
             continue
         if b == "train" or b in STANDALONE:
             continue  # anyone may use the training wrapper's public pieces

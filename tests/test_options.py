@@ -15,9 +15,9 @@ import torch
 
 import converter
 from converter.ir.errors import MpconvertError
-from converter.ir.precision_names import PrecisionError
 from converter.numerics.profile import DeviceProfileError
 from converter.options import DEVICES, PLACEMENTS, ConvertOptions, OptionsError
+from converter.vocab import PrecisionError
 from tests.helpers import ROOT, load_sample
 from tests.test_cli import MLP, assert_bad_input, run, snapshot
 

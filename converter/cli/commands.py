@@ -259,10 +259,10 @@ def _convert_checked(ui: Terminal, mf, options: ConvertOptions, rules, calibrati
                                   f"holds only where {exc.guard}") from exc
     except PassError as exc:  # a batch outside the sizes the graph serves is the user's data, not a bug
         cause = exc.__cause__
-        if calibration is not None and "'calibrate'" in str(exc) and isinstance(cause, AssertionError) \
-                and str(cause).startswith("Guard failed"):
+        if calibration is not None and exc.stage == "calibrate" and isinstance(cause, AssertionError) \
+                and str(cause).startswith("Guard failed"):  # torch's guard message, not ours
             raise _calibration_misfit(one_line(cause)) from exc
-        if calibration is not None and "'calibrate'" in str(exc):  # a batch the fp32 model cannot run is the data's fault
+        if calibration is not None and exc.stage == "calibrate":  # a batch the fp32 model cannot run is the data's fault
             from converter.cli.calibdata import diagnose_batches
 
             message = diagnose_batches(calibration, mf)

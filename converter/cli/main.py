@@ -127,14 +127,29 @@ def _out_of_memory(exc: Optional[BaseException]) -> Optional[BaseException]:
     return None
 
 
+def _failed_at(exc: BaseException) -> str:
+    """``stage 'calibrate' at node 'linear'``: where a conversion failed, read from the fields of the errors in
+    ``exc``'s chain (:class:`~converter.api.PassError`'s ``stage``, any error's ``node``); "" when none says."""
+    stage, node = "", ""
+    seen: set[int] = set()
+    current: Optional[BaseException] = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        stage = stage or str(getattr(current, "stage", "") or "")
+        node = node or str(getattr(current, "node", "") or "")
+        current = current.__cause__ or current.__context__
+    parts = ([f"stage {stage!r}"] if stage else []) + ([f"at node {node!r}"] if node else [])
+    return " ".join(parts)
+
+
 def _classify(exc: BaseException) -> tuple[int, str]:
     """Exit status and one-line message for an exception: every mpconvert error carries its own."""
     oom = _out_of_memory(exc)
     if oom is not None:  # the model or its inputs are too large for this machine: bad input, not our bug
         asked = re.search(r"tried to allocate (\d+) bytes", str(oom))
         size = f"an allocation of {int(asked.group(1)) / 2**30:,.1f} GiB failed" if asked else one_line(str(oom))[:160]
-        where = re.match(r"(.*? at node '[^']+')", one_line(str(exc)))
-        return EXIT_BAD_INPUT, (f"out of memory{' (' + where.group(1) + ')' if where else ''}: {size or type(oom).__name__}; "
+        where = _failed_at(exc)
+        return EXIT_BAD_INPUT, (f"out of memory{' (' + where + ')' if where else ''}: {size or type(oom).__name__}; "
                                 "the model or its inputs are too large for this machine: use smaller example inputs "
                                 "(--batch, --seq-len for a checkpoint folder), --empty-weights, or --no-measure")
     if isinstance(exc, MpconvertError) and exc.exit_code == EXIT_CHECK_FAILED:

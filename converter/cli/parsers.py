@@ -15,12 +15,13 @@ import argparse
 from typing import NamedTuple, Optional
 
 from converter.ir.errors import MpconvertError
+from converter.vocab import DEVICES, HALF_PRECISIONS, OPT_LEVELS, TRACERS, PrecisionError, describe, precision
 
 __all__ = ["UsageError", "Parser", "Parsed", "build_parsers", "parse", "split_command", "legacy_rules", "refuse_nul", "tune_for",
            "PRECISION_HELP"]
 
-PRECISION_HELP = ("fp16, bf16 or fp8 (aliases: float16, half, 16-mixed, bfloat16, bf16-mixed); fp8 is bf16 with the "
-                  "GEMMs the rules mark fp8 running in float8 (docs/fp8.md); default bf16")
+PRECISION_HELP = (f"{describe()}; fp8 is bf16 with the GEMMs the rules mark fp8 running in float8 (docs/fp8.md); "
+                  "default bf16")
 
 _EPILOG = """\
 commands:
@@ -89,22 +90,22 @@ def _model_options(p: argparse.ArgumentParser, command: str) -> None:
     p.add_argument("--rules", action="append", default=None, metavar="F",
                    help="a rule file layered over the defaults; repeat the flag for more (--rules a --rules b), later wins. "
                         "A bare name such as `llm` is a built-in file")
-    p.add_argument("--tracer", choices=("auto", "fx", "export"), default="auto",
+    p.add_argument("--tracer", choices=TRACERS, default="auto",
                    help="auto tries torch.fx then torch.export (default auto)")
     p.add_argument("--entry", metavar="NAME", default=None, help="the model factory (or module-level model) to use instead of build_model/model")
     _folder_options(p)
-    p.add_argument("--opt-level", dest="opt_level", choices=("O1", "O2"), default="O1",
+    p.add_argument("--opt-level", dest="opt_level", choices=OPT_LEVELS, default="O1",
                    help="how parameters will be stored for training: O1 fp32 (weight casts count in placement), "
                         "O2 half where every consumer is half, with fp32 master weights in the trainer (default O1)")
     if command == "convert":
         p.add_argument("--max-shard-size", dest="max_shard_size", type=_shard_size, default=None, metavar="SIZE",
                        help="split the safetensors weights into files of at most SIZE bytes (500MB, 2GiB, or a number) "
                             "listed in model.safetensors.index.json (default 2GiB)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+    p.add_argument("--device", choices=DEVICES, default=None,
                    help="the device the model will train on. It enables that device's lowerings (cpu: bf16 attention as "
                         "matmul/softmax/matmul, 2-4x faster than the CPU flash kernel), and model.py is also checked there "
                         "when it is available. Default: a portable graph, checked on cpu")
-    p.add_argument("--tune-for", dest="tune_for", choices=("cpu", "cuda"), default=None, help=argparse.SUPPRESS)
+    p.add_argument("--tune-for", dest="tune_for", choices=DEVICES, default=None, help=argparse.SUPPRESS)
     if command == "convert":
         p.add_argument("--no-measure", dest="no_measure", action="store_true",
                        help="skip measuring memory and numerics against fp32 and torch.autocast for the report")
@@ -169,10 +170,8 @@ def _positive_int(text: str) -> int:
 
 def _precision_arg(value: str) -> str:
     """argparse ``type=``: the canonical half precision, or the shared one-line message."""
-    from converter.ir.precision_names import PrecisionError, half_name
-
     try:
-        return half_name(value)
+        return precision(value, allowed=HALF_PRECISIONS)
     except PrecisionError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 

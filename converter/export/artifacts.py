@@ -74,6 +74,7 @@ from converter.export.train_py import (
 from converter.export.verify import verify_emitted
 from converter.export.watchdog import guarded
 from converter.export.weights import DEFAULT_MAX_SHARD_SIZE, check_weights, parse_size, write_weights
+from converter.vocab import DEVICES
 
 __all__ = ["emit", "emit_reports", "publish_directory", "check_output_dir", "clean_stale_temporaries", "foreign_contents",
            "MARKER"]
@@ -378,7 +379,7 @@ def emit(
     """
     out_dir = Path(out_dir)
     check_output_dir(out_dir, force=force)
-    if device not in ("cpu", "cuda") and not str(device).startswith("cuda:"):
+    if device not in DEVICES and not str(device).startswith("cuda:"):
         raise EmitError(f"unknown device {device!r}; use cpu or cuda")
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         raise EmitError("--device cuda was given but CUDA is not available on this machine; use --device cpu")

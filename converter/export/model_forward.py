@@ -35,6 +35,7 @@ from converter.ir.ops import library_op
 from converter.kernels.upcast import GRAPH_KERNELS as _UPCAST_KERNELS
 from converter.passes.checkpoint import with_checkpoints
 from converter.passes.fp32_math import RUNTIME_HELPERS, runtime_source
+from converter.vocab import FLOAT_PRECISIONS
 
 __all__ = ["PreparedGraph", "prepare_graph", "is_guard_path", "forwards", "library_imports", "check_defaults"]
 
@@ -295,7 +296,7 @@ def _annotate_lines(src: str, gm_nodes: dict[str, torch.fx.Node], roots: Iterabl
             current = module
         if cast is not None and cast.inserted:
             line += f"  # cast to {comment_text(cast.dtype)}"
-        elif decision is not None and getattr(info, "kind", "") in ("compute", "fixed") and decision.precision in ("fp16", "bf16", "fp32"):
+        elif decision is not None and getattr(info, "kind", "") in ("compute", "fixed") and decision.precision in FLOAT_PRECISIONS:
             line += f"  # {decision.precision}"
         out.append(line)
     return "\n".join(out)

@@ -114,6 +114,7 @@ from converter.export.onnx_verify import (
 from converter.ir.meta import GM_PARAM_DTYPES
 from converter.numerics.common import to_json
 from converter.passes.cpu_gemm import native_gemms
+from converter.vocab import HALF_PRECISIONS, precision
 
 __all__ = [
     "DEFAULT_OPSET",
@@ -230,13 +231,11 @@ def choose_precision(conversion_precision: str, requested: Optional[str]) -> tup
     """The dtype to export, and a note when it is not the conversion's own.
 
     ``requested``: ``"fp16"``, ``"bf16"`` or None (already normalised: aliases are read by
-    :func:`converter.api.normalize_precision`). None exports the conversion's dtype, except that a
+    :func:`converter.vocab.precision`). None exports the conversion's dtype, except that a
     bf16 conversion exports its fp16 variant (onnxruntime's CPU provider has no bf16 kernels).
     """
     if requested is not None:
-        if requested not in MANTISSA_BITS:
-            raise ValueError(f"unknown precision {requested!r}; use fp16 or bf16")
-        return requested, []
+        return precision(requested, allowed=HALF_PRECISIONS), []
     if conversion_precision != "bf16":
         return conversion_precision, []
     return "fp16", [
@@ -392,7 +391,7 @@ def _static_checks(model, path: Path, written: _Written, notes: list[str]) -> tu
         checks["checker"] = False
         notes.append(f"onnx.checker failed: {exc}")
     inputs, outputs = io_dtypes(model)
-    half_io = [f"{n} ({d})" for n, d in inputs + outputs if d in ("fp16", "bf16")]
+    half_io = [f"{n} ({d})" for n, d in inputs + outputs if d in HALF_PRECISIONS]
     checks["io_fp32"] = not half_io
     if half_io:
         differences.append(f"graph inputs/outputs in half precision: {', '.join(half_io)}")

@@ -25,6 +25,9 @@ from typing import Any, Literal, Mapping, Optional, get_args
 import torch
 
 from converter.ir.notes import NOTE_LABELS, NoteStage, note_text
+from converter.vocab import HALF_PRECISIONS, FloatPrecision, Fp32Math
+from converter.vocab import HalfPrecision as _HalfPrecision
+from converter.vocab import Precision as _Target
 
 __all__ = [
     "Precision",
@@ -82,12 +85,12 @@ __all__ = [
     "itemsize",
 ]
 
-#: a concrete precision name, the dtypes this tool converts between
-Precision = Literal["fp32", "fp16", "bf16"]
+#: a concrete precision name, the dtypes this tool converts between (:mod:`converter.vocab`)
+Precision = FloatPrecision
 #: the half precisions a conversion targets
-HalfPrecision = Literal["fp16", "bf16"]
+HalfPrecision = _HalfPrecision
 #: what a conversion may target: a half precision, or ``fp8`` (GEMMs in float8, the rest bf16; never a dtype)
-TargetPrecision = Literal["fp16", "bf16", "fp8"]
+TargetPrecision = _Target
 #: ``Decision.precision``: a concrete name once *place* ran (``fp64`` only for a model's own fp64
 #: op); before, ``follow``/``promote`` (placement decides) or ``alias`` (its producer's precision)
 DecisionPrecision = Literal["fp32", "fp16", "bf16", "fp64", "follow", "promote", "alias"]
@@ -98,7 +101,7 @@ RequestedPrecision = Literal["fp32", "fp16", "bf16", "fp64", "half", "tf32", "fp
                              "alias"]
 #: the math an fp32 matmul/conv runs with: IEEE fp32, reduced (TF32 on CUDA, bf16 in oneDNN), or
 #: whatever the global flags say at run time (``[settings] fp32_math``, the ``tf32`` precision)
-FP32Math = Literal["ieee", "tf32", "inherit"]
+FP32Math = Fp32Math
 #: ``NodeInfo.kind`` (see :class:`NodeInfo`)
 NodeKind = Literal["compute", "fixed", "alias", "passive", "cast"]
 NODE_KINDS: tuple[str, ...] = get_args(NodeKind)
@@ -209,7 +212,7 @@ CONTRACT: tuple[MetaKey, ...] = (
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 #: torch dtype -> precision name (fp64 is listed so that reports can name it; it is never converted)
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
-HALF_NAMES = ("fp16", "bf16")
+HALF_NAMES = HALF_PRECISIONS
 
 
 def dtype_of(name: str) -> torch.dtype:

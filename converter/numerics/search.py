@@ -58,6 +58,7 @@ __all__ = [
     "Outcome",
     "HalfEmulator",
     "search_ranked",
+    "NoPassingSet",
     "bisect_graph_order",
     "accuracy_search",
     "judge",
@@ -383,17 +384,28 @@ class OutOfBudget(MpconvertError):
     exit_code = EXIT_INTERNAL
 
 
+class NoPassingSet(MpconvertError, LookupError):
+    """:func:`search_ranked` found no passing prefix; ``why`` says so in one phrase (``ToleranceNotMet.why``).
+    Caught by the searches, which raise :class:`ToleranceNotMet`; it never reaches a user (exit 3 if it did)."""
+
+    exit_code = EXIT_INTERNAL
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
 def search_ranked(evaluate_keep: Callable[[Sequence[str]], Outcome], ranked: Sequence[str], *,
                   max_keep: Optional[int] = None, prune: bool = True, max_prune: int = 16) -> list[str]:
     """The smallest passing prefix of ``ranked`` (galloping + bisection), then pruned.
 
     ``evaluate_keep(nodes)`` evaluates the assignment with ``nodes`` in fp32. The empty set is
-    assumed to fail (the caller checked it). Raises ``LookupError`` when even the longest allowed
+    assumed to fail (the caller checked it). Raises :class:`NoPassingSet` (a ``LookupError``) when even the longest allowed
     prefix fails.
     """
     n = len(ranked) if max_keep is None else min(len(ranked), max_keep)
     if n <= 0:
-        raise LookupError("no node may be kept in fp32")
+        raise NoPassingSet("no node may be kept in fp32")
     lo, hi = 0, None
     k = 1
     while hi is None:
@@ -403,7 +415,7 @@ def search_ranked(evaluate_keep: Callable[[Sequence[str]], Outcome], ranked: Seq
         else:
             lo = k
             if k == n:
-                raise LookupError(f"keeping the {n} most sensitive node(s) in fp32 is not enough")
+                raise NoPassingSet(f"keeping the {n} most sensitive node(s) in fp32 is not enough")
             k *= 2
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -565,9 +577,9 @@ def _rank_and_search(gm: torch.fx.GraphModule, batches: list, base: Mapping[str,
     limit = len(ranked) - 1 if options.max_keep is None else min(options.max_keep, len(ranked) - 1)
     try:
         found.keep = search_ranked(budget, [s.name for s in ranked], max_keep=limit, prune=options.prune)
-    except (LookupError, OutOfBudget) as exc:
+    except (NoPassingSet, OutOfBudget) as exc:
         best_sqnr, best_set = budget.best if budget.best else (first.sqnr_db, ())
-        why = str(exc) if isinstance(exc, LookupError) else f"{options.max_evaluations} evaluations were not enough"
+        why = exc.why if isinstance(exc, NoPassingSet) else f"{options.max_evaluations} evaluations were not enough"
         raise ToleranceNotMet(best_sqnr, best_set, tolerance=tol, evaluations=found.ranking_cost + budget.em.runs,
                               why=why) from None
     return found

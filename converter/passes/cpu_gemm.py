@@ -44,6 +44,7 @@ from converter.kernels.upcast import (
     upcast_matmul,
 )
 from converter.passes.lower import LoweringChoice
+from converter.vocab import HALF_PRECISIONS
 
 __all__ = ["MIN_SLOWDOWN", "MIN_GEMM_FLOPS", "UPCAST_TARGETS", "DISPATCH_TARGETS", "upcast_wanted",
            "gemm_flops", "upcast_gemms", "gemm_choice", "native_gemms"]
@@ -69,7 +70,7 @@ UPCAST_TARGETS = {
 DISPATCH_TARGETS = {target: dispatch_linear if kernel is upcast_linear else dispatch_matmul
                     for target, kernel in UPCAST_TARGETS.items()}
 _LINEAR_KERNELS = (upcast_linear, dispatch_linear)
-_HALF = ("fp16", "bf16")
+_HALF = HALF_PRECISIONS
 
 
 def upcast_wanted(slowdown: Optional[float], forced: Optional[bool] = None) -> tuple[bool, str]:

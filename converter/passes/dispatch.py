@@ -33,6 +33,7 @@ from converter.ir.meta import META_DECISION, META_INFO
 from converter.kernels.upcast import dispatch_attention, upcast_attention
 from converter.passes.cpu_gemm import DISPATCH_TARGETS, gemm_choice, upcast_gemms
 from converter.passes.lower import LoweringChoice
+from converter.vocab import HALF_PRECISIONS
 
 __all__ = ["dispatch_kernels", "dispatch_attention_calls"]
 
@@ -54,7 +55,7 @@ def dispatch_kernels(gm: torch.fx.GraphModule, precision: str) -> tuple[list[str
     ``ConvertOptions.dispatch_kernels`` is False (the plain calls stay: benchmarks' ablation)."""
     changed: list[str] = []
     choices: list[dict[str, Any]] = []
-    if precision in ("fp16", "bf16"):
+    if precision in HALF_PRECISIONS:
         changed, choices = dispatch_attention_calls(gm, precision)
         gemms, small = upcast_gemms(gm, precision, _GEMM_WHY, targets=DISPATCH_TARGETS)
         changed += gemms

@@ -55,6 +55,7 @@ from torch.fx.node import has_side_effect
 from converter.ir.graphmodule import pauses_gc
 from converter.ir.meta import META_CHECKPOINT, META_DECISION, META_INFO, META_MATH, FP32Math, MathRecord
 from converter.ir.ops import MATMUL_CONV_OPS, RECURRENT_OPS, known_op_names
+from converter.vocab import FP32_MATHS
 
 __all__ = [
     "FP32_MATH_MODES",
@@ -73,7 +74,7 @@ __all__ = [
 ]
 
 #: values of ``[settings] fp32_math``
-FP32_MATH_MODES: tuple[FP32Math, ...] = ("ieee", "tf32", "inherit")
+FP32_MATH_MODES: tuple[FP32Math, ...] = FP32_MATHS
 #: ``ieee``: an audit that says fp32 must mean fp32; enforcing it costs a few C calls per region
 #: and nothing at all when the global mode is already "highest"
 DEFAULT_FP32_MATH: FP32Math = "ieee"

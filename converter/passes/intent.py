@@ -65,6 +65,7 @@ import torch.fx
 
 from converter.ir.meta import HALF_NAMES, META_INFO, META_INTENT, META_REGION, RuleRef, name_of
 from converter.ir.ops import MATMUL_CONV_OPS
+from converter.vocab import HALF_PRECISIONS
 
 __all__ = ["AUTOCAST_LOWER_OPS", "USER_FILE", "UserIntent", "AutocastMarks", "autocast_intent", "add_intent", "tag_traced",
            "region_location", "mark_kept_modules", "kept_modules", "applicable_intent", "half_in", "drop_enabled_autocast"]
@@ -276,7 +277,7 @@ def kept_modules(model: torch.nn.Module, target: str) -> dict[str, tuple[str, st
     """Module path -> (attribute, entry) for every module transformers would keep in fp32 when
     loading ``model`` in ``target`` (``_keep_in_fp32_modules`` for fp16, ``_strict`` for both)."""
     entries: list[tuple[str, str]] = []
-    for attr, targets in (("_keep_in_fp32_modules_strict", ("fp16", "bf16")), ("_keep_in_fp32_modules", ("fp16",))):
+    for attr, targets in (("_keep_in_fp32_modules_strict", HALF_PRECISIONS), ("_keep_in_fp32_modules", ("fp16",))):
         value = getattr(model, attr, None)
         if target in targets and isinstance(value, (list, tuple, set, frozenset)):
             entries += [(attr, str(e)) for e in sorted(value, key=str)]

@@ -87,16 +87,16 @@ from converter.ir.meta import (
 from converter.ir.ops import canonical_op
 from converter.passes.capture.annotation import classify
 from converter.passes.capture.values import flat_specs, spec_of
+from converter.vocab import DEVICES, HALF_PRECISIONS
 
 __all__ = ["lower", "DEVICES", "MAX_UNFUSED_SCORES_BYTES", "LoweringChoice", "recompute_plan"]
 
-DEVICES = ("cpu", "cuda")
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
 _LOWERED_PRECISIONS = ("bf16",)
 _HALF_IO_NORMS = ("batch_norm",)
 #: the half dtypes whose activations each device's batch norm kernels take with fp32 statistics
-_HALF_IO_PRECISIONS = {"cpu": ("bf16",), "cuda": ("fp16", "bf16")}
+_HALF_IO_PRECISIONS = {"cpu": ("bf16",), "cuda": HALF_PRECISIONS}
 _HALF_BYTES = 2
 #: a call whose lowered scores + probabilities (bf16) would exceed this many bytes keeps the fused kernel
 MAX_UNFUSED_SCORES_BYTES = 256 * 2 ** 20
@@ -167,7 +167,7 @@ def _reads_as_half_weight(user: torch.fx.Node, param: torch.fx.Node) -> bool:
     """Does ``user``, a half matmul or convolution, read ``param`` as its weight (which autograd saves; a
     bias is not saved)? A linear's or convolution's weight is its second argument."""
     info, decision = user.meta.get(META_INFO), user.meta.get(META_DECISION)
-    if info is None or info.op not in _WEIGHT_OPS or decision is None or decision.precision not in ("fp16", "bf16"):
+    if info is None or info.op not in _WEIGHT_OPS or decision is None or decision.precision not in HALF_PRECISIONS:
         return False
     if info.op.startswith(("linear", "conv")):
         return (len(user.args) > 1 and user.args[1] is param) or user.kwargs.get("weight") is param

@@ -64,11 +64,12 @@ from converter.report.html import to_html
 from converter.report.markdown import to_markdown
 from converter.report.schema import encode
 from converter.rules.precedence import PRECEDENCE
+from converter.vocab import FLOAT_PRECISIONS
 
 __all__ = ["Report", "build_report", "merge_reports", "summary_line", "SCHEMA", "PRECEDENCE", "MODULE_RULE_FP32_SHARE"]
 
 SCHEMA = 1
-_PRECISIONS = ("fp16", "bf16", "fp32")
+_PRECISIONS = FLOAT_PRECISIONS
 
 
 @dataclass

@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional, Protocol
 
 from converter.ir.meta import HALF_NAMES, ModesNote, note_text
 from converter.numerics.common import from_json_float
+from converter.vocab import FLOAT_PRECISIONS
 
 __all__ = [
     "ReportView", "COLORS", "ORDER", "precision_class", "half_count", "fmt_bytes", "fmt_flops", "fmt_db", "db_sort_key",
@@ -57,7 +58,7 @@ class ReportView(Protocol):
 
 def precision_class(precision: str) -> str:
     """The colour class of a precision: bf16, fp16, fp32, or ``other`` (fp64, integer, bool outputs)."""
-    return precision if precision in ("bf16", "fp16", "fp32") else "other"
+    return precision if precision in FLOAT_PRECISIONS else "other"
 
 
 def half_count(report: ReportView) -> int:

@@ -90,6 +90,7 @@ from converter.ir.meta import BUILTIN, Match, RequestedPrecision, RuleRef, RuleT
 from converter.ir.ops import WEIGHT_MATMUL, known_op_names
 from converter.rules.precedence import MATCH_TABLES
 from converter.rules.precedence import rank as level_rank
+from converter.vocab import FP8_RECIPES, FP32_MATHS, GEMM_PRECISIONS, RULE_PRECISIONS
 
 __all__ = [
     "Rule",
@@ -109,14 +110,12 @@ __all__ = [
     "resolve_rules",
 ]
 
-PRECISIONS = ("half", "fp16", "bf16", "fp32", "tf32", "follow", "promote", "banned")
-#: precisions only a GEMM may take (module docstring); every precision a rule may name is RULE_PRECISIONS
-GEMM_PRECISIONS = ("fp8",)
-RULE_PRECISIONS = PRECISIONS + GEMM_PRECISIONS
+#: every precision a rule may name is RULE_PRECISIONS (:mod:`converter.vocab`); GEMM_PRECISIONS only a GEMM may
+#: take (module docstring); PRECISIONS are the others
+PRECISIONS = tuple(p for p in RULE_PRECISIONS if p not in GEMM_PRECISIONS)
 #: the canonical ops an ``fp8`` rule may mark: those ``converter.fp8.kernels`` runs (``fp8_linear``)
 FP8_OPS = frozenset({"linear", WEIGHT_MATMUL})
-#: the fp8 recipes (``converter.fp8.kernels.RECIPES``; spelled out here, the loader imports no kernels)
-FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_gw_hp", "blockwise")
+# FP8_RECIPES: the fp8 recipes (``converter.fp8.kernels.RECIPES``; from the vocabulary, the loader imports no kernels)
 #: match tables, highest precedence first (see :mod:`converter.rules.precedence`)
 LEVELS = MATCH_TABLES
 _TOP_KEYS = ("meta", "settings", "default") + LEVELS
@@ -127,7 +126,7 @@ _NORM = re.compile("norm", re.IGNORECASE)
 _SETTINGS = {
     "overflow_fallback": ("bf16", "fp32"),
     "overflow_margin": None,  # a finite number in (0, _MAX_MARGIN]
-    "fp32_math": ("ieee", "tf32", "inherit"),  # see converter.passes.fp32_math
+    "fp32_math": FP32_MATHS,  # see converter.passes.fp32_math
     # the fp8 stage (converter.passes.fp8): recipe and shape gates
     "fp8_recipe": FP8_RECIPES,
     "fp8_align": lambda value, where: _check_count(value, where, low=1),

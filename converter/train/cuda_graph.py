@@ -447,7 +447,7 @@ class CudaGraphModule(nn.Module):
             torch.cuda.synchronize(device)
         except _NotGraphable as exc:
             _restore(buffers, saved)
-            return str(exc)
+            return exc.reason
         except Exception as exc:  # noqa: BLE001 - any failure means: run eagerly, and say why once
             _restore(buffers, saved)
             return self._capture_failed(exc)
@@ -502,6 +502,11 @@ class _NotGraphable(MpconvertError):
     this module; never reaches a user (exit code 3 if it ever did: our bug)."""
 
     exit_code = EXIT_INTERNAL
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        #: why the call runs eagerly (what the capture returns)
+        self.reason = reason
 
 
 def _restore(buffers: list[torch.Tensor], saved: list[torch.Tensor]) -> None:

@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 
-from converter.ir.precision import half_dtype
-from converter.ir.precision_names import run_half, target_name
+from converter.ir.meta import name_of
+from converter.ir.precision import run_dtype
 from converter.train.scaler import LossScaler
 from converter.train.stats import SpikeGuard, TrainStats
+from converter.vocab import DEVICES
 
 __all__ = ["DEFAULT_MAX_CONSECUTIVE_SKIPS", "TrainerOptions", "check_options", "enable_foreach", "enable_fused",
            "resolve_scaler"]
@@ -50,7 +51,7 @@ class TrainerOptions:
     @property
     def precision(self) -> str:
         """``"fp16"`` or ``"bf16"`` (the name a checkpoint records)."""
-        return "fp16" if self.half == torch.float16 else "bf16"
+        return name_of(self.half)
 
 
 def _check_optional_count(name: str, value: Any) -> int | None:
@@ -67,7 +68,7 @@ def check_options(*, precision: str, master_weights: Any, max_grad_norm: Any, ac
     """Every scalar argument checked (TypeError/ValueError naming it); nothing is changed."""
     # a conversion target, as convert and the Lightning plugin take it: "fp8" trains as its bf16 (the fp8 GEMMs are
     # the graph's own, no tensor is stored in fp8); PrecisionError (a ValueError) names the accepted spellings
-    half = half_dtype(run_half(target_name(precision)) if isinstance(precision, str) else precision)
+    half = run_dtype(precision)
     if not isinstance(master_weights, bool):
         raise TypeError(f"master_weights must be a bool, got {type(master_weights).__name__}")
     if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
@@ -137,7 +138,7 @@ def enable_foreach(optimizer: torch.optim.Optimizer) -> int:
 
 #: torch optimizers whose ``fused=True`` path exists on CPU and CUDA in torch 2.4 and later
 _FUSED_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
-_FUSED_DEVICE_TYPES = ("cpu", "cuda")
+_FUSED_DEVICE_TYPES = DEVICES  # the devices mpconvert supports: both have fused kernels
 
 
 def enable_fused(optimizer: torch.optim.Optimizer) -> int:

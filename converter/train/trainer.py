@@ -108,7 +108,7 @@ class MixedPrecisionTrainer:
         optimizer: built on ``module``'s parameters. Under O2 its param groups are rewritten to
             point at the fp32 masters (any state it already has moves with them).
         precision: ``"fp16"``/``"float16"``/``"16-mixed"`` or ``"bf16"``/``"bfloat16"``/``"bf16-mixed"`` (any
-            spelling :mod:`converter.ir.precision` accepts), or ``"fp8"`` as :func:`converter.convert` takes it (a
+            spelling :func:`converter.vocab.precision` accepts), or ``"fp8"`` as :func:`converter.convert` takes it (a
             conversion whose GEMMs run in fp8 trains as bf16: no loss scaling, bf16 O2 storage). fp16 is the default
             because it is the mode that needs this wrapper (scaling); bf16 only needs O2.
         master_weights: False = O1 (fp32 params, cast in the graph); True = O2 (half params, fp32

@@ -137,6 +137,7 @@ from converter.passes.capture.shells import is_hf_model, shell, without_layerdro
 from converter.passes.capture.train_eval import split_modes, trace_in_mode
 from converter.passes.capture.values import Shapes, input_nodes, normalize_inputs, placeholder_values
 from converter.passes.intent import mark_kept_modules
+from converter.vocab import TRACERS, choice
 
 __all__ = ["Captured", "CaptureError", "CacheCallError", "guard_cache_calls", "guard_cache_calls_keeping",
            "CACHE_ARGUMENTS", "capture", "normalize_inputs", "annotate", "placeholder_values", "TRACED_THROUGH",
@@ -194,8 +195,7 @@ def capture(
     ``dynamic``: torch.export captures with dynamic dims (False: the example's sizes are fixed).
     ``dynamic_shapes``: torch.export-style dims for the example inputs, used instead of the default.
     """
-    if tracer not in ("auto", "fx", "export"):
-        raise ValueError(f"tracer must be 'auto', 'fx' or 'export', got {tracer!r}")
+    choice(tracer, TRACERS, what="tracer")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     args, kwargs = normalize_inputs(example_inputs)
@@ -299,7 +299,7 @@ def _capture_one(name: str, model: torch.nn.Module, args: tuple, kwargs: dict, s
             if model.training or REFUSE_FROZEN.get():
                 raise
             where = failure_location(exc)[0] if flow and not isinstance(exc, RandomAtTraceTime) else ""
-            cause = (str(exc) if isinstance(exc, RandomAtTraceTime) else f"a data-dependent branch{' at ' + where if where else ''}"
+            cause = (exc.reason if isinstance(exc, RandomAtTraceTime) else f"a data-dependent branch{' at ' + where if where else ''}"
                      if flow else short_reason(exc))
             why = f"tracing in train mode failed ({cause})"
     if why:

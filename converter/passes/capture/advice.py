@@ -88,7 +88,12 @@ def failure_location(exc: BaseException) -> tuple[str, str]:
     """(``file:line``, the code on that line) of the user's frame where a tracer failed, or ("", "").
 
     torch.export prints the user's stack into its message (the last ``File ..., line N`` is the
-    innermost); otherwise the traceback's innermost frame outside torch and this package."""
+    innermost); otherwise the traceback's innermost frame outside torch and this package. An mpconvert error
+    that carries a ``location`` field (:class:`CaptureError`, ``RandomAtTraceTime``) gives it; its message is
+    never read."""
+    own = getattr(exc, "location", None) if isinstance(exc, MpconvertError) else None
+    if isinstance(own, str) and own:
+        return own, ""
     found = _USER_FRAME.findall(str(exc))
     found = [f for f in found if not f[0].startswith(SKIP_FRAMES) and "/transformers/" not in f[0]] or found
     if found:

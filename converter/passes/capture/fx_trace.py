@@ -95,7 +95,18 @@ class _Tracer(torch.fx.Tracer):
 
 
 class RandomAtTraceTime(MpconvertError, RuntimeError):
-    """symbolic_trace drew a random tensor eagerly (see :class:`_EagerRandom`); capture catches it."""
+    """symbolic_trace drew a random tensor eagerly (see :class:`_EagerRandom`); capture catches it.
+
+    Fields: ``function`` (the torch function that drew, ``"rand"``), ``location`` (the user's ``file:line``,
+    "" if none was found) and ``reason`` (the cause in one phrase, what a frozen mode or graph break reports)."""
+
+    def __init__(self, *, function: str, location: str) -> None:
+        where = f" at {location}" if location else ""
+        self.function = function
+        self.location = location
+        self.reason = (f"forward draws random numbers at trace time{where} (torch.{function} of no traced tensor), "
+                       "which symbolic_trace would bake into the graph")
+        super().__init__(self.reason)
 
 
 class _EagerRandom(TorchFunctionMode):
@@ -108,10 +119,7 @@ class _EagerRandom(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if isinstance(out, torch.Tensor) and is_random(getattr(func, "__name__", "")):
-            where = user_location(sys._getframe(1))
-            where = f" at {where}" if where else ""
-            raise RandomAtTraceTime(f"forward draws random numbers at trace time{where} (torch.{func.__name__} of no "
-                                    "traced tensor), which symbolic_trace would bake into the graph")
+            raise RandomAtTraceTime(function=func.__name__, location=user_location(sys._getframe(1)))
         return out
 
 

@@ -29,10 +29,11 @@ import torch.fx
 from converter.ir.graphmodule import pauses_gc
 from converter.ir.meta import DTYPES, HALF_NAMES, META_DECISION, META_INFO, META_VALUE, Decision, name_of
 from converter.passes.place.graph import alias_root, cast_cost, castable_inputs
+from converter.vocab import OPT_LEVELS, PLACEMENTS, choice
 
 __all__ = ["place", "STRATEGIES", "cast_cost", "alias_root", "castable_inputs"]
 
-STRATEGIES = ("mincut", "mincut-bytes", "simple")
+STRATEGIES = PLACEMENTS
 _UNRESOLVED = ("follow", "promote", "alias")
 
 
@@ -87,10 +88,8 @@ def place(gm: torch.fx.GraphModule, *, target: str, strategy: str = "mincut", ke
     consumed in half is cast every forward, and that cost counts); ``O2`` stores each in the dtype
     its consumers want (fp32 master weights live in the trainer), so weight casts cost nothing.
     """
-    if opt_level not in ("O1", "O2"):
-        raise ValueError(f"opt_level must be 'O1' or 'O2', got {opt_level!r}")
-    if strategy not in STRATEGIES:
-        raise ValueError(f"placement strategy must be one of {STRATEGIES}, got {strategy!r}")
+    choice(opt_level, OPT_LEVELS, what="opt_level")
+    choice(strategy, STRATEGIES, what="placement strategy")
     if target not in HALF_NAMES:
         raise ValueError(f"target must be fp16 or bf16, got {target!r}")
     unresolved = [n for n in gm.graph.nodes
