@@ -33,7 +33,13 @@ _OPT_STR = (str, type(None))
 
 
 class RecordError(MpconvertError, ValueError):
-    """A report section whose value has the wrong type (a file edited by hand or not written by mpconvert)."""
+    """A report section whose value has the wrong type (a file edited by hand or not written by mpconvert);
+    ``what`` says which section and what it holds."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        super().__init__(f"report.json: {what}; the file was edited or not written by mpconvert, "
+                         "rerun mpconvert to write it again")
 
 
 def _key(json_key: str, types: tuple, *, default: Any = dataclasses.MISSING, factory: Any = dataclasses.MISSING,
@@ -61,8 +67,7 @@ def _type_names(types: tuple) -> str:
 
 def _check(where: str, value: Any, types: tuple) -> None:
     if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-        raise RecordError(f"report.json's {where} is {type(value).__name__}, not {_type_names(types)}: "
-                          "the file was edited or not written by mpconvert; rerun mpconvert to write it again")
+        raise RecordError(f"its {where} is {_type_names((type(value),))}, not {_type_names(types)}")
 
 
 @dataclass(frozen=True)
@@ -92,9 +97,10 @@ class _Record:
         try:
             return cls(**values)
         except TypeError:  # a required field absent
-            missing = [f.metadata["key"] for f in dataclasses.fields(cls) if f.name not in values]
-            raise RecordError(f"report.json has no {', '.join(map(repr, missing))}{' in ' + cls.section if cls.section else ''}"
-                              ": the file was edited or not written by mpconvert; rerun mpconvert to write it again") from None
+            missing = [f.metadata["key"] for f in dataclasses.fields(cls) if f.name not in values
+                       and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+            where = f" in {cls.section!r}" if cls.section else ""
+            raise RecordError(f"no {', '.join(map(repr, missing))}{where}") from None
 
 
 @dataclass(frozen=True)
