@@ -269,6 +269,6 @@ class StageRecords:
             merged="fp8" not in data)
 
 
-#: every top-level report.json key a :class:`StageRecords` may write
-RECORD_KEYS: tuple[str, ...] = (*RunFacts.keys(), *CaptureFacts.keys(), *LoweringFacts.keys(), "fp8", "device_advice",
-                                "optional_inputs", "source", "device_profile")
+#: every top-level report.json key a :class:`StageRecords` may write, in the order a one-graph report writes them
+RECORD_KEYS: tuple[str, ...] = (*RunFacts.keys(), "lowered", "lowering", *CaptureFacts.keys(), "library_ops", "checkpoint",
+                                "simplified", "fp8", "device_advice", "optional_inputs", "source", "device_profile")
