@@ -131,13 +131,12 @@ def tuned_for(report: ReportView, escape: Callable[[str], str]) -> str:
     device = run.device if run is not None else None
     all_choices = [c for c in (lowering.lowering if lowering is not None else []) if isinstance(c, dict)]
     if not device:  # converter.passes.dispatch: kernels that choose per device at run time
-        choices = all_choices
-        attention = sum(1 for c in choices if c.get("lowering") == "dispatch_attention")
-        gemms = [c.get("node") for c in choices if c.get("lowering") == "dispatch_gemm" and c.get("chosen")]
-        what = [f"{attention} attention call(s)"] * bool(attention) + [str(g) for g in gemms]
-        if not what:
+        attention = sum(1 for c in all_choices if c.get("lowering") == "dispatch_attention")
+        gemms = [c.get("node") for c in all_choices if c.get("lowering") == "dispatch_gemm" and c.get("chosen")]
+        portable = [f"{attention} attention call(s)"] * bool(attention) + [str(g) for g in gemms]
+        if not portable:
             return "portable (no device named: nothing device-specific)"
-        return escape(f"portable (no device named): {' and '.join(what)} choose their kernel per device at run time "
+        return escape(f"portable (no device named): {' and '.join(portable)} choose their kernel per device at run time "
                       "(fp32 arithmetic on a CPU whose half GEMM is slow; native elsewhere)")
     lowered = lowering.lowered if lowering is not None else []
     what = escape(", ".join(lowered)) if lowered else "nothing to lower"
