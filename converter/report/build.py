@@ -160,7 +160,11 @@ class Report:
                 row["local_sqnr_db"] = stats.get("local_sqnr_db")
         if "measure_s" in measured:
             run = self.records.run or RunFacts()
-            self.records = replace(self.records, run=replace(run, timings={**run.timings, "measure_s": measured["measure_s"]}))
+            if isinstance(run.timings, dict):  # the pipeline's own mapping (Conversion.timings, the CLI's --json)
+                run.timings["measure_s"] = measured["measure_s"]
+            else:
+                run = replace(run, timings={**run.timings, "measure_s": measured["measure_s"]})
+            self.records = replace(self.records, run=run)
         return self
 
     def node(self, name: str) -> dict:
