@@ -559,6 +559,12 @@ def _estimate_step_s(v: Variant, device: torch.device, clock: str, n: int = 2) -
     return min(times)
 
 
+def _report_facts(report: Any) -> dict:
+    """The stages' report.json keys of a report: ``records`` (mpconvert with typed records), else older versions' ``extra``."""
+    records = getattr(report, "records", None)
+    return records.to_dict() if records is not None else dict(getattr(report, "extra", {}))
+
+
 def run_model(spec: ModelSpec, *, device: torch.device, half: torch.dtype, optimizer: str, min_rounds: int,
               max_rounds: int, budget_s: float, block_s: float, warmup: int, profile: bool, clock: str = "wall",
               rules: list[str] | None = None, portable: bool = False, graphed: bool | None = None, ablate: bool = False,
@@ -593,7 +599,7 @@ def run_model(spec: ModelSpec, *, device: torch.device, half: torch.dtype, optim
             "tracer": conv.tracer, "capture_s": conv.timings.get("capture_s"), "pass_s": conv.timings.get("pass_s"),
             "total_s": total_s, "graph_casts": summary.get("casts"), "graph_weight_casts": summary.get("weight_casts"),
             "half_flop_fraction": summary.get("half_flop_fraction"), "device": target.get("device"),
-            "lowered": conv.report.extra.get("lowered", []), "codegen_s": conv.timings.get("codegen_s"),
+            "lowered": _report_facts(conv.report).get("lowered", []), "codegen_s": conv.timings.get("codegen_s"),
         }
         log(f"[{spec.name}] {level}: converted via {conv.tracer} in {total_s:.2f}s (capture "
             f"{conv.timings.get('capture_s', math.nan):.3f}s, pass {conv.timings.get('pass_s', math.nan):.3f}s)")
@@ -603,7 +609,7 @@ def run_model(spec: ModelSpec, *, device: torch.device, half: torch.dtype, optim
     if ablate and not portable:
         variants.update(ablation_variants(model, args, kwargs, precision=precision, device=device, optimizer=optimizer,
                                           rules=rules))
-    conversion["O2"]["lowering"] = convs["O2"].report.extra.get("lowering", []) if "O2" in convs else []
+    conversion["O2"]["lowering"] = _report_facts(convs["O2"].report).get("lowering", []) if "O2" in convs else []
     result: dict[str, Any] = {
         "description": spec.description,
         "params": sum(p.numel() for p in model.parameters()),

@@ -40,6 +40,7 @@ from converter.ir.meta import (
     set_graph_facts,
 )
 from converter.ir.ops import library_op
+from converter.ir.records import CaptureFacts, DeviceAdvice, LoweringFacts, OptionalInputs, RunFacts, StageRecords
 from converter.ir.state import preserved_state
 from converter.numerics.device import half_gemm_slowdown, half_speed_advice
 from converter.numerics.optional_inputs import find_optional_inputs
@@ -458,27 +459,29 @@ def _library_ops(gm: torch.fx.GraphModule) -> list[dict]:
     return list(found.values())
 
 
-def _checkpoint_extra(gm: torch.fx.GraphModule) -> dict:
-    """report.extra["checkpoint"]: the torch.utils.checkpoint regions kept (train graph; the eval graph's too)."""
+def _checkpoint_facts(gm: torch.fx.GraphModule) -> dict:
+    """``records.lowering.checkpoint``: the torch.utils.checkpoint regions kept (train graph; the eval graph's too)."""
     found = dict(gm.meta[GM_GRAPH].checkpoint or {"regions": [], "count": 0, "notes": []})
     if isinstance(gm, TwoModeGraphModule):
         found["eval_count"] = sum(1 for _ in regions_in(gm.eval_graph))
     return found
 
 
-def _report(captured: Captured, rule_set: Rules, timings: dict, options: ConvertOptions) -> Report:
+def _report(captured: Captured, rule_set: Rules, timings: dict, options: ConvertOptions, *,
+            advice: Optional[DeviceAdvice] = None, optional_inputs: Optional[OptionalInputs] = None) -> Report:
     gm = captured.gm
+    graph_meta = gm.meta[GM_GRAPH]
+    records = StageRecords(
+        run=RunFacts(capture_errors=captured.errors, timings=timings, opt_level=options.opt_level, device=options.device),
+        capture=CaptureFacts(dynamic_dims=captured.dynamic_dims, shapes=captured.shapes_note,
+                             narrowed_dims=captured.narrowed_dims, dynamic_ranges=captured.dynamic_ranges,
+                             tied_dims=captured.tied_dims, modes=str(captured.modes or ""), cache=captured.cache),
+        lowering=LoweringFacts(lowered=list(graph_meta.lowered), lowering=list(graph_meta.lowering),
+                               library_ops=_library_ops(gm), checkpoint=_checkpoint_facts(gm),
+                               simplified=fold_counts(graph_meta.simplified)),
+        advice=advice, optional_inputs=optional_inputs)
     report = build_report(gm, precision=options.precision, tracer=captured.tracer, rules=rule_set.to_dict(),
-                        modes=captured.modes,
-                        extra={"capture_errors": captured.errors, "timings": timings, "opt_level": options.opt_level,
-                               "device": options.device, "lowered": list(gm.meta[GM_GRAPH].lowered),
-                               "lowering": list(gm.meta[GM_GRAPH].lowering),
-                               "dynamic_dims": captured.dynamic_dims, "shapes": captured.shapes_note,
-                               "narrowed_dims": captured.narrowed_dims, "dynamic_ranges": captured.dynamic_ranges,
-                               "tied_dims": captured.tied_dims,
-                               "modes": str(captured.modes or ""), "cache": captured.cache, "library_ops": _library_ops(gm),
-                               "checkpoint": _checkpoint_extra(gm),
-                               "simplified": fold_counts(gm.meta[GM_GRAPH].simplified)})
+                        modes=captured.modes, records=records)
     report.device_profile = resolve_profile(options.device_profile)  # the figures the kernel choices read
     return report
 
@@ -499,11 +502,11 @@ def convert(model: torch.nn.Module, example_inputs: Any, *, rules: Union[None, s
     ``tolerance`` for the accuracy search). ``opt_level="O2"`` treats weight casts as free in placement
     (half storage with fp32 masters in :class:`MixedPrecisionTrainer`); ``conv.module`` keeps fp32
     parameters either way. ``device`` enables that device's lowerings (:mod:`converter.passes.lower`).
-    ``report.extra["dynamic_dims"]`` lists the dims that are dynamic and ``report.extra["modes"]`` whether
+    ``report.records.capture.dynamic_dims`` lists the dims that are dynamic and ``report.modes`` whether
     ``train()``/``eval()`` work (see :mod:`converter.passes.capture`); ``strict_modes=True`` raises
     :class:`FrozenModeError` instead of converting a model frozen in one mode.
     A half dtype with no fast math where the model will train (measured) gives a :class:`SlowHalfWarning`,
-    also in ``report.extra["device_advice"]``. fp16 without ``calibration``: the converted graph runs
+    also in ``report.records.advice``. fp16 without ``calibration``: the converted graph runs
     once on the example inputs beside its fp32 twin, and :class:`Fp16OverflowError` names the first
     node that gives inf/NaN where fp32 is finite.
 
@@ -535,9 +538,8 @@ def convert(model: torch.nn.Module, example_inputs: Any, *, rules: Union[None, s
             _check_fp16_overflow(captured.gm.for_mode(False), captured.args, captured.kwargs)
     optional, required = find_optional_inputs(model, captured.gm, captured.args, captured.kwargs) if scope is None else ((), {})
     install_optional_inputs(captured.gm, optional)  # the original's optional arguments stay optional (numerics.optional_inputs)
-    report = _report(captured, rule_set, timings, options)
-    report.extra["device_advice"] = advice
-    report.extra["optional_inputs"] = {"optional": [o.to_dict() for o in optional], "required": required}
+    report = _report(captured, rule_set, timings, options, advice=DeviceAdvice(advice),
+                     optional_inputs=OptionalInputs(optional=[o.to_dict() for o in optional], required=required))
     return Conversion(module=captured.gm, report=report, tracer=captured.tracer, rules=rule_set, original=model,
                       example_inputs=(captured.args, captured.kwargs), options=options, timings=timings,
                       calibration=batches, scope=scope)

@@ -15,7 +15,7 @@ the model's own ``Parameter`` and buffer objects (nothing is copied), so ``state
 model's current tensors (``.to()`` replaces buffers), follows the model's train/eval flags, and, when
 the model moved to another device, runs a copy of the graph whose device constants name that device.
 
-Dynamic dims serve any size, or any size in their range (``report.extra["dynamic_ranges"]``: BERT's
+Dynamic dims serve any size, or any size in their range (``report.records.capture.dynamic_ranges``: BERT's
 sequence length ``2..max_position_embeddings``). A call with other sizes than the graph serves (another
 size of a static dim, another rank, a size outside a dim's range) is converted again, like a
 ``torch.compile`` recompile: :func:`converter.convert` with the same options on that call's inputs, the
@@ -25,7 +25,7 @@ keyword arguments, other non-tensor values, other dtypes, a Cache object, the ot
 a graph frozen in one mode, or shapes past the re-capture limit) run the model's original fp32
 forward instead, with a :class:`FallbackWarning` that names the difference (once per difference).
 
-A Hugging Face model captured without its key/value cache (``report.extra["cache"]``: a stock
+A Hugging Face model captured without its key/value cache (``report.records.capture.cache``: a stock
 decoder, ``config.use_cache=True``) serves ``use_cache=False``/``None`` with the graph. A call that
 asks for a cache (``use_cache=True`` or a ``cache``/``past_key_values``: every step of ``generate()``)
 is a decoding step, which the training graph cannot serve: it runs the original forward under
@@ -53,6 +53,7 @@ from converter.api import Conversion, convert
 from converter.ir.errors import MpconvertError
 from converter.ir.graphmodule import EVAL_PREFIX, TwoModeGraphModule
 from converter.ir.precision import half_dtype
+from converter.ir.records import CaptureFacts
 from converter.options import ConvertOptions, build_options
 from converter.passes.capture.cache import CACHE_ARGUMENTS
 from converter.passes.capture.reserved import USER_NAMES, user_path
@@ -238,13 +239,14 @@ class ConvertedForward:
         #: (and the captured keywords) needs no binding
         self._in_order = tuple(self._binder.parameters)[: self._positional] == self._captured_keys[0] and all(
             p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in tuple(self._binder.parameters.values())[: self._positional])
-        self._dynamic = dict(conversion.report.extra.get("dynamic_dims") or {})
+        capture = conversion.report.records.capture or CaptureFacts()  # a merged report: no one-graph facts
+        self._dynamic = dict(capture.dynamic_dims)
         #: input -> {dim: (min, max)}: dynamic dims served only within a range (max None: no upper bound)
         self._ranges = {name: {int(d): (r["min"], r["max"]) for d, r in dims.items()}
-                        for name, dims in (conversion.report.extra.get("dynamic_ranges") or {}).items()}
+                        for name, dims in capture.dynamic_ranges.items()}
         #: input -> {dim: (other input, its dim)}: dims captured as one size with another input's (labels)
         self._tied = {name: {int(d): (str(o[0]), int(o[1])) for d, o in dims.items()}
-                      for name, dims in (conversion.report.extra.get("tied_dims") or {}).items()}
+                      for name, dims in capture.tied_dims.items()}
         self._all_dynamic = conversion.tracer == "fx"  # symbolic_trace records no sizes
         modes = conversion.report.modes
         self._frozen = modes.frozen if modes is not None else None
@@ -258,7 +260,7 @@ class ConvertedForward:
         self._failed: dict[tuple, str] = {}  # sizes whose re-capture failed -> why
         self._limit_warned = False
         # captured without the key/value cache (capture's _cache_off, or use_cache=False in the example)
-        self._no_cache = bool(conversion.report.extra.get("cache")) or self._example.get("use_cache") is False
+        self._no_cache = bool(capture.cache) or self._example.get("use_cache") is False
         if self._no_cache:  # + decoding calls (a cache asked for): the original forward under autocast
             self.calls["cache"] = 0
         gm = conversion.module

@@ -91,10 +91,11 @@ class Region:
 
     def to_dict(self) -> dict:
         conv = self.conversion
+        capture = conv.report.records.capture
         return {"module": self.path, "module_type": self.module_type, "tracer": conv.tracer, "flops": self.flops,
                 "calls": self.calls, "summary_line": conv.report.line,
-                "dynamic_dims": conv.report.extra.get("dynamic_dims") or {},
-                "modes": conv.report.extra.get("modes") or ""}
+                "dynamic_dims": dict(capture.dynamic_dims) if capture is not None else {},
+                "modes": capture.modes if capture is not None else ""}
 
 
 @dataclass(frozen=True)
@@ -356,8 +357,7 @@ def convert_partial(model: torch.nn.Module, example_inputs: Any, *, rules: Any, 
         breaks.append(GraphBreak(path, type(sub).__name__, location, why, _runs(precision), flops))
         glue.append(path)
         queue[:0] = _children(model, path)
-    advice = next((r.conversion.report.extra.get("device_advice") for r in regions
-                   if r.conversion.report.extra.get("device_advice")), None)
+    advice = next((a.text for a in (r.conversion.report.records.advice for r in regions) if a is not None and a.text), None)
     if advice:  # each region's conversion measured it; said once here
         warnings.warn(advice, SlowHalfWarning, stacklevel=3)
     partition = Partition(tuple(regions), tuple(breaks), tuple(glue), probed.total_flops, precision)

@@ -29,6 +29,7 @@ from converter.cli.steps import (
 )
 from converter.cli.terminal import Terminal, error_line, one_line, print_table
 from converter.ir.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, MpconvertError
+from converter.ir.records import SourceFacts
 from converter.options import ConvertOptions
 
 __all__ = ["COMMANDS", "CheckFailed", "Artifacts", "EXIT_OK", "cmd_convert", "cmd_audit", "cmd_explain", "cmd_rules_check",
@@ -221,8 +222,7 @@ def convert_model(ui: Terminal, mf, options: ConvertOptions, rules, *, calibrati
                     "--strict-modes makes this an error")
         else:
             ui.warn(f"{mf.name}: {warning.text}")
-    if getattr(mf, "source", None):  # a checkpoint folder: what was built and its inputs (report.json, model.py)
-        conv.report.extra.setdefault("source", mf.source)
+    _keep_source(conv.report, mf)
     if measure and not any(p.is_meta for p in mf.model.parameters()):
         from converter.numerics.gap import BelowAutocastWarning
         from converter.numerics.measure import measure as measured
@@ -400,9 +400,14 @@ def _audit(ui: Terminal, mf, options: ConvertOptions, rules):
             report = audit(mf.model, mf.example_inputs, rules=rules, options=options)
         except CaptureError as exc:
             raise capture_error(exc, mf, options.tracer) from exc
-    if getattr(mf, "source", None):
-        report.extra.setdefault("source", mf.source)
+    _keep_source(report, mf)
     return report
+
+
+def _keep_source(report: Any, mf: Any) -> None:
+    """A checkpoint folder: what was built and its inputs, on the report (report.json, model.py's docstring)."""
+    if getattr(mf, "source", None) and report.records.source is None:
+        report.records = dataclasses.replace(report.records, source=SourceFacts(dict(mf.source)))
 
 
 def audit_line(summary: dict, precision: str) -> str:

@@ -218,7 +218,8 @@ def generate_model_source(conv, *, model_file: Optional[str] = None) -> ModelSou
     imports = library + imports
     external = sorted(name for name, t in found.values.items() if t.is_meta)
     modes_note = getattr(report, "modes", None)  # capture's ModesNote; None: no report, or one without it
-    source_note = ((report.extra.get("source") or {}).get("note") or "") if report is not None else ""  # a checkpoint folder
+    source = report.records.source if report is not None else None  # a checkpoint folder: what was built from it
+    source_note = source.note if source is not None else ""
     code = render_template(
         "model.py.tmpl",
         title=doc_text(f"{root_name} converted to mixed precision ({conv.precision}) by mpconvert {__version__}."),

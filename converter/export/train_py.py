@@ -3,7 +3,7 @@
 train.py is ``templates/train.py.tmpl`` with five literals filled in: the precision, the name of
 the model file's copy in the output directory (:data:`USER_MODEL_FILE`), the model file's original
 base name (for messages), a description of the example inputs for synthetic data, and the fp8
-summary (``report.extra["fp8"]``'s recipe and layer count, or None): an fp8 conversion trains as bf16
+summary (``report.records.fp8``'s recipe and layer count, or None): an fp8 conversion trains as bf16
 (the trainer's precision; fp8 is compute only, in model.py's ``fp8_linear`` calls) and says so. It reads
 nothing outside its own directory: no absolute path recorded at conversion time, no repository
 path. Each value enters as a ``repr`` literal, so no file name can inject code.
@@ -68,5 +68,5 @@ def render_train_py(conv, *, model_file: Optional[str] = None) -> str:
 
 def _fp8_summary(conv) -> Optional[dict]:
     """``{"recipe": ..., "count": ...}`` of an fp8 conversion (the linears whose GEMMs run in fp8), else None."""
-    fp8 = conv.report.extra.get("fp8")
-    return {"recipe": str(fp8["recipe"]), "count": int(fp8["count"])} if fp8 else None
+    fp8 = conv.report.records.fp8
+    return {"recipe": fp8.recipe, "count": fp8.count} if fp8 is not None else None

@@ -233,8 +233,8 @@ def check_weights(tensors: Mapping[str, torch.Tensor], directory: Path, *,
     files = weight_files(directory)
     listed = [name for names in files.values() for name in names]
     if sorted(listed) != sorted(tensors):
-        extra, missing = sorted(set(listed) - set(tensors)), sorted(set(tensors) - set(listed))
-        raise VerificationError(f"the weight files hold {extra[:5]} too many and lack {missing[:5]}; please report this bug")
+        surplus, missing = sorted(set(listed) - set(tensors)), sorted(set(tensors) - set(listed))
+        raise VerificationError(f"the weight files hold {surplus[:5]} too many and lack {missing[:5]}; please report this bug")
     total = 0
     for file_name, names in files.items():
         path = directory / file_name

@@ -312,7 +312,7 @@ class ModesNote:
     """What capture did with the model's train/eval modes (``Captured.modes``, ``Report.modes``).
 
     ``kind`` is what code reads (strict_modes, the report's header warning, model.py's docstring, the
-    in-place wrapper); ``text`` is the prose for people, ``report.extra["modes"]`` and report.json. Code
+    in-place wrapper); ``text`` is the prose for people, ``report.records.capture.modes`` and report.json. Code
     never parses ``text``: a reworded note changes no behaviour.
     """
 

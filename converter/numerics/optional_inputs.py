@@ -13,7 +13,7 @@ and a fill counts only when every output agrees (floating outputs within :data:`
 others equal). The fill's shape follows the required inputs: each dim takes the size of a required
 input's dim that torch.export proved equal (the same symbol), else one of the same example size at
 the same position, else the example's size where the graph fixed it. An argument with no such fill
-(a data-dependent default, ``inputs_embeds``) stays required, and ``report.extra["optional_inputs"]``
+(a data-dependent default, ``inputs_embeds``) stays required, and ``report.records.optional_inputs``
 says why.
 
 :func:`install` records the fills in ``GraphMeta.optional_inputs`` and gives the graph's code

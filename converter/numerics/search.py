@@ -604,9 +604,9 @@ def _pin_and_verify(gm: torch.fx.GraphModule, em: HalfEmulator, found: _Found, o
         final = em.evaluate(_half_nodes(gm))
         if final.ok:
             return final
-        extra = [s.name for s in sorted(found.sens.values(), key=lambda s: -s.score) if s.name not in keep]
-        if not extra or (max_keep is not None and len(keep) >= max_keep):
+        candidates = [s.name for s in sorted(found.sens.values(), key=lambda s: -s.score) if s.name not in keep]
+        if not candidates or (max_keep is not None and len(keep) >= max_keep):
             raise ToleranceNotMet(final.sqnr_db, keep, tolerance=tol, evaluations=found.ranking_cost + em.runs,
                                   why="the assignment after re-placement does not meet it")
-        keep.append(extra[0])
+        keep.append(candidates[0])
     return final

@@ -220,7 +220,7 @@ def find_regions(graph: torch.fx.Graph) -> tuple[list[Region], list[str]]:
 
 def checkpoint_regions(gm: torch.fx.GraphModule, *graphs: torch.fx.Graph) -> dict:
     """The ``checkpoint`` stage: install :class:`CheckpointCodeGen` on ``gm.graph`` (and ``graphs``)
-    where they hold checkpoint regions; returns what report.extra["checkpoint"] shows."""
+    where they hold checkpoint regions; returns what ``report.records.lowering.checkpoint`` shows."""
     found: list[dict] = []
     notes: list[str] = []
     for graph in (gm.graph, *graphs):

@@ -28,7 +28,7 @@ model passes in eval mode too (``F.dropout(x, p, training=True)``: MC dropout, r
 the converted module then behave as on the original. Capture checks the mode it did not trace
 (eval) against the original model on the example inputs; a model whose Python code branches on
 ``self.training`` in some other way fails that check and is captured in its own mode instead,
-with its mode frozen and the reason in the report (``report.extra["modes"]``).
+with its mode frozen and the reason in the report (``report.records.capture.modes``).
 """
 from __future__ import annotations
 

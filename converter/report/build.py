@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
-from typing import Any, Optional
+import warnings
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.fx
@@ -57,6 +59,7 @@ from converter.ir.meta import (
     name_of,
 )
 from converter.numerics.profile import DeviceProfile
+from converter.ir.records import Fp8Facts, RunFacts, StageRecords
 from converter.passes.fp32_math import DEFAULT_FP32_MATH, global_math_settings, reduced_globals
 from converter.report.flops import node_flops
 from converter.report.fp8 import fp8_line, fp8_section
@@ -87,7 +90,8 @@ class Report:
     nodes: list[dict]
     casts: list[dict]
     rules: dict = field(default_factory=dict)
-    extra: dict = field(default_factory=dict)
+    #: what the stages found (capture, lowering, fp8, advice...): typed records, report.json's other top-level keys
+    records: StageRecords = field(default_factory=StageRecords)
     model: str = ""
     ops: list[dict] = field(default_factory=list)
     modules: list[dict] = field(default_factory=list)
@@ -125,7 +129,7 @@ class Report:
             "graph_breaks": [b.to_dict() for b in self.partition.breaks] if self.partition is not None else [],
             "regions": [r.to_dict() for r in self.partition.regions] if self.partition is not None else [],
         }
-        for key, value in self.extra.items():
+        for key, value in self.records.to_dict().items():
             out.setdefault(key, value)
         return encode(out)  # the schema's codec (converter.report.schema), which the readers share
 
@@ -133,9 +137,16 @@ class Report:
         return json.dumps(self.to_dict(), indent=kwargs.pop("indent", 2), allow_nan=False, **kwargs)
 
     @property
+    def extra(self) -> Mapping[str, Any]:
+        """Deprecated (read-only, for one release): the records' report.json keys; read ``records`` instead."""
+        warnings.warn("Report.extra is deprecated and read-only; read the typed Report.records instead "
+                      "(records.capture.dynamic_dims, records.fp8...)", DeprecationWarning, stacklevel=2)
+        return MappingProxyType(self.records.to_dict())
+
+    @property
     def line(self) -> str:
-        fp8 = self.extra.get("fp8")  # how many layers run fp8, and why none does (the gate and its value)
-        return summary_line(self.summary, self.precision) + fp8_line(fp8 if isinstance(fp8, dict) else None)
+        fp8 = self.records.fp8  # how many layers run fp8, and why none does (the gate and its value)
+        return summary_line(self.summary, self.precision) + fp8_line(fp8.to_dict() if fp8 is not None else None)
 
     @property
     def measured(self) -> bool:
@@ -153,9 +164,12 @@ class Report:
                 row["sqnr_db"] = stats.get("sqnr_db")
                 row["local_sqnr_db"] = stats.get("local_sqnr_db")
         if "measure_s" in measured:
-            self.extra.setdefault("timings", {})
-            if isinstance(self.extra["timings"], dict):
-                self.extra["timings"]["measure_s"] = measured["measure_s"]
+            run = self.records.run or RunFacts()
+            if isinstance(run.timings, dict):  # the pipeline's own mapping (Conversion.timings, the CLI's --json)
+                run.timings["measure_s"] = measured["measure_s"]
+            else:
+                run = replace(run, timings={**run.timings, "measure_s": measured["measure_s"]})
+            self.records = replace(self.records, run=run)
         return self
 
     def node(self, name: str) -> dict:
@@ -440,10 +454,11 @@ def _module_rule_warnings(nodes: list[dict], total_flops: int) -> list[dict]:
     return out
 
 
-def build_report(gm: torch.fx.GraphModule, *, precision: str, tracer: str, rules: Optional[dict] = None, extra: Optional[dict] = None,
-                 modes: Optional[ModesNote] = None) -> Report:
-    """Read ``node.meta`` of the converted (or only decided) graph into a :class:`Report`; ``modes`` is
-    capture's typed train/eval note (its text is ``extra["modes"]``)."""
+def build_report(gm: torch.fx.GraphModule, *, precision: str, tracer: str, rules: Optional[dict] = None,
+                 records: Optional[StageRecords] = None, modes: Optional[ModesNote] = None) -> Report:
+    """Read ``node.meta`` of the converted (or only decided) graph into a :class:`Report`; ``records``: the
+    stages' facts (the fp8 section is added here), ``modes`` capture's typed train/eval note (its text is
+    ``records.capture.modes``)."""
     nodes: list[dict] = []
     casts: list[dict] = []
     stacks: list[tuple[dict, tuple]] = []
@@ -470,7 +485,8 @@ def build_report(gm: torch.fx.GraphModule, *, precision: str, tracer: str, rules
     half_flops = sum(r["flops"] for r in nodes if r["precision"] in HALF_NAMES)
     act = [c for c in casts if not c["on_weight"]]
     weight = [c for c in casts if c["on_weight"]]
-    o2 = (extra or {}).get("opt_level") == "O2"
+    records = records or StageRecords()
+    o2 = records.run is not None and records.run.opt_level == "O2"
     if o2:  # a cast of a weight O2 stores in that very dtype is an identity, which the trainer drops
         stored = dict(gm.meta.get(GM_PARAM_DTYPES) or {})
         targets = {n.name: str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
@@ -505,7 +521,7 @@ def build_report(gm: torch.fx.GraphModule, *, precision: str, tracer: str, rules
         nodes=nodes,
         casts=casts,
         rules=rules or {},
-        extra={**(extra or {}), "fp8": fp8_section(gm, nodes, (rules or {}).get("settings"))},
+        records=replace(records, fp8=_fp8_facts(gm, nodes, rules)),
         model=model,
         ops=_op_table(nodes),
         modules=_module_tree(stacks, casts, cast_module),
@@ -514,6 +530,11 @@ def build_report(gm: torch.fx.GraphModule, *, precision: str, tracer: str, rules
         fp32_math=fp32_math,
         modes=modes,
     )
+
+
+def _fp8_facts(gm: torch.fx.GraphModule, nodes: list[dict], rules: Optional[dict]) -> Optional[Fp8Facts]:
+    section = fp8_section(gm, nodes, (rules or {}).get("settings"))
+    return Fp8Facts.from_dict(section) if section is not None else None
 
 
 #: summary fields that add up over the regions of a partial conversion
@@ -564,4 +585,5 @@ def merge_reports(parts: list[tuple[str, Report]], *, partition: Any, precision:
                   rules=rules, model=parts[0][1].model if parts else "", ops=_op_table(nodes), modules=modules,
                   memory=memory, partition=partition,
                   device_profile=next((r.device_profile for _, r in parts if r.device_profile is not None), None),
-                  extra={"timings": timings, "opt_level": opt_level, "device": device, "capture_errors": capture_errors})
+                  records=StageRecords(run=RunFacts(capture_errors=capture_errors, timings=timings, opt_level=opt_level,
+                                                    device=device), merged=True))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
 from converter.ir.meta import HALF_NAMES, ModesNote, note_text
+from converter.ir.records import StageRecords
 from converter.numerics.common import from_json_float
 from converter.vocab import FLOAT_PRECISIONS
 
@@ -39,7 +40,7 @@ class ReportView(Protocol):
     nodes: list[dict]
     casts: list[dict]
     rules: dict
-    extra: dict
+    records: StageRecords
     model: str
     ops: list[dict]
     modules: list[dict]
@@ -127,32 +128,32 @@ def node_reason(row: dict) -> str:
 
 def tuned_for(report: ReportView, escape: Callable[[str], str]) -> str:
     """The conversion's target device and what its lowerings changed (:mod:`converter.passes.lower`)."""
-    device = report.extra.get("device")
+    run, lowering = report.records.run, report.records.lowering
+    device = run.device if run is not None else None
+    all_choices = [c for c in (lowering.lowering if lowering is not None else []) if isinstance(c, dict)]
     if not device:  # converter.passes.dispatch: kernels that choose per device at run time
-        choices = [c for c in report.extra.get("lowering") or [] if isinstance(c, dict)]
-        attention = sum(1 for c in choices if c.get("lowering") == "dispatch_attention")
-        gemms = [c.get("node") for c in choices if c.get("lowering") == "dispatch_gemm" and c.get("chosen")]
-        parts = [f"{attention} attention call(s)"] * bool(attention) + [str(g) for g in gemms]
-        if not parts:
+        attention = sum(1 for c in all_choices if c.get("lowering") == "dispatch_attention")
+        gemms = [c.get("node") for c in all_choices if c.get("lowering") == "dispatch_gemm" and c.get("chosen")]
+        portable = [f"{attention} attention call(s)"] * bool(attention) + [str(g) for g in gemms]
+        if not portable:
             return "portable (no device named: nothing device-specific)"
-        return escape(f"portable (no device named): {' and '.join(parts)} choose their kernel per device at run time "
+        return escape(f"portable (no device named): {' and '.join(portable)} choose their kernel per device at run time "
                       "(fp32 arithmetic on a CPU whose half GEMM is slow; native elsewhere)")
-    lowered = report.extra.get("lowered") or []
+    lowered = lowering.lowered if lowering is not None else []
     what = escape(", ".join(lowered)) if lowered else "nothing to lower"
-    choices = [c for c in report.extra.get("lowering") or [] if isinstance(c, dict) and c.get("lowering") == "recompute_attention"]
+    choices = [c for c in all_choices if c.get("lowering") == "recompute_attention"]
     if choices:  # the cost model's choices (converter.passes.lower.recompute_plan); each node's reason gives the sizes
         recomputed = sum(1 for c in choices if c.get("chosen"))
         what += (f" · attention probabilities recomputed in backward for {recomputed} of {len(choices)} lowered calls, "
                  f"kept for {len(choices) - recomputed} (cost model: what O2's half weights leave under autocast's "
                  f"saved activations)")
-    kept_fused = [c for c in report.extra.get("lowering") or [] if isinstance(c, dict) and c.get("lowering") == "lower_attention"]
+    kept_fused = [c for c in all_choices if c.get("lowering") == "lower_attention"]
     if kept_fused:
         what += f" · {len(kept_fused)} attention call(s) kept fused: their score matrices are over the size bound"
-    fp32_attention = sum(1 for c in report.extra.get("lowering") or [] if isinstance(c, dict)
-                         and c.get("lowering") == "upcast_attention")
+    fp32_attention = sum(1 for c in all_choices if c.get("lowering") == "upcast_attention")
     if fp32_attention:  # this CPU's half GEMM is slow: attention in fp32 arithmetic (converter.passes.dispatch)
         what += f" · {fp32_attention} attention call(s) in fp32 arithmetic on the upcast half q, k, v (UpcastAttention)"
-    upcast = [c for c in report.extra.get("lowering") or [] if isinstance(c, dict) and c.get("lowering") == "upcast_gemm"]
+    upcast = [c for c in all_choices if c.get("lowering") == "upcast_gemm"]
     for choice in upcast:  # converter.passes.cpu_gemm: the half GEMMs' kernels, measured on this CPU
         how = "run as fp32 GEMMs on upcast operands" if choice.get("chosen") else "native"
         what += escape(f" · GEMM kernels ({choice.get('node')}): {how}: {choice.get('why')}")
@@ -191,10 +192,11 @@ def header_warnings(report: ReportView) -> list[HeaderWarning]:
     frozen = frozen_mode(report)
     if frozen:
         out.append(HeaderWarning("modes", "train()/eval()", "frozen", frozen))
-    advice = report.extra.get("device_advice")
+    advice = report.records.advice.text if report.records.advice is not None else None
     if advice:
         out.append(HeaderWarning("speed", "speed", "warning", advice))
-    narrowed = narrowed_text(report.extra.get("narrowed_dims") or {})
+    capture = report.records.capture
+    narrowed = narrowed_text(dict(capture.narrowed_dims) if capture is not None else {})
     if narrowed:
         out.append(HeaderWarning("sizes", "input sizes", "warning", narrowed))
     return out
@@ -323,9 +325,9 @@ _FP8_TENSORS = (("x", "x"), ("weight", "w"), ("grad_output", "g"))
 
 def fp8_facts(report: ReportView) -> list[tuple[str, str]]:
     """The fp8 section's (fact, value) pairs; empty when the conversion has no fp8 (report.json ``"fp8"``)."""
-    fp8 = report.extra.get("fp8")
-    if not fp8:
+    if report.records.fp8 is None:
         return []
+    fp8 = report.records.fp8.to_dict()
     floors = fp8.get("thresholds") or {}
     facts = [("recipe", str(fp8.get("recipe"))), ("layers in fp8", str(fp8.get("count", 0))),
              ("GEMM FLOPs in fp8", f"{fmt_pct(fp8.get('flops_share'))} ({fmt_flops(fp8.get('flops'))} of "
@@ -344,7 +346,7 @@ def fp8_facts(report: ReportView) -> list[tuple[str, str]]:
 def fp8_layer_rows(report: ReportView) -> list[dict]:
     """One dict of display strings per measured fp8 layer: node, module, kernel (``fp8`` or ``bf16 (fallback)``),
     ``sqnr`` (gemm -> (text, under its floor)), amax, underflow, overflow, flops."""
-    fp8 = report.extra.get("fp8") or {}
+    fp8 = report.records.fp8.to_dict() if report.records.fp8 is not None else {}
     floors = fp8.get("thresholds") or {}
     rows = []
     for layer in fp8.get("numerics") or []:

@@ -466,7 +466,7 @@ def _sections(report: ReportView) -> list[tuple[str, str, str]]:
         ("memory", "Memory", _memory_html(report)),
         *([("fp32math", "fp32 math", _fp32_math_html(report))] if report.fp32_math else []),
         *([("calibration", "Calibration", _calibration_html(report))] if report.calibration else []),
-        *([("fp8", "FP8", _fp8_html(report))] if report.extra.get("fp8") else []),
+        *([("fp8", "FP8", _fp8_html(report))] if report.records.fp8 is not None else []),
         ("ops", "Ops", _ops_html(report)),
         ("unmatched", f"Unmatched ops ({len(s['unmatched_ops'])})", _unmatched_html(report)),
         ("modules", "Modules", _tree_html(report)),

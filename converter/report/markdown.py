@@ -70,7 +70,7 @@ def _header(report: ReportView) -> list[str]:
             f"Target precision `{md_escape(report.precision)}` · tracer `{md_escape(report.tracer)}` · "
             f"{s['nodes']} graph nodes, {s['compute_nodes']} compute nodes · rule files: {files}", ""] + [
             line for warning in header_warnings(report) for line in (f"> **Warning:** {md_escape(warning.text)}", "")] + [
-            line for text in [ranges_text(report.extra.get("dynamic_ranges") or {})] if text
+            line for text in [ranges_text(dict(report.records.capture.dynamic_ranges) if report.records.capture else {})] if text
             for line in (f"Input sizes: {md_escape(text)}", "")]
 
 
@@ -93,7 +93,13 @@ def _summary(report: ReportView) -> list[str]:
         [weight_cast_label(s), f"{s.get('weight_casts', 0)} ({fmt_bytes(s.get('weight_cast_bytes', 0))} per forward)"],
         ["unmatched ops", md_escape(", ".join(s["unmatched_ops"])) or "none"],
         ["tuned for", tuned_for(report, md_escape)],
-    ] + ([["key/value cache", md_escape(report.extra["cache"])]] if report.extra.get("cache") else [])), ""]
+    ] + ([["key/value cache", md_escape(cache)]] if (cache := _cache(report)) else [])), ""]
+
+
+def _cache(report: ReportView) -> str:
+    """Why the graph returns no key/value cache ('' when it does, or capture did not say)."""
+    capture = report.records.capture
+    return (capture.cache or "") if capture is not None else ""
 
 
 def _fp32_math(report: ReportView) -> list[str]:

@@ -11,6 +11,11 @@ through the same tables below and the same number codec (:mod:`converter.ir.json
 * every other field has the JSON type its table gives; a field that is not in the table is passed
   through as written.
 
+The stages' sections (``capture_errors``, ``timings``, ``dynamic_dims``, ``lowering``, ``fp8``,
+``device_advice``, ``optional_inputs``...) are the typed records of :mod:`converter.ir.records`: the
+writer emits ``StageRecords.to_dict()`` and :func:`problem` reads them back with
+``StageRecords.from_dict`` (:func:`records` gives them to a reader), the same fields both ways.
+
 Readers reject what the tables forbid and nothing else: whatever the writer emits reads back, value
 for value (``tests/test_report_schema.py`` writes reports with every value a row can have).
 """
@@ -19,9 +24,10 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional
 
 from converter.ir.json_numbers import NONFINITE_JSON, from_json_float, to_json
+from converter.ir.records import RecordError, StageRecords
 
 __all__ = ["NUMBER", "NODE_FIELDS", "NODE_OPTIONAL", "MATCH_FIELDS", "CAST_FIELDS", "CAST_OPTIONAL", "TOP_OPTIONAL",
-           "encode", "problem", "decode"]
+           "encode", "problem", "decode", "records"]
 
 
 class _Number:
@@ -115,7 +121,18 @@ def problem(data: Any) -> Optional[str]:
     for why in map(_bad_node, data["nodes"]):
         if why is not None:
             return why
-    return next(filter(None, map(_bad_cast, data.get("casts", []))), None)
+    why = next(filter(None, map(_bad_cast, data.get("casts", []))), None)
+    if why is None:
+        try:
+            StageRecords.from_dict(data)
+        except RecordError as exc:
+            return exc.what
+    return why
+
+
+def records(data: dict) -> StageRecords:
+    """The stages' records of ``data`` (checked by :func:`problem`)."""
+    return StageRecords.from_dict(data)
 
 
 def _decoded(row: dict, optional: Mapping[str, Any]) -> dict:

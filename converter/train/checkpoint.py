@@ -47,8 +47,8 @@ def check_tensors(what: str, given: Any, expected: Mapping[str, torch.Tensor], *
     if not isinstance(given, dict):
         raise TypeError(f"checkpoint {what} must be a dict of tensors, got {type(given).__name__}")
     if set(given) != set(expected):
-        extra, absent = sorted(set(given) - set(expected)), sorted(set(expected) - set(given))
-        raise ValueError(f"checkpoint {what} do not match this trainer: unexpected {extra[:5]}, missing {absent[:5]}")
+        unexpected, absent = sorted(set(given) - set(expected)), sorted(set(expected) - set(given))
+        raise ValueError(f"checkpoint {what} do not match this trainer: unexpected {unexpected[:5]}, missing {absent[:5]}")
     for name, mine in expected.items():
         theirs = given[name]
         if not isinstance(mine, torch.Tensor):

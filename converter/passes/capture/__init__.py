@@ -31,7 +31,7 @@ example has one, capture first traces size-obliviously (``backed_size_oblivious`
 dynamic; if that fails it retries with plain ``Dim.AUTO``, and if dynamic capture fails at all it
 captures static shapes and says why. ``dynamic=False`` fixes every dim; ``dynamic_shapes`` (the
 model file's ``dynamic_shapes()``) replaces the default. symbolic_trace records no sizes, so FX
-graphs are dynamic by construction. ``Captured.dynamic_dims`` (``report.extra["dynamic_dims"]``)
+graphs are dynamic by construction. ``Captured.dynamic_dims`` (``report.records.capture.dynamic_dims``)
 maps each input (``input_ids``, ``xs[1]``) to its dynamic dims; ``shapes_note`` says how.
 Sizes are never read with ``int(SymInt)``, which would specialise them.
 
@@ -48,7 +48,7 @@ Inputs the model relates: a Hugging Face model given ``labels`` flattens logits 
 loss, which leaves the guard ``input_ids.numel() == labels.numel()``; with a symbol per dim it reads as
 pinning batch and sequence length of both. Capture exports again with each such pair of dims sharing
 one ``Dim`` (:func:`~converter.passes.guards.tied_dims`), so both stay dynamic; ``Captured.tied_dims``
-(``report.extra["tied_dims"]``) names them (``labels`` dim 0 is ``input_ids`` dim 0).
+(``report.records.capture.tied_dims``) names them (``labels`` dim 0 is ``input_ids`` dim 0).
 
 **Train and eval.** Both tracers trace the model in *train* mode, where every mode-dependent op is
 recorded with its train-mode arguments, and :mod:`converter.passes.modes` rewrites those arguments
@@ -64,7 +64,7 @@ config.layerdrop``, a branch on a random number) is switched off in the shell's 
 the train trace, and the note says so. symbolic_trace would draw a random tensor of no traced input (``torch.rand(())``)
 once and bake the branch on it into the graph; such a trace is refused, naming the line. A model
 whose train mode cannot be traced at all is captured in its own mode, its mode frozen. Either
-way ``Captured.modes`` (``report.extra["modes"]``) says what happened and why. Partial capture
+way ``Captured.modes`` (``report.records.capture.modes``) says what happened and why. Partial capture
 (:mod:`converter.partition`) sets :data:`REFUSE_FROZEN` while it tries a model whole: such a model is then a
 capture failure and is converted region by region, so that its train mode keeps its dropout (DETR's
 ``if self.training: if not torch.isfinite(x).all()`` clamp). The converted module
@@ -73,7 +73,7 @@ starts in the original's mode.
 **Key/value caches.** A Hugging Face model whose ``config.use_cache`` is true (stock decoders and
 encoder-decoders) would return a ``DynamicCache``, which no graph can return and training never
 reads: unless the example asks for a cache, it is traced with ``use_cache=False`` on a shell's copy of
-its config, and ``Captured.cache`` (``report.extra["cache"]``) says so. Decoding calls are served by
+its config, and ``Captured.cache`` (``report.records.capture.cache``) says so. Decoding calls are served by
 :mod:`converter.inplace`.
 
 **Higher-order regions.** ``torch.no_grad()``/``set_grad_enabled`` and ``torch.autocast`` blocks,
