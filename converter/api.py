@@ -10,7 +10,9 @@
 
 Stages (one module each, talking only through ``node.meta``): capture → decide → lower → place
 → rewrite → fp32_math → check (one forward on the example inputs; a failure names the node) →
-report. When a stage fails, the error names it and the stages that ran before it.
+report. They are one declared table, :data:`STAGES` (end of this module; each stage with what it reads
+and writes, docs/architecture.md "Stage table"), which ``convert``, ``audit`` and ``pipeline`` run through
+:func:`converter.stages.run_stages`. When a stage fails, the error names it and the stages that ran before it.
 """
 from __future__ import annotations
 
@@ -627,7 +629,7 @@ STAGES: tuple[Stage, ...] = declare(
     Stage("rules", ("rule_files", "options"), ("rules",), "rules/loader.py", _load_rules, wrap=False),
     Stage("capture", ("model", "example_inputs", "options"), ("captured", "graphs", "node_info"), "passes/capture/",
           _capture, timing="capture_s", wrap=False),
-    Stage("strict_modes", ("captured", "options"), (), "passes/modes.py", _strict_modes,
+    Stage("strict_modes", ("captured", "options"), (), "api.py", _strict_modes,
           when=lambda s: s.options.strict_modes, timing="capture_s", wrap=False),
     Stage("scope", ("graphs", "scope"), ("node_info",), "passes/capture/annotation.py", _scope,
           when=lambda s: s.scope is not None, timing="capture_s", wrap=False),
@@ -671,7 +673,7 @@ STAGES: tuple[Stage, ...] = declare(
           when=lambda s: s.codegen, per_graph=True, timing="check_s"),
     # the whole model again
     Stage("fp8_patterns", ("decisions", "rules"), (), "passes/fp8.py", _fp8_patterns, when=_fp8_on, wrap=False),
-    Stage("combine", ("graphs", "captured", "model"), ("module",), "ir/graphmodule.py", _combine, wrap=False),
+    Stage("combine", ("graphs", "captured", "model"), ("module",), "api.py", _combine, wrap=False),
     # convert only
     Stage("device_advice", ("module", "options"), ("advice",), "numerics/device.py", _device_advice,
           when=_converting, wrap=False),

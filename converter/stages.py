@@ -38,8 +38,8 @@ __all__ = ["Stage", "State", "PassError", "INPUTS", "STAGE_DEPTH", "run_stages",
 #: what a conversion starts from: the names a stage may read before any stage wrote anything
 INPUTS = ("model", "example_inputs", "options", "rule_files", "calibration", "scope")
 
-#: frames between a stage's ``run`` and the caller of :func:`run_stages` (``run`` is called by ``_run_one``,
-#: called by ``run_stages``): a stage warns with ``stacklevel=STAGE_DEPTH + 1`` to name the caller's caller
+#: the frames from a stage's ``run`` up to :func:`run_stages` (``run``, ``_run_one``, ``run_stages``): a stage's
+#: warning with ``stacklevel=STAGE_DEPTH + 1`` names the function that called ``run_stages``, ``+ 2`` its caller
 STAGE_DEPTH = 3
 
 

@@ -2,7 +2,7 @@
 
 Layers, lowest first (docs/architecture.md)::
 
-    _version < ir < rules < passes < numerics < options < report < export < api < inplace < partition < lightning < cli
+    _version < ir < rules < passes < numerics < options < report < export < stages < api < inplace < partition < lightning < cli
 
 ``train`` stands beside the stack: it may import ``converter.ir`` and nothing else from the package, so the
 training wrapper never drags in the converter. ``fp8`` (the FP8 kernels) and ``kernels`` (the
@@ -17,7 +17,7 @@ from pathlib import Path
 import networkx as nx
 
 PACKAGE = Path(__file__).resolve().parent.parent / "converter"
-LAYERS = ["_version", "ir", "rules", "passes", "numerics", "options", "report", "export", "api", "inplace", "serving", "partition",
+LAYERS = ["_version", "ir", "rules", "passes", "numerics", "options", "report", "export", "stages", "api", "inplace", "serving", "partition",
           "lightning", "cli"]
 RANK = {name: i for i, name in enumerate(LAYERS)}
 #: torch-only kernel packages that model.py carries verbatim: they import nothing of the package
