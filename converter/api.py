@@ -336,7 +336,7 @@ def _calibration_options(state: State) -> CalibrationOptions:
 def _calibrate(state: State) -> None:
     from converter.numerics.calibrate import calibrate_and_redecide
 
-    calibrate_and_redecide(state.gm, state.calibration, rules=state.rule_set, settings=place_settings(state.options),
+    calibrate_and_redecide(state.gm, state.batches, rules=state.rule_set, settings=place_settings(state.options),
                            options=_calibration_options(state))
 
 
@@ -344,7 +344,7 @@ def _fp8_reference(state: State) -> None:
     """The fp32 outputs, before rewrite, for the fp8 search."""
     from converter.numerics.fp8_search import prepare_fp8_search
 
-    state.fp8_search = prepare_fp8_search(state.gm, state.calibration, _calibration_options(state))
+    state.fp8_search = prepare_fp8_search(state.gm, state.batches, _calibration_options(state))
 
 
 def _rewrite(state: State) -> None:
@@ -353,8 +353,7 @@ def _rewrite(state: State) -> None:
 
 def _fp8(state: State) -> None:
     """The fp8 stage (graph facts fp8_*)."""
-    gm, recipe = state.gm, state.fp8_recipe
-    assert recipe is not None
+    gm, recipe = state.gm, state.recipe
     layers = tuple(apply_fp8(gm, recipe))
     floors = {gemm: {"min_db": db, "rule": str(ref)} for gemm, (db, ref) in fp8_floors(state.rule_set).items()}
     set_graph_facts(gm, fp8_recipe=recipe, fp8_layers=layers, fp8_thresholds=floors,
@@ -366,7 +365,7 @@ def _fp8_numerics(state: State) -> None:
     from converter.numerics.fp8_layers import measure_and_fall_back
 
     gm = state.gm
-    set_graph_facts(gm, **measure_and_fall_back(gm, state.calibration, state.fp8_recipe, state.rule_set,
+    set_graph_facts(gm, **measure_and_fall_back(gm, state.batches, state.recipe, state.rule_set,
                                                 loss_fn=_calibration_options(state).loss_fn,
                                                 aten=gm.meta[GM_GRAPH].tracer == "export"))
 

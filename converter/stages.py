@@ -98,6 +98,18 @@ class State:
         return self.captured
 
     @property
+    def batches(self) -> list:
+        """The calibration batches (a stage that runs only with calibration)."""
+        assert self.calibration is not None, "no calibration batches"
+        return self.calibration
+
+    @property
+    def recipe(self) -> str:
+        """The fp8 recipe of the graph under conversion (after the *fp8_gate* stage)."""
+        assert self.fp8_recipe is not None, "the fp8_gate stage has not run"
+        return self.fp8_recipe
+
+    @property
     def rule_set(self) -> Rules:
         """The rules (after the *rules* stage)."""
         assert self.rules is not None, "the rules stage has not run"

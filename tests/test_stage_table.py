@@ -41,7 +41,7 @@ def _doc_rows() -> list[tuple[str, tuple[str, ...], tuple[str, ...], str, str]]:
     return rows
 
 
-def test_the_docs_table_is_the_stage_table():
+def test_the_docs_table_is_the_stage_table() -> None:
     rows = _doc_rows()
     assert len(rows) == len(api.STAGES) == 28, (len(rows), len(api.STAGES))
     assert [r[0] for r in rows] == [s.name for s in api.STAGES]  # names, in order
@@ -53,7 +53,7 @@ def test_the_docs_table_is_the_stage_table():
     assert [s.module for s in api.STAGES if not (root / s.module).exists()] == []
 
 
-def test_the_docs_name_the_unguarded_stages_and_every_artefact():
+def test_the_docs_name_the_unguarded_stages_and_every_artefact() -> None:
     section = _section()
     unguarded = re.search(r"\(unguarded: ([^)]*)\)", section.replace("\n", " "))
     assert unguarded is not None, "the Stage table section should list its unguarded stages"
@@ -63,7 +63,7 @@ def test_the_docs_name_the_unguarded_stages_and_every_artefact():
     assert sorted(used - glossary) == [] and set(INPUTS) <= glossary
 
 
-def test_every_stage_reads_only_what_was_written_before():
+def test_every_stage_reads_only_what_was_written_before() -> None:
     assert check_table(api.STAGES) == []
     written = set(INPUTS)
     for stage in api.STAGES:
@@ -76,7 +76,7 @@ def _noop(state: State) -> None:
     pass
 
 
-def test_the_table_check_fails_on_a_planted_order():
+def test_the_table_check_fails_on_a_planted_order() -> None:
     early = Stage("early", ("casts",), (), "passes/rewrite.py", _noop)  # reads what only a later stage writes
     late = Stage("late", ("model",), ("casts",), "passes/rewrite.py", _noop)
     assert check_table((early, late)) == ["stage 'early' reads casts, which no earlier stage writes"]
@@ -104,7 +104,7 @@ def tiny() -> Any:
     return load_sample("tiny_transformer")
 
 
-def test_convert_and_audit_run_the_table_in_order(tiny, monkeypatch):
+def test_convert_and_audit_run_the_table_in_order(tiny: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list = []
     _recording(calls, monkeypatch)
     with warnings.catch_warnings():
@@ -137,7 +137,7 @@ class _TwoModes(torch.nn.Module):
         return self.a(x)
 
 
-def test_a_two_mode_capture_runs_the_graph_stages_graph_by_graph(monkeypatch):
+def test_a_two_mode_capture_runs_the_graph_stages_graph_by_graph(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list = []
     _recording(calls, monkeypatch)
     torch.manual_seed(0)
@@ -151,7 +151,7 @@ def test_a_two_mode_capture_runs_the_graph_stages_graph_by_graph(monkeypatch):
     assert isinstance(conv.module, TwoModeGraphModule), type(conv.module).__mro__
 
 
-def test_an_unexpected_failure_names_the_stage_and_those_before_it(tiny, monkeypatch):
+def test_an_unexpected_failure_names_the_stage_and_those_before_it(tiny: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(gm: torch.fx.GraphModule) -> None:
         raise RuntimeError("boom")
 
@@ -163,7 +163,7 @@ def test_an_unexpected_failure_names_the_stage_and_those_before_it(tiny, monkeyp
     assert isinstance(err.value.__cause__, RuntimeError)
 
 
-def test_mpconvert_and_value_errors_and_unguarded_stages_pass_unchanged(tiny, monkeypatch):
+def test_mpconvert_and_value_errors_and_unguarded_stages_pass_unchanged(tiny: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     class Planted(converter.MpconvertError):
         pass
 
@@ -185,7 +185,7 @@ def test_mpconvert_and_value_errors_and_unguarded_stages_pass_unchanged(tiny, mo
         api.audit(tiny.build_model(), tiny.example_inputs(), precision="bf16")
 
 
-def test_the_device_advice_warning_names_the_caller_of_convert(tiny, monkeypatch):
+def test_the_device_advice_warning_names_the_caller_of_convert(tiny: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(api, "half_speed_advice", lambda precision, device: f"planted advice for {precision}")
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
@@ -195,7 +195,7 @@ def test_the_device_advice_warning_names_the_caller_of_convert(tiny, monkeypatch
     assert conv.report.extra["device_advice"] == "planted advice for bf16"
 
 
-def test_run_stages_skips_what_does_not_apply_and_times_what_runs():
+def test_run_stages_skips_what_does_not_apply_and_times_what_runs() -> None:
     ran: list[str] = []
 
     def record(name: str) -> Callable[[State], None]:
