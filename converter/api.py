@@ -10,7 +10,9 @@
 
 Stages (one module each, talking only through ``node.meta``): capture → decide → lower → place
 → rewrite → fp32_math → check (one forward on the example inputs; a failure names the node) →
-report. When a stage fails, the error names it and the stages that ran before it.
+report. They are one declared table, :data:`STAGES` (end of this module; each stage with what it reads
+and writes, docs/architecture.md "Stage table"), which ``convert``, ``audit`` and ``pipeline`` run through
+:func:`converter.stages.run_stages`. When a stage fails, the error names it and the stages that ran before it.
 """
 from __future__ import annotations
 
@@ -18,7 +20,6 @@ import contextlib
 import dataclasses
 import functools
 import itertools
-import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +28,7 @@ from typing import Any, Iterable, Mapping, Optional, Union
 import torch
 import torch.fx
 
-from converter.ir.errors import EXIT_CHECK_FAILED, EXIT_INTERNAL, MpconvertError
+from converter.ir.errors import EXIT_CHECK_FAILED, MpconvertError
 from converter.ir.graphmodule import TwoModeGraphModule, materialize, with_eval_graph
 from converter.ir.meta import (
     GM_GRAPH,
@@ -64,9 +65,10 @@ from converter.passes.simplify import fold_counts, simplify
 from converter.passes.verify import check_forward
 from converter.report.build import Report, build_report
 from converter.rules.loader import Rules, load_rules
+from converter.stages import STAGE_DEPTH, PassError, Stage, State, declare, run_stages
 from converter.vocab import ALIASES, HALF_PRECISIONS, precision
 
-__all__ = ["convert", "audit", "pipeline", "place_settings", "Conversion", "ConvertOptions", "PassError", "Fp16OverflowError", "FrozenModeError", "SlowHalfWarning",
+__all__ = ["convert", "audit", "pipeline", "STAGES", "place_settings", "Conversion", "ConvertOptions", "PassError", "Fp16OverflowError", "FrozenModeError", "SlowHalfWarning",
            "normalize_precision", "PRECISION_ALIASES"]
 
 #: the half-precision spellings ``convert`` accepts (see :mod:`converter.vocab`)
@@ -74,20 +76,6 @@ PRECISION_ALIASES = {name: value for name, value in ALIASES.items() if value in 
 #: ``fp16``/``bf16`` for their aliases (``float16``, ``16-mixed``, ``bf16-mixed``, torch dtypes): the one
 #: normaliser, :func:`converter.vocab.precision`, with the half precisions allowed
 normalize_precision = functools.partial(precision, allowed=HALF_PRECISIONS)
-
-
-class PassError(MpconvertError, RuntimeError):
-    """A stage failed; the message names it and the stages that ran before it, and so do the fields:
-    ``stage`` (``"calibrate"``...), ``ran`` (the stages before it, in order) and ``node`` (the failing node,
-    when the cause named one)."""
-
-    exit_code = EXIT_INTERNAL
-
-    def __init__(self, message: str, *, stage: str = "", ran: tuple[str, ...] = (), node: Optional[str] = None):
-        super().__init__(message)
-        self.stage = stage
-        self.ran = tuple(ran)
-        self.node = node
 
 
 class Fp16OverflowError(MpconvertError, ValueError):
@@ -239,20 +227,6 @@ class Conversion:
         return export_onnx(self, Path(path), source=source, notes=notes, **kwargs)
 
 
-def _run_stage(name: str, done: list[str], fn, *args, **kwargs):
-    try:
-        result = fn(*args, **kwargs)
-    except (MpconvertError, ValueError, TypeError):
-        raise
-    except Exception as exc:
-        before = ", ".join(done) or "none"
-        node = getattr(exc, "node", None)
-        raise PassError(f"stage {name!r} failed after [{before}]: {type(exc).__name__}: {exc}", stage=name, ran=tuple(done),
-                        node=node if isinstance(node, str) and node else None) from exc
-    done.append(name)
-    return result
-
-
 #: how many calibration batches are read when ``max_batches`` does not say (the CLI's bound too)
 MAX_CALIBRATION_BATCHES = 256
 
@@ -283,98 +257,124 @@ def pipeline(model: torch.nn.Module, example_inputs: Any, options: ConvertOption
              rules: Union[None, str, Path, Iterable, Rules] = None, calibration: Optional[list] = None,
              codegen: bool = True, simplify_graph: bool = True, scope: Optional[tuple] = None) -> tuple[Captured, Rules, dict]:
     """capture → decide → lower → place → (calibrate) → rewrite → simplify → fp32_math → (codegen) with
-    ``options``; returns the capture (its ``gm`` converted), the rules and the stage timings.
-    ``simplify_graph=False`` keeps the no-op nodes (benchmarks/graph_step.py times both). ``scope``: the
-    module path (and ancestors) of ``model`` inside a larger model, which its module paths get (partial capture).
+    ``options``: the stages of :data:`STAGES` up to *combine*; returns the capture (its ``gm`` converted), the
+    rules and the stage timings. ``simplify_graph=False`` keeps the no-op nodes (benchmarks/graph_step.py times
+    both). ``scope``: the module path (and ancestors) of ``model`` inside a larger model, which its module paths
+    get (partial capture).
 
     A model captured as a train graph and an eval graph (it branches on ``self.training``) has both
     converted with the same rules and combined into one :class:`TwoModeGraphModule`."""
-    rule_set = fp8_rule_set(rules) if options.fp8_recipe is not None else load_rules(rules)
-    done: list[str] = []
-    timings: dict[str, float] = {}
-    t0 = time.perf_counter()
-    captured: Captured = capture(model, example_inputs, tracer=options.tracer, dynamic=options.dynamic,
+    state = run_stages(State(model, example_inputs, options, rule_files=rules, calibration=calibration, scope=scope,
+                             codegen=codegen, simplify_graph=simplify_graph), STAGES)
+    return state.capture, state.rule_set, state.timings
+
+
+# ---------------------------------------------------------------------------------------------
+# the stages: each reads and writes what STAGES (end of the module) declares for it
+
+
+def _load_rules(state: State) -> None:
+    rules = state.rule_files
+    state.rules = fp8_rule_set(rules) if state.options.fp8_recipe is not None else load_rules(rules)
+
+
+def _capture(state: State) -> None:
+    options = state.options
+    captured: Captured = capture(state.model, state.example_inputs, tracer=options.tracer, dynamic=options.dynamic,
                                  dynamic_shapes=options.dynamic_shapes)
-    if options.strict_modes and captured.modes is not None and captured.modes.frozen:
+    state.captured = captured
+    state.graphs = [captured.gm] if captured.eval_gm is None else [captured.gm, captured.eval_gm]
+
+
+def _strict_modes(state: State) -> None:
+    captured = state.capture
+    if captured.modes is not None and captured.modes.frozen:
         raise FrozenModeError(f"the converted module would be {captured.modes}; make the model's train mode traceable "
                               "(see the cause), or convert without strict_modes (CLI: without --strict-modes) to accept it")
-    if scope is not None:
-        for graph in (captured.gm, captured.eval_gm):
-            if graph is not None:
-                scope_module_paths(graph, *scope)
-    done.append("capture")
-    timings["capture_s"] = time.perf_counter() - t0
-    graphs = [captured.gm] if captured.eval_gm is None else [captured.gm, captured.eval_gm]
-    pass_s = codegen_s = check_s = 0.0
-    for index, gm in enumerate(graphs):
-        gm.meta[GM_GRAPH] = GraphMeta(tracer=captured.tracer, precision=options.precision,
+
+
+def _scope(state: State) -> None:
+    assert state.scope is not None
+    for graph in state.graphs:
+        scope_module_paths(graph, *state.scope)
+
+
+def _graph_facts(state: State) -> None:
+    captured, options = state.capture, state.options
+    state.gm.meta[GM_GRAPH] = GraphMeta(tracer=captured.tracer, precision=options.precision,
                                         capture_errors=tuple(f"{k}: {v}" for k, v in captured.errors.items()),
-                                        rule_files=rule_set.files,
+                                        rule_files=state.rule_set.files,
                                         pinned=dict(captured.pinned_dims))
-        t1 = time.perf_counter()
-        _convert_graph(gm, done, rule_set, options, calibration=calibration, simplify_graph=simplify_graph)
-        t2 = time.perf_counter()
-        pass_s += t2 - t1
-        if codegen:
-            graphs[index] = gm = _run_stage("codegen", done, materialize, gm)
-            t3 = time.perf_counter()
-            codegen_s += t3 - t2
-            # never hand back a module whose example forward fails: the error names the node
-            with preserved_state(gm) if len(graphs) > 1 else contextlib.nullcontext():
-                if len(graphs) > 1:  # each graph of a two-mode conversion in its own mode
-                    gm.train(index == 0)
-                _run_stage("check", done, check_forward, gm, captured.args, captured.kwargs)
-            check_s += time.perf_counter() - t3
-    timings["pass_s"] = pass_s
-    if options.fp8_recipe is not None:  # each user pattern must have decided a node of some graph (fp8 exclusions)
-        check_patterns(rule_set, [g.graph for g in graphs])
-    if codegen:
-        timings.update(codegen_s=codegen_s, check_s=check_s)
-    # audit (no codegen) reports the train graph and needs no runnable module
-    captured.gm = graphs[0] if len(graphs) == 1 or not codegen else _two_modes(model, *graphs, renamed=captured.user_names)
-    keep_user_names(captured.gm, captured.user_names)  # state_dict in the model's names (graph_ -> graph)
-    if codegen and captured.cache:  # captured with use_cache=False: a call asking for a cache gets one clear error
-        (guard_cache_calls_keeping if "use_cache" in captured.kwargs else guard_cache_calls)(captured.gm)
-    return captured, rule_set, timings
+    state.fp8_recipe = state.fp8_search = None  # this graph's
 
 
-def _convert_graph(gm: torch.fx.GraphModule, done: list[str], rule_set: Rules, options: ConvertOptions, *,
-                   calibration: Optional[list], simplify_graph: bool) -> None:
-    """decide → lower → place → (calibrate) → rewrite → (fp8 → fp8 search) → simplify → fp32_math on one captured graph."""
-    settings = place_settings(options)
-    _run_stage("decide", done, decide, gm, rule_set, precision=options.precision)
-    recipe = None
-    if options.fp8_recipe is not None:  # the shape gates, before placement: the casts name the gate
-        recipe = resolved_recipe(rule_set, None if options.fp8_recipe == "auto" else options.fp8_recipe)
-        _run_stage("fp8_gate", done, gate_fp8, gm, rule_set, recipe)
-    lowered = _run_stage("lower", done, lower, gm, device=options.device, opt_level=options.opt_level,
-                         fp32_attention=_fp32_attention(options), recompute_attention=options.recompute_attention)
-    set_graph_facts(gm, device=options.device, lowered=tuple(lowered))
-    _run_stage("place", done, settings.run, gm)
-    fp8_search = None
-    if calibration is not None:
-        from converter.numerics.calibrate import calibrate_and_redecide
-        from converter.numerics.fp8_search import prepare_fp8_search
+def _decide(state: State) -> None:
+    decide(state.gm, state.rule_set, precision=state.options.precision)
 
-        cal_options = options.calibration_options or CalibrationOptions()
-        _run_stage("calibrate", done, calibrate_and_redecide, gm, calibration, rules=rule_set, settings=settings,
-                   options=cal_options)
-        if recipe is not None and cal_options.tolerance is not None:  # the fp32 outputs, before rewrite, for the fp8 search
-            fp8_search = _run_stage("fp8_reference", done, prepare_fp8_search, gm, calibration, cal_options)
-    _run_stage("rewrite", done, rewrite, gm, keep_io_types=options.keep_io_types, check=options.check_graph)
-    if recipe is not None:
-        _fp8_stages(gm, done, rule_set, options, recipe, calibration)
-        if fp8_search is not None:  # the fewest fp8 layers back in bf16 for the tolerance (numerics/fp8_search.py)
-            set_graph_facts(gm, fp8_layers=tuple(_run_stage("fp8_search", done, fp8_search.run, gm,
-                                                            gm.meta[GM_GRAPH].fp8_layers)))
-    _cpu_gemm_kernels(gm, done, options)
-    if simplify_graph:
-        set_graph_facts(gm, simplified=_run_stage("simplify", done, simplify, gm))
-    math_setting = rule_set.setting("fp32_math", DEFAULT_FP32_MATH)
-    regions = _run_stage("fp32_math", done, fp32_math, gm, setting=math_setting, check=options.check_graph)
-    set_graph_facts(gm, fp32_math=math_setting, fp32_math_regions=regions)
-    # torch.utils.checkpoint regions run under checkpoint in the generated code (conv.module, model.py)
-    set_graph_facts(gm, checkpoint=_run_stage("checkpoint", done, checkpoint_regions, gm))
+
+def _fp8_gate(state: State) -> None:
+    """The shape gates, before placement: the casts name the gate."""
+    fp8 = state.options.fp8_recipe
+    state.fp8_recipe = resolved_recipe(state.rule_set, None if fp8 == "auto" else fp8)
+    gate_fp8(state.gm, state.rule_set, state.fp8_recipe)
+
+
+def _lower(state: State) -> None:
+    options = state.options
+    lowered = lower(state.gm, device=options.device, opt_level=options.opt_level, fp32_attention=_fp32_attention(options),
+                    recompute_attention=options.recompute_attention)
+    set_graph_facts(state.gm, device=options.device, lowered=tuple(lowered))
+
+
+def _place(state: State) -> None:
+    place_settings(state.options).run(state.gm)
+
+
+def _calibration_options(state: State) -> CalibrationOptions:
+    return state.options.calibration_options or CalibrationOptions()
+
+
+def _calibrate(state: State) -> None:
+    from converter.numerics.calibrate import calibrate_and_redecide
+
+    calibrate_and_redecide(state.gm, state.batches, rules=state.rule_set, settings=place_settings(state.options),
+                           options=_calibration_options(state))
+
+
+def _fp8_reference(state: State) -> None:
+    """The fp32 outputs, before rewrite, for the fp8 search."""
+    from converter.numerics.fp8_search import prepare_fp8_search
+
+    state.fp8_search = prepare_fp8_search(state.gm, state.batches, _calibration_options(state))
+
+
+def _rewrite(state: State) -> None:
+    rewrite(state.gm, keep_io_types=state.options.keep_io_types, check=state.options.check_graph)
+
+
+def _fp8(state: State) -> None:
+    """The fp8 stage (graph facts fp8_*)."""
+    gm, recipe = state.gm, state.recipe
+    layers = tuple(apply_fp8(gm, recipe))
+    floors = {gemm: {"min_db": db, "rule": str(ref)} for gemm, (db, ref) in fp8_floors(state.rule_set).items()}
+    set_graph_facts(gm, fp8_recipe=recipe, fp8_layers=layers, fp8_thresholds=floors,
+                    fp8_numerics=None if state.calibration is None else ())
+
+
+def _fp8_numerics(state: State) -> None:
+    """With calibration: the per-layer numerics and the SQNR fallback."""
+    from converter.numerics.fp8_layers import measure_and_fall_back
+
+    gm = state.gm
+    set_graph_facts(gm, **measure_and_fall_back(gm, state.batches, state.recipe, state.rule_set,
+                                                loss_fn=_calibration_options(state).loss_fn,
+                                                aten=gm.meta[GM_GRAPH].tracer == "export"))
+
+
+def _fp8_search(state: State) -> None:
+    """The fewest fp8 layers back in bf16 for the tolerance (numerics/fp8_search.py)."""
+    gm = state.gm
+    set_graph_facts(gm, fp8_layers=tuple(state.fp8_search.run(gm, gm.meta[GM_GRAPH].fp8_layers)))
 
 
 def _fp32_attention(options: ConvertOptions) -> bool:
@@ -393,37 +393,100 @@ def _gemm_choice(options: ConvertOptions) -> tuple[bool, str]:
     return cpu_gemm.upcast_wanted(slowdown, options.upcast_half_gemms)
 
 
-def _cpu_gemm_kernels(gm: torch.fx.GraphModule, done: list[str], options: ConvertOptions) -> None:
+def _dispatch(state: State) -> None:
+    """A portable conversion: kernels that choose per device at run time (:mod:`converter.passes.dispatch`)."""
+    gm = state.gm
+    _, choices = dispatch_kernels(gm, state.options.precision)  # the same ops, not lowered
+    set_graph_facts(gm, lowering=gm.meta[GM_GRAPH].lowering + tuple(choices))
+
+
+def _cpu_gemm_kernels(state: State) -> None:
     """``device="cpu"``: the half GEMMs as fp32 GEMMs on upcast operands where this CPU's half GEMM measured
-    slower (:mod:`converter.passes.cpu_gemm`); the choice is one ``upcast_gemm`` entry of the graph's lowering.
-    A portable conversion: kernels that choose per device at run time (:mod:`converter.passes.dispatch`)."""
+    slower (:mod:`converter.passes.cpu_gemm`); the choice is one ``upcast_gemm`` entry of the graph's lowering."""
+    gm, options = state.gm, state.options
     graph_meta = gm.meta[GM_GRAPH]
-    if options.device is None and options.dispatch_kernels:
-        _, choices = _run_stage("dispatch", done, dispatch_kernels, gm, options.precision)  # the same ops, not lowered
-        set_graph_facts(gm, lowering=graph_meta.lowering + tuple(choices))
-    if options.device != "cpu":
-        return
     wanted, why = _gemm_choice(options)
-    nodes, small = _run_stage("cpu_gemm", done, cpu_gemm.upcast_gemms, gm, options.precision, why) if wanted else ([], 0)
+    nodes, small = cpu_gemm.upcast_gemms(gm, options.precision, why) if wanted else ([], 0)
     # lower(fp32_attention=True) left the attention calls: fp32 arithmetic, as measured (no run-time measurement)
     attention = dispatch_attention_calls(gm, options.precision, measured=False)[1] if _fp32_attention(options) else []
     choice = cpu_gemm.gemm_choice("upcast_gemm", options.precision, nodes, small, why)
     set_graph_facts(gm, lowered=graph_meta.lowered + tuple(nodes), lowering=graph_meta.lowering + (choice,) + tuple(attention))
 
 
-def _fp8_stages(gm: torch.fx.GraphModule, done: list[str], rule_set: Rules, options: ConvertOptions, recipe: str,
-                calibration: Optional[list]) -> None:
-    """The fp8 stage, then with calibration the per-layer numerics and the SQNR fallback (graph facts fp8_*)."""
-    layers = tuple(_run_stage("fp8", done, apply_fp8, gm, recipe))
-    floors = {gemm: {"min_db": db, "rule": str(ref)} for gemm, (db, ref) in fp8_floors(rule_set).items()}
-    set_graph_facts(gm, fp8_recipe=recipe, fp8_layers=layers, fp8_thresholds=floors,
-                    fp8_numerics=None if calibration is None else ())
-    if calibration is not None and layers:
-        from converter.numerics.fp8_layers import measure_and_fall_back
+def _simplify(state: State) -> None:
+    set_graph_facts(state.gm, simplified=simplify(state.gm))
 
-        loss_fn = (options.calibration_options or CalibrationOptions()).loss_fn
-        set_graph_facts(gm, **_run_stage("fp8_numerics", done, measure_and_fall_back, gm, calibration, recipe, rule_set,
-                                         loss_fn=loss_fn, aten=gm.meta[GM_GRAPH].tracer == "export"))
+
+def _fp32_math(state: State) -> None:
+    math_setting = state.rule_set.setting("fp32_math", DEFAULT_FP32_MATH)
+    regions = fp32_math(state.gm, setting=math_setting, check=state.options.check_graph)
+    set_graph_facts(state.gm, fp32_math=math_setting, fp32_math_regions=regions)
+
+
+def _checkpoint(state: State) -> None:
+    """torch.utils.checkpoint regions run under checkpoint in the generated code (conv.module, model.py)."""
+    set_graph_facts(state.gm, checkpoint=checkpoint_regions(state.gm))
+
+
+def _codegen(state: State) -> None:
+    state.gm = materialize(state.gm)
+
+
+def _check(state: State) -> None:
+    """Never hand back a module whose example forward fails: the error names the node."""
+    gm, captured, two = state.gm, state.capture, len(state.graphs) > 1
+    with preserved_state(gm) if two else contextlib.nullcontext():
+        if two:  # each graph of a two-mode conversion in its own mode
+            gm.train(state.index == 0)
+        check_forward(gm, captured.args, captured.kwargs)
+
+
+def _fp8_patterns(state: State) -> None:
+    """Each user pattern must have decided a node of some graph (fp8 exclusions)."""
+    check_patterns(state.rule_set, [g.graph for g in state.graphs])
+
+
+def _combine(state: State) -> None:
+    """One module: the graph, or a two-mode conversion's train and eval graphs over the model's tensors."""
+    captured, graphs = state.capture, state.graphs
+    # audit (no codegen) reports the train graph and needs no runnable module
+    captured.gm = graphs[0] if len(graphs) == 1 or not state.codegen else _two_modes(state.model, *graphs,
+                                                                                      renamed=captured.user_names)
+    keep_user_names(captured.gm, captured.user_names)  # state_dict in the model's names (graph_ -> graph)
+    if state.codegen and captured.cache:  # captured with use_cache=False: a call asking for a cache gets one clear error
+        (guard_cache_calls_keeping if "use_cache" in captured.kwargs else guard_cache_calls)(captured.gm)
+
+
+def _device_advice(state: State) -> None:
+    """A half dtype with no fast math where the model will train (measured): :class:`SlowHalfWarning`."""
+    lowering = state.capture.gm.meta[GM_GRAPH].lowering
+    upcast = any(c.get("lowering") in ("upcast_gemm", "dispatch_gemm") and c.get("chosen") for c in lowering)
+    # the GEMMs run as fp32 GEMMs when this CPU's half GEMM is slow (passes.cpu_gemm, passes.dispatch): nothing to advise
+    state.advice = None if upcast else half_speed_advice(state.options.precision, state.options.device,
+                                                          resolve_profile(state.options.device_profile))
+    if state.advice is not None:  # said where convert was called
+        warnings.warn(state.advice, SlowHalfWarning, stacklevel=STAGE_DEPTH + 2)
+
+
+def _fp16_wanted(state: State) -> bool:
+    without_weights = any(p.is_meta for p in state.capture.gm.parameters())  # nothing to run: no values
+    return (state.purpose == "convert" and state.options.precision == "fp16" and state.calibration is None
+            and not without_weights)
+
+
+def _fp16_check(state: State) -> None:
+    captured = state.capture
+    _check_fp16_overflow(captured.gm, captured.args, captured.kwargs)
+    if isinstance(captured.gm, TwoModeGraphModule):  # the check interprets `graph`: the eval graph too
+        _check_fp16_overflow(captured.gm.for_mode(False), captured.args, captured.kwargs)
+
+
+def _optional_inputs(state: State) -> None:
+    """The original's optional arguments stay optional (numerics.optional_inputs)."""
+    captured = state.capture
+    state.optional, state.required = (find_optional_inputs(state.model, captured.gm, captured.args, captured.kwargs)
+                                      if state.scope is None else ((), {}))
+    install_optional_inputs(captured.gm, state.optional)
 
 
 def _two_modes(model: torch.nn.Module, train_gm: torch.fx.GraphModule, eval_gm: torch.fx.GraphModule, *,
@@ -460,7 +523,7 @@ def _library_ops(gm: torch.fx.GraphModule) -> list[dict]:
 
 
 def _checkpoint_facts(gm: torch.fx.GraphModule) -> dict:
-    """``records.lowering.checkpoint``: the torch.utils.checkpoint regions kept (train graph; the eval graph's too)."""
+    """The report's ``checkpoint`` section: the torch.utils.checkpoint regions kept (train graph; the eval graph's too)."""
     found = dict(gm.meta[GM_GRAPH].checkpoint or {"regions": [], "count": 0, "notes": []})
     if isinstance(gm, TwoModeGraphModule):
         found["eval_count"] = sum(1 for _ in regions_in(gm.eval_graph))
@@ -481,9 +544,16 @@ def _report(captured: Captured, rule_set: Rules, timings: dict, options: Convert
                                simplified=fold_counts(graph_meta.simplified)),
         advice=advice, optional_inputs=optional_inputs)
     report = build_report(gm, precision=options.precision, tracer=captured.tracer, rules=rule_set.to_dict(),
-                        modes=captured.modes, records=records)
+                          modes=captured.modes, records=records)
     report.device_profile = resolve_profile(options.device_profile)  # the figures the kernel choices read
     return report
+
+
+def _build_report(state: State) -> None:
+    converting = state.purpose == "convert"
+    optional = OptionalInputs(optional=[o.to_dict() for o in state.optional], required=state.required) if converting else None
+    state.report = _report(state.capture, state.rule_set, state.timings, state.options,
+                           advice=DeviceAdvice(state.advice) if converting else None, optional_inputs=optional)
 
 
 def convert(model: torch.nn.Module, example_inputs: Any, *, rules: Union[None, str, Path, Iterable, Rules] = None,
@@ -524,24 +594,12 @@ def convert(model: torch.nn.Module, example_inputs: Any, *, rules: Union[None, s
     """
     options = build_options(options, keywords, caller="convert")
     batches = read_batches(calibration, options)
-    captured, rule_set, timings = pipeline(model, example_inputs, options, rules=rules, calibration=batches, scope=scope)
-    lowering = captured.gm.meta[GM_GRAPH].lowering
-    upcast = any(c.get("lowering") in ("upcast_gemm", "dispatch_gemm") and c.get("chosen") for c in lowering)
-    # the GEMMs run as fp32 GEMMs when this CPU's half GEMM is slow (passes.cpu_gemm, passes.dispatch): nothing to advise
-    advice = None if upcast else half_speed_advice(options.precision, options.device, resolve_profile(options.device_profile))
-    if advice is not None:
-        warnings.warn(advice, SlowHalfWarning, stacklevel=2)
-    without_weights = any(p.is_meta for p in captured.gm.parameters())  # nothing to run: no values
-    if options.precision == "fp16" and batches is None and not without_weights:
-        _check_fp16_overflow(captured.gm, captured.args, captured.kwargs)
-        if isinstance(captured.gm, TwoModeGraphModule):  # the check interprets `graph`: the eval graph too
-            _check_fp16_overflow(captured.gm.for_mode(False), captured.args, captured.kwargs)
-    optional, required = find_optional_inputs(model, captured.gm, captured.args, captured.kwargs) if scope is None else ((), {})
-    install_optional_inputs(captured.gm, optional)  # the original's optional arguments stay optional (numerics.optional_inputs)
-    report = _report(captured, rule_set, timings, options, advice=DeviceAdvice(advice),
-                     optional_inputs=OptionalInputs(optional=[o.to_dict() for o in optional], required=required))
-    return Conversion(module=captured.gm, report=report, tracer=captured.tracer, rules=rule_set, original=model,
-                      example_inputs=(captured.args, captured.kwargs), options=options, timings=timings,
+    state = run_stages(State(model, example_inputs, options, rule_files=rules, calibration=batches, scope=scope,
+                             purpose="convert"), STAGES)
+    captured, report = state.capture, state.report
+    assert report is not None
+    return Conversion(module=captured.gm, report=report, tracer=captured.tracer, rules=state.rule_set, original=model,
+                      example_inputs=(captured.args, captured.kwargs), options=options, timings=state.timings,
                       calibration=batches, scope=scope)
 
 
@@ -560,5 +618,81 @@ def audit(model: torch.nn.Module, example_inputs: Any, *, rules: Union[None, str
     frozen in one mode, as convert would); ``calibration_options`` are not used.
     """
     options = build_options(options, keywords, caller="audit", allowed=AUDIT_FIELDS)
-    captured, rule_set, timings = pipeline(model, example_inputs, options, rules=rules, codegen=False)
-    return _report(captured, rule_set, timings, options)
+    state = run_stages(State(model, example_inputs, options, rule_files=rules, codegen=False, purpose="audit"), STAGES)
+    assert state.report is not None
+    return state.report
+
+
+# ---------------------------------------------------------------------------------------------
+# the stage table: what convert, audit and pipeline run (converter.stages.run_stages), in this order;
+# docs/architecture.md ("Stage table") lists the same rows (tests/test_stage_table.py)
+
+
+def _converting(state: State) -> bool:
+    return state.purpose == "convert"
+
+
+def _fp8_on(state: State) -> bool:
+    return state.options.fp8_recipe is not None
+
+
+STAGES: tuple[Stage, ...] = declare(
+    Stage("rules", ("rule_files", "options"), ("rules",), "rules/loader.py", _load_rules, wrap=False),
+    Stage("capture", ("model", "example_inputs", "options"), ("captured", "graphs", "node_info"), "passes/capture/",
+          _capture, timing="capture_s", wrap=False),
+    Stage("strict_modes", ("captured", "options"), (), "api.py", _strict_modes,
+          when=lambda s: s.options.strict_modes, timing="capture_s", wrap=False),
+    Stage("scope", ("graphs", "scope"), ("node_info",), "passes/capture/annotation.py", _scope,
+          when=lambda s: s.scope is not None, timing="capture_s", wrap=False),
+    # graph by graph (a two-mode capture: the train graph, then the eval graph)
+    Stage("graph_facts", ("captured", "rules", "options"), ("graph_facts",), "ir/meta.py", _graph_facts,
+          per_graph=True, wrap=False),
+    Stage("decide", ("graphs", "node_info", "rules", "options"), ("decisions",), "passes/decide.py", _decide,
+          per_graph=True, timing="pass_s"),
+    Stage("fp8_gate", ("decisions", "rules", "options"), ("fp8_recipe", "decisions"), "passes/fp8.py", _fp8_gate,
+          when=_fp8_on, per_graph=True, timing="pass_s"),
+    Stage("lower", ("decisions", "options"), ("lowered", "graph_facts"), "passes/lower.py", _lower,
+          per_graph=True, timing="pass_s"),
+    Stage("place", ("decisions", "node_info", "options"), ("placement",), "passes/place/", _place,
+          per_graph=True, timing="pass_s"),
+    Stage("calibrate", ("placement", "calibration", "rules", "options"), ("ranges", "decisions", "placement"),
+          "numerics/calibrate.py", _calibrate, when=lambda s: s.calibration is not None, per_graph=True, timing="pass_s"),
+    Stage("fp8_reference", ("placement", "fp8_recipe", "calibration", "options"), ("fp8_reference",),
+          "numerics/fp8_search.py", _fp8_reference, per_graph=True, timing="pass_s",
+          when=lambda s: s.fp8_recipe is not None and s.calibration is not None and _calibration_options(s).tolerance is not None),
+    Stage("rewrite", ("placement", "options"), ("casts",), "passes/rewrite.py", _rewrite, per_graph=True, timing="pass_s"),
+    Stage("fp8", ("casts", "fp8_recipe", "rules"), ("fp8_layers", "graph_facts"), "passes/fp8.py", _fp8,
+          when=lambda s: s.fp8_recipe is not None, per_graph=True, timing="pass_s"),
+    Stage("fp8_numerics", ("fp8_layers", "calibration", "rules", "options"), ("fp8_numerics", "fp8_layers"),
+          "numerics/fp8_layers.py", _fp8_numerics, per_graph=True, timing="pass_s",
+          when=lambda s: s.fp8_recipe is not None and s.calibration is not None and bool(s.gm.meta[GM_GRAPH].fp8_layers)),
+    Stage("fp8_search", ("fp8_layers", "fp8_reference"), ("fp8_layers",), "numerics/fp8_search.py", _fp8_search,
+          when=lambda s: s.fp8_recipe is not None and s.fp8_search is not None, per_graph=True, timing="pass_s"),
+    Stage("dispatch", ("casts", "options"), ("lowering",), "passes/dispatch.py", _dispatch,
+          when=lambda s: s.options.device is None and s.options.dispatch_kernels, per_graph=True, timing="pass_s"),
+    Stage("cpu_gemm", ("casts", "lowered", "options"), ("lowered", "lowering"), "passes/cpu_gemm.py", _cpu_gemm_kernels,
+          when=lambda s: s.options.device == "cpu", per_graph=True, timing="pass_s"),
+    Stage("simplify", ("casts",), ("simplified",), "passes/simplify.py", _simplify,
+          when=lambda s: s.simplify_graph, per_graph=True, timing="pass_s"),
+    Stage("fp32_math", ("decisions", "node_info", "rules"), ("math",), "passes/fp32_math.py", _fp32_math,
+          per_graph=True, timing="pass_s"),
+    Stage("checkpoint", ("node_info",), ("checkpoint",), "passes/checkpoint.py", _checkpoint, per_graph=True,
+          timing="pass_s"),
+    Stage("codegen", ("casts", "math", "checkpoint"), ("code",), "ir/graphmodule.py", _codegen,
+          when=lambda s: s.codegen, per_graph=True, timing="codegen_s"),
+    Stage("check", ("code", "example_inputs"), (), "passes/verify.py", _check,
+          when=lambda s: s.codegen, per_graph=True, timing="check_s"),
+    # the whole model again
+    Stage("fp8_patterns", ("decisions", "rules"), (), "passes/fp8.py", _fp8_patterns, when=_fp8_on, wrap=False),
+    Stage("combine", ("graphs", "captured", "model"), ("module",), "api.py", _combine, wrap=False),
+    # convert only
+    Stage("device_advice", ("module", "options"), ("advice",), "numerics/device.py", _device_advice,
+          when=_converting, wrap=False),
+    Stage("fp16_check", ("module", "example_inputs", "options", "calibration"), (), "numerics/overflow.py", _fp16_check,
+          when=_fp16_wanted, wrap=False),
+    Stage("optional_inputs", ("module", "model", "scope"), ("optional_inputs", "module"), "numerics/optional_inputs.py",
+          _optional_inputs, when=_converting, wrap=False),
+    # convert and audit
+    Stage("report", ("module", "captured", "rules", "options"), ("report",), "report/build.py", _build_report,
+          when=lambda s: s.purpose in ("convert", "audit"), wrap=False),
+)

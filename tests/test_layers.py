@@ -2,7 +2,7 @@
 
 Layers, lowest first (docs/architecture.md)::
 
-    _version < ir < rules < passes < numerics < options < report < export < api < inplace < partition < lightning < cli
+    _version < ir < rules < passes < numerics < options < report < export < stages < api < inplace < partition < lightning < cli
 
 ``vocab`` (the names of every choice, and the one precision normaliser) is part of ``ir``.
 ``train`` stands beside the stack: it may import ``converter.ir`` (and ``converter.vocab``) and nothing else from the package, so the
@@ -18,7 +18,7 @@ from pathlib import Path
 import networkx as nx
 
 PACKAGE = Path(__file__).resolve().parent.parent / "converter"
-LAYERS = ["_version", "ir", "rules", "passes", "numerics", "options", "report", "export", "api", "inplace", "serving", "partition",
+LAYERS = ["_version", "ir", "rules", "passes", "numerics", "options", "report", "export", "stages", "api", "inplace", "serving", "partition",
           "lightning", "cli"]
 RANK = {name: i for i, name in enumerate(LAYERS)}
 #: ``converter/vocab.py``, the vocabulary of choices and the one precision normaliser, belongs to the ir layer

@@ -58,8 +58,8 @@ from converter.ir.meta import (
     itemsize,
     name_of,
 )
-from converter.numerics.profile import DeviceProfile
 from converter.ir.records import Fp8Facts, RunFacts, StageRecords
+from converter.numerics.profile import DeviceProfile
 from converter.passes.fp32_math import DEFAULT_FP32_MATH, global_math_settings, reduced_globals
 from converter.report.flops import node_flops
 from converter.report.fp8 import fp8_line, fp8_section
