@@ -42,7 +42,7 @@ class RecordError(MpconvertError, ValueError):
                          "rerun mpconvert to write it again")
 
 
-def _key(json_key: str, types: tuple, *, default: Any = dataclasses.MISSING, factory: Any = dataclasses.MISSING,
+def _key(json_key: str, types: tuple[type, ...], *, default: Any = dataclasses.MISSING, factory: Any = dataclasses.MISSING,
          read: Optional[Callable[[Any], Any]] = None) -> Any:
     """A record field: its report.json key, the JSON types it may hold, how the reader restores it."""
     meta = {"key": json_key, "types": types, "read": read}
@@ -59,13 +59,13 @@ def _dim_keys(value: Any) -> Any:
             if isinstance(dims, dict) else dims for name, dims in value.items()}
 
 
-def _type_names(types: tuple) -> str:
+def _type_names(types: tuple[type, ...]) -> str:
     names = {str: "a string", int: "a number", float: "a number", dict: "an object", list: "a list", bool: "true/false",
              type(None): "null"}
     return " or ".join(dict.fromkeys(names.get(t, t.__name__) for t in types))
 
 
-def _check(where: str, value: Any, types: tuple) -> None:
+def _check(where: str, value: Any, types: tuple[type, ...]) -> None:
     if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
         raise RecordError(f"its {where} is {_type_names((type(value),))}, not {_type_names(types)}")
 
@@ -77,7 +77,7 @@ class _Record:
     #: where the record's keys live in report.json ('' at the top level; else the key of its object)
     section: ClassVar[str] = ""
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {f.metadata["key"]: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     @classmethod
@@ -134,9 +134,9 @@ class CaptureFacts(_Record):
 class LoweringFacts(_Record):
     """What the lowerings changed and chose, the custom ops of other libraries, checkpoint regions, simplifications."""
 
-    lowered: list = _key("lowered", (list,), factory=list)
-    lowering: list = _key("lowering", (list,), factory=list)
-    library_ops: list = _key("library_ops", (list,), factory=list)
+    lowered: list[Any] = _key("lowered", (list,), factory=list)
+    lowering: list[Any] = _key("lowering", (list,), factory=list)
+    library_ops: list[Any] = _key("library_ops", (list,), factory=list)
     checkpoint: Mapping[str, Any] = _key("checkpoint", (dict,), factory=dict)
     simplified: Mapping[str, Any] = _key("simplified", (dict,), factory=dict)
 
@@ -148,16 +148,16 @@ class Fp8Facts(_Record):
     section: ClassVar[str] = "fp8"
 
     recipe: str = _key("recipe", (str,))
-    layers: list = _key("layers", (list,), factory=list)
+    layers: list[Any] = _key("layers", (list,), factory=list)
     count: int = _key("count", (int,), default=0)
     flops: float = _key("flops", _NUM, default=0)
     gemm_flops: float = _key("gemm_flops", _NUM, default=0)
     flops_share: float = _key("flops_share", _NUM, default=0.0)
     thresholds: Mapping[str, Any] = _key("thresholds", (dict,), factory=dict)
     #: per-layer numerics rows when calibration ran, else None
-    numerics: Optional[list] = _key("numerics", (list, type(None)), default=None)
-    fallback: list = _key("fallback", (list,), factory=list)
-    kept_bf16: list = _key("kept_bf16", (list,), factory=list)
+    numerics: Optional[list[Any]] = _key("numerics", (list, type(None)), default=None)
+    fallback: list[Any] = _key("fallback", (list,), factory=list)
+    kept_bf16: list[Any] = _key("kept_bf16", (list,), factory=list)
 
 
 @dataclass(frozen=True)
@@ -173,7 +173,7 @@ class OptionalInputs(_Record):
 
     section: ClassVar[str] = "optional_inputs"
 
-    optional: list = _key("optional", (list,), factory=list)
+    optional: list[Any] = _key("optional", (list,), factory=list)
     required: Mapping[str, Any] = _key("required", (dict,), factory=dict)
 
 
@@ -188,7 +188,7 @@ class SourceFacts:
         note = self.facts.get("note")
         return note if isinstance(note, str) else ""
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return dict(self.facts)
 
     @classmethod
@@ -201,7 +201,8 @@ class SourceFacts:
 def _section(data: Mapping[str, Any], key: str) -> Mapping[str, Any]:
     value = data[key]
     _check(repr(key), value, (dict,))
-    return value
+    section: Mapping[str, Any] = value
+    return section
 
 
 @dataclass(frozen=True)
@@ -222,9 +223,9 @@ class StageRecords:
     device_profile: Optional[Mapping[str, Any]] = None
     merged: bool = False
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """report.json's top-level keys for these facts, in the order they are written."""
-        out: dict = {}
+        out: dict[str, Any] = {}
         if self.run is not None:
             out.update(self.run.to_dict())
             if self.merged:  # a merged report has always written its run facts in this order
