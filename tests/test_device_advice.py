@@ -13,7 +13,7 @@ from torch import nn
 import converter
 from converter.cli.main import main
 from converter.numerics import device as device_mod
-from converter.numerics.profile import DeviceProfile, DeviceProfileError, measured_once
+from converter.numerics.profile import DTYPES, DeviceProfile, DeviceProfileError, measured_once
 from tests.helpers import SAMPLES
 
 
@@ -103,7 +103,7 @@ def test_a_profile_round_trips_and_a_bad_one_is_one_line(tmp_path):
         "extra.json": (json.dumps({**good, "flags": "avx"}), "unknown key(s) ['flags']"),
         "seconds.json": (json.dumps({**good, "matmul_seconds": {"fp32": 1e-4, "bf16": -1, "fp16": 1e-4}}),
                          "matmul_seconds['bf16'] must be seconds in (0, 60), got -1"),
-        "dtypes.json": (json.dumps({**good, "matmul_seconds": {"fp32": 1e-4}}), "must map exactly ['fp32', 'bf16', 'fp16']"),
+        "dtypes.json": (json.dumps({**good, "matmul_seconds": {"fp32": 1e-4}}), f"must map exactly {list(DTYPES)}"),
         "capability.json": (json.dumps({**good, "cuda_capability": [8]}), "cuda_capability must be [major, minor]"),
     }
     for name, (text, needle) in cases.items():

@@ -35,11 +35,11 @@ from converter.report import schema
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: report.json's top-level keys for ``mpconvert samples/tiny_transformer.py``, in order, as main wrote them
-#: before the records (a53feba)
+#: report.json's top-level keys for ``mpconvert samples/tiny_transformer.py``, in order, main's keys
+#: before the records (a53feba) plus the device profile the conversion read (numerics/profile.py)
 TINY_KEYS = [
     "schema", "model", "precision", "tracer", "summary_line", "summary", "nodes", "casts", "ops", "modules", "memory",
-    "numerics", "measured_casts", "calibration", "fp32_math", "rules", "graph_breaks", "regions", "capture_errors",
+    "numerics", "measured_casts", "calibration", "fp32_math", "rules", "device_profile", "graph_breaks", "regions", "capture_errors",
     "timings", "opt_level", "device", "lowered", "lowering", "dynamic_dims", "shapes", "narrowed_dims", "dynamic_ranges",
     "tied_dims", "modes", "cache", "library_ops", "checkpoint", "simplified", "fp8", "device_advice", "optional_inputs"]
 
@@ -58,8 +58,7 @@ FULL = StageRecords(
                            checkpoint={"regions": [], "count": 0, "notes": []}, simplified={"dropout": 2}),
     fp8=FP8, advice=DeviceAdvice("fp16 matmuls on this CPU are 15x slower"),
     optional_inputs=OptionalInputs(optional=[{"name": "mask", "default": None}], required={"ids": "no default"}),
-    source=SourceFacts({"kind": "save_pretrained folder", "note": "Built from the folder m."}),
-    device_profile={"name": "cpu", "half_gemm_slowdown": 15.0})
+    source=SourceFacts({"kind": "save_pretrained folder", "note": "Built from the folder m."}))
 #: one of each record with every field set
 RECORDS = [FULL.run, FULL.capture, FULL.lowering, FP8, FULL.advice, FULL.optional_inputs, FULL.source]
 
@@ -114,7 +113,7 @@ def _records(draw) -> StageRecords:
         fp8=None if merged else draw(st.one_of(st.none(), st.just(fp8))),
         advice=None if merged else draw(st.one_of(st.none(), st.just(DeviceAdvice(draw(_OPT_TEXT))))),
         optional_inputs=draw(st.one_of(st.none(), st.just(OptionalInputs(draw(lists), draw(maps))))),
-        device_profile=draw(st.one_of(st.none(), maps)), merged=merged)
+        merged=merged)
 
 
 @settings(max_examples=80, deadline=None)

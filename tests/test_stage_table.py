@@ -186,13 +186,13 @@ def test_mpconvert_and_value_errors_and_unguarded_stages_pass_unchanged(tiny: An
 
 
 def test_the_device_advice_warning_names_the_caller_of_convert(tiny: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(api, "half_speed_advice", lambda precision, device: f"planted advice for {precision}")
+    monkeypatch.setattr(api, "half_speed_advice", lambda precision, device, profile=None: f"planted advice for {precision}")
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         conv = api.convert(tiny.build_model(), tiny.example_inputs(), precision="bf16")
     slow = [w for w in said if issubclass(w.category, converter.SlowHalfWarning)]
     assert [(str(w.message), w.filename) for w in slow] == [("planted advice for bf16", __file__)]
-    assert conv.report.extra["device_advice"] == "planted advice for bf16"
+    assert conv.report.records.advice is not None and conv.report.records.advice.text == "planted advice for bf16"
 
 
 def test_run_stages_skips_what_does_not_apply_and_times_what_runs() -> None:

@@ -248,11 +248,16 @@ def test_no_handler_of_our_own_errors_parses_their_message():
 
 
 def test_pass_error_names_its_stage_and_the_stages_before_it():
-    from converter.api import PassError, _run_stage
+    import torch
 
-    done = ["capture", "decide"]
+    from converter.api import PassError
+    from converter.options import ConvertOptions
+    from converter.stages import Stage, State, _run_one
+
+    state = State(torch.nn.Linear(1, 1), (), ConvertOptions())
+    state.done = ["capture", "decide"]
     with pytest.raises(PassError) as info:
-        _run_stage("calibrate", done, lambda: {}["missing"])
+        _run_one(Stage("calibrate", ("model",), (), "api.py", lambda s: {}["missing"]), state)
     assert (info.value.stage, info.value.ran, info.value.node) == ("calibrate", ("capture", "decide"), None)
     assert isinstance(info.value.__cause__, KeyError)
 

@@ -210,8 +210,8 @@ class StageRecords:
     """Every stage's facts on one report; each is None where that stage did not report (``audit``: no advice).
 
     ``merged``: a report merged from the regions of a partial conversion, which has no ``"fp8"`` key
-    (a one-graph report has it, ``null`` without fp8). ``device_profile``: the device profile's section,
-    when one is recorded (written as given)."""
+    (a one-graph report has it, ``null`` without fp8). The ``device_profile`` key is the report's own
+    typed field (:class:`converter.numerics.profile.DeviceProfile`); the reader checks it is an object or null."""
 
     run: Optional[RunFacts] = None
     capture: Optional[CaptureFacts] = None
@@ -220,7 +220,6 @@ class StageRecords:
     advice: Optional[DeviceAdvice] = None
     optional_inputs: Optional[OptionalInputs] = None
     source: Optional[SourceFacts] = None
-    device_profile: Optional[Mapping[str, Any]] = None
     merged: bool = False
 
     def to_dict(self) -> dict[str, Any]:
@@ -244,8 +243,6 @@ class StageRecords:
                 out.update(record.to_dict() if isinstance(record, DeviceAdvice) else {"optional_inputs": record.to_dict()})
         if self.source is not None:
             out["source"] = self.source.to_dict()
-        if self.device_profile is not None:
-            out["device_profile"] = dict(self.device_profile)
         return out
 
     @classmethod
@@ -266,10 +263,9 @@ class StageRecords:
             advice=DeviceAdvice.from_dict(data) if present(DeviceAdvice) else None,
             optional_inputs=OptionalInputs.from_dict(_section(data, "optional_inputs")) if "optional_inputs" in data else None,
             source=SourceFacts.from_dict(data["source"]) if "source" in data else None,
-            device_profile=profile,
             merged="fp8" not in data)
 
 
 #: every top-level report.json key a :class:`StageRecords` may write, in the order a one-graph report writes them
 RECORD_KEYS: tuple[str, ...] = (*RunFacts.keys(), "lowered", "lowering", *CaptureFacts.keys(), "library_ops", "checkpoint",
-                                "simplified", "fp8", "device_advice", "optional_inputs", "source", "device_profile")
+                                "simplified", "fp8", "device_advice", "optional_inputs", "source")

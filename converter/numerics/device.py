@@ -17,13 +17,13 @@ from __future__ import annotations
 from typing import Optional
 
 from converter.numerics.profile import DeviceProfile
+from converter.vocab import HALF_PRECISIONS
 
 __all__ = ["half_speed_advice", "half_gemm_slowdown", "SLOW_FACTOR"]
 
 #: a half dtype this many times slower than fp32 on a matmul counts as "no fast math"
 SLOW_FACTOR = 2.0
 
-_HALF = ("fp16", "bf16")
 #: the compute capability from which CUDA devices have tensor cores for each half dtype
 _TENSOR_CORES = {"fp16": (7, 0), "bf16": (8, 0)}
 
@@ -32,7 +32,7 @@ def half_speed_advice(precision: str, device: Optional[str], profile: Optional[D
     """One line of advice when ``precision`` (fp16/bf16) has no fast math on the device the model will
     train on (``device``; None: the profile's CUDA device if it has one, else its CPU); None if it has, or
     when there is no profile."""
-    if precision not in _HALF or profile is None:
+    if precision not in HALF_PRECISIONS or profile is None:
         return None
     other = "bf16" if precision == "fp16" else "fp16"
     if device == "cuda" or (device is None and profile.cuda_capability is not None):

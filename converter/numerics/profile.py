@@ -30,13 +30,14 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
 from converter.ir.errors import MpconvertError
+from converter.vocab import FLOAT_PRECISIONS, HALF_PRECISIONS
 
 __all__ = ["DeviceProfile", "DeviceProfileError", "PROFILE_FORMAT", "DTYPES", "measured_once", "resolve_profile", "coerce_profile"]
 
 #: the ``format`` of a saved profile; another number is refused
 PROFILE_FORMAT = 1
 #: the dtypes a profile times, by name
-DTYPES = ("fp32", "bf16", "fp16")
+DTYPES = FLOAT_PRECISIONS
 _KEYS = frozenset({"format", "cpu", "cores", "torch_version", "matmul_seconds", "cuda_device", "cuda_capability"})
 
 
@@ -58,13 +59,18 @@ class DeviceProfile:
     cuda_device: Optional[str] = None
     cuda_capability: Optional[tuple[int, int]] = None
 
+    def __post_init__(self) -> None:  # one order (DTYPES'), whatever order the figures were given in
+        order: dict[str, int] = {name: index for index, name in enumerate(DTYPES)}
+        ordered = tuple(sorted(self.matmul_seconds, key=lambda pair: order.get(pair[0], len(order))))
+        object.__setattr__(self, "matmul_seconds", ordered)
+
     def seconds(self, dtype: str) -> float:
         """The measured seconds of the matmul in ``dtype`` (``fp32``, ``bf16``, ``fp16``)."""
         return dict(self.matmul_seconds)[dtype]
 
     def slowdown(self, precision: str) -> Optional[float]:
         """This CPU's ``precision`` (fp16/bf16) matmul time over its fp32 matmul time; None for another name."""
-        if precision not in ("fp16", "bf16"):
+        if precision not in HALF_PRECISIONS:
             return None
         return self.seconds(precision) / self.seconds("fp32")
 
@@ -73,10 +79,10 @@ class DeviceProfile:
         """This machine's profile, measured now in this process (no cache; a few milliseconds)."""
         import torch
 
+        from converter.ir.meta import DTYPES as TORCH_DTYPES
         from converter.kernels.upcast import matmul_seconds
 
-        names = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-        seconds = tuple((name, float(matmul_seconds(names[name]))) for name in DTYPES)
+        seconds = tuple((name, float(matmul_seconds(TORCH_DTYPES[name]))) for name in DTYPES)
         device = capability = None
         if torch.cuda.is_available():
             device = torch.cuda.get_device_name()
