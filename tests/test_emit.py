@@ -347,7 +347,7 @@ def _slow(path, text):
     time.sleep(2)
 artifacts._write_text = _slow  # the test's own process only: emit pauses after each text file
 from converter.cli.main import main
-sys.exit(main(sys.argv[1:]))
+sys.exit(main(sys.argv[1:] + ["--device-profile", "none"]))
 """
 
 
