@@ -8,7 +8,9 @@ train-mode step (forward, the model file's ``loss_fn``, backward, SGD with momen
 * ``fp32`` — the original model;
 * ``autocast`` — the original under ``torch.autocast("cpu", dtype=torch.bfloat16)``: the baseline;
 * ``partial`` — ``converter.convert(model, example, precision="bf16")``.module (portable: no device named), whose
-  regions run converted graphs and whose glue runs under autocast; ``partial_cpu`` — the same with ``device="cpu"``.
+  regions run converted graphs and whose glue runs under autocast; ``partial_cpu`` — the same with ``device="cpu"``;
+* ``partial_fixed_gate`` — ``partial`` with this machine's device profile less its measured GEMM crossover, so that
+  GEMMs under the fixed default (32 MFLOP per matrix product) stay native half GEMMs: what the crossover buys.
 
 Interleaved (A B C … A B C …) after warm-up, median of ``--rounds`` samples, one torch thread, thread CPU clock
 (:func:`benchmarks.common.interleaved`). Printed and written (``--json``): median ms per variant, each variant's
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -33,8 +36,10 @@ sys.path.insert(0, str(ROOT))
 
 import converter  # noqa: E402
 from benchmarks.common import interleaved, machine_info, summarize  # noqa: E402
+from converter.numerics.profile import measured_once  # noqa: E402
 
 MODELS = ("moe_dispatch", "pabee")
+VARIANTS = ("fp32", "autocast", "partial", "partial_cpu", "partial_fixed_gate")
 
 
 def _load(name: str):
@@ -75,11 +80,14 @@ def run(name: str, rounds: int) -> dict:
         warnings.simplefilter("ignore")
         portable = converter.convert(copy.deepcopy(base), example, precision="bf16")
         tuned = converter.convert(copy.deepcopy(base), example, precision="bf16", device="cpu")
+        fixed = converter.convert(copy.deepcopy(base), example, precision="bf16",
+                                  device_profile=dataclasses.replace(measured_once(), gemm_crossover_flops=()))
         steps = {
             "fp32": _step(copy.deepcopy(base).train(), mf, batches, autocast=False),
             "autocast": _step(copy.deepcopy(base).train(), mf, batches, autocast=True),
             "partial": _step(portable.module.train(), mf, batches, autocast=False),
             "partial_cpu": _step(tuned.module.train(), mf, batches, autocast=False),
+            "partial_fixed_gate": _step(fixed.module.train(), mf, batches, autocast=False),
         }
         samples = interleaved(steps, rounds=rounds, warmup=5, clock="cpu")
     figures = {variant: summarize(s) for variant, s in samples.items()}
@@ -99,12 +107,11 @@ def main() -> None:
     ns = parser.parse_args()
     torch.set_num_threads(1)
     results = {"machine": machine_info("cpu"), "torch": torch.__version__, "rounds": ns.rounds, "clock": "cpu",
-               "models": [run(name, ns.rounds) for name in ns.models]}
+               "device_profile": measured_once().to_dict(), "models": [run(name, ns.rounds) for name in ns.models]}
     print(f"{'model':14s} {'breaks':>6s} {'FLOPs in graphs':>16s} " + " ".join(f"{v:>14s}" for v in
-                                                                            ("fp32", "autocast", "partial", "partial_cpu")))
+                                                                            VARIANTS))
     for r in results["models"]:
-        cells = " ".join(f"{r['ms'][v]:7.2f} ({r['vs_autocast'][v]:.2f}x)" for v in ("fp32", "autocast", "partial",
-                                                                                     "partial_cpu"))
+        cells = " ".join(f"{r['ms'][v]:7.2f} ({r['vs_autocast'][v]:.2f}x)" for v in VARIANTS)
         print(f"{r['model']:14s} {r['break_count']:6d} {100 * r['captured_flop_fraction']:15.1f}% {cells}")
     if ns.json is not None:
         ns.json.write_text(json.dumps(results, indent=2))

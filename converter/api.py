@@ -387,16 +387,18 @@ def _fp32_attention(options: ConvertOptions) -> bool:
     return _gemm_choice(options)[0]
 
 
-def _gemm_choice(options: ConvertOptions) -> tuple[bool, str]:
-    """Whether ``device="cpu"``'s half GEMMs run as fp32 GEMMs, and why: the profile's figures, or the option."""
-    slowdown = half_gemm_slowdown(options.precision, resolve_profile(options.device_profile))
-    return cpu_gemm.upcast_wanted(slowdown, options.upcast_half_gemms)
+def _gemm_choice(options: ConvertOptions) -> tuple[bool, str, Optional[int]]:
+    """Whether ``device="cpu"``'s half GEMMs run as fp32 GEMMs, and why: the profile's figures, or the option; and
+    from which size (the profile's measured crossover; None: the default)."""
+    profile = resolve_profile(options.device_profile)
+    slowdown = half_gemm_slowdown(options.precision, profile)
+    return (*cpu_gemm.upcast_wanted(slowdown, options.upcast_half_gemms), cpu_gemm.profile_gate(profile, options.precision))
 
 
 def _dispatch(state: State) -> None:
     """A portable conversion: kernels that choose per device at run time (:mod:`converter.passes.dispatch`)."""
     gm = state.gm
-    _, choices = dispatch_kernels(gm, state.options.precision)  # the same ops, not lowered
+    _, choices = dispatch_kernels(gm, state.options.precision, _gemm_choice(state.options)[2])  # the same ops
     set_graph_facts(gm, lowering=gm.meta[GM_GRAPH].lowering + tuple(choices))
 
 
@@ -405,11 +407,11 @@ def _cpu_gemm_kernels(state: State) -> None:
     slower (:mod:`converter.passes.cpu_gemm`); the choice is one ``upcast_gemm`` entry of the graph's lowering."""
     gm, options = state.gm, state.options
     graph_meta = gm.meta[GM_GRAPH]
-    wanted, why = _gemm_choice(options)
-    nodes, small = cpu_gemm.upcast_gemms(gm, options.precision, why) if wanted else ([], 0)
+    wanted, why, gate = _gemm_choice(options)
+    nodes, small = cpu_gemm.upcast_gemms(gm, options.precision, why, min_flops=gate) if wanted else ([], 0)
     # lower(fp32_attention=True) left the attention calls: fp32 arithmetic, as measured (no run-time measurement)
     attention = dispatch_attention_calls(gm, options.precision, measured=False)[1] if _fp32_attention(options) else []
-    choice = cpu_gemm.gemm_choice("upcast_gemm", options.precision, nodes, small, why)
+    choice = cpu_gemm.gemm_choice("upcast_gemm", options.precision, nodes, small, why, gate)
     set_graph_facts(gm, lowered=graph_meta.lowered + tuple(nodes), lowering=graph_meta.lowering + (choice,) + tuple(attention))
 
 

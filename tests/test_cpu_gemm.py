@@ -329,9 +329,69 @@ def test_gemms_below_the_size_bound_stay_native(monkeypatch):
     # qkv and out (the attention runs in fp32 arithmetic, not as bf16 matmuls)
     assert choice["node"] == "2 bf16 GEMM call(s)" and "2 smaller GEMM call(s) (< 1 MFLOP per matrix product) stay native" in choice["why"], choice
     flops = {n.name: f for n in conv.module.graph.nodes if n.name in upcast
-             for f in [int(_note(n).split(" MFLOP")[0].split("(")[-1])] }
-    assert flops == {"up": 1, "down": 1}, flops
+             for f in [float(_note(n).split(" MFLOP")[0].split("(")[-1])] }
+    assert flops == {"up": 1.05, "down": 1.05}, flops
 
 
 def _note(node) -> str:
     return next(text for stage, text in node.meta[META_DECISION].notes if stage == "lower" and "upcast" in text)
+
+
+def _profile_with_crossover(crossover):
+    from converter.numerics.profile import DeviceProfile
+
+    return DeviceProfile(cpu="Test CPU", cores=2, torch_version="2.x",
+                         matmul_seconds=(("fp32", 1e-4), ("bf16", 4.5e-4), ("fp16", 1e-4)),
+                         gemm_crossover_flops=(("bf16", crossover), ("fp16", None)))
+
+
+@pytest.mark.parametrize("device", ["cpu", None])
+def test_the_profiles_measured_crossover_sets_which_gemms_get_the_upcast_kernels(device):
+    """The size gate is the profile's measured crossover, not a constant from another CPU: with the crossover at
+    1 MFLOP exactly the MLP's two GEMMs (1.05 MFLOP each) get the kernels; without one in the profile, none of this
+    small block's GEMMs do (the default gate, 32 MFLOP)."""
+    torch.manual_seed(0)
+    model, x = Block(), torch.randn(2, 16, 64)
+    kernel = "upcast_linear" if device == "cpu" else "dispatch_linear"
+    lowering = "upcast_gemm" if device == "cpu" else "dispatch_gemm"
+    for crossover, expected in ((10**6, {"up", "down"}), (None, set())):
+        conv = converter.convert(model, (x,), precision="bf16", device=device, device_profile=_profile_with_crossover(crossover))
+        gemms = {n.name for n in conv.module.graph.nodes if n.op == "call_function" and _targets_name(n) == kernel}
+        assert gemms == expected, (crossover, gemms)
+        [choice] = [c for c in conv.report.to_dict()["lowering"] if c["lowering"] == lowering]
+        gate = "1" if crossover else "32"
+        assert f"(< {gate} MFLOP per matrix product) stay native" in choice["why"], choice
+        assert conv.report.to_dict()["device_profile"]["gemm_crossover_flops"] == {"bf16": crossover, "fp16": None}
+    torch.testing.assert_close(conv.module(x).float(), model(x), atol=0.1, rtol=0.05)
+
+
+def test_a_profile_keeps_its_crossover_through_a_file_and_older_files_load(tmp_path):
+    from converter.numerics.profile import DeviceProfile, DeviceProfileError
+
+    profile = _profile_with_crossover(524288)
+    assert DeviceProfile.load(profile.save(tmp_path / "p.json")) == profile
+    assert profile.min_gemm_flops("bf16") == 524288 and profile.min_gemm_flops("fp16") is None
+    old = profile.to_dict()
+    del old["gemm_crossover_flops"]  # a profile saved before the crossover was measured: the default gate
+    loaded = DeviceProfile.from_dict(old)
+    assert loaded.gemm_crossover_flops == () and cpu_gemm.profile_gate(loaded, "bf16") is None
+    for bad in ({"bf16": -3}, {"bf16": 1.5}, {"fp32": 10}, [1]):
+        with pytest.raises(DeviceProfileError, match="gemm_crossover_flops"):
+            DeviceProfile.from_dict({**old, "gemm_crossover_flops": bad})
+
+
+def test_the_crossover_is_measured_where_upcast_first_beats_native_for_good(monkeypatch):
+    """gemm_crossover_flops: the smallest rung of the ladder from which the upcast kernel wins at every larger one."""
+    from converter.kernels import upcast as kernels
+
+    def fake(wins):
+        def seconds(kernel, m, k, n, dtype):
+            upcast_wins = wins[kernels.GEMM_LADDER.index((m, k, n))]
+            return (1.0 if upcast_wins else 3.0) if kernel == kernels.UpcastLinear.apply else 2.0
+        return seconds
+
+    flops = [2 * m * k * n for m, k, n in kernels.GEMM_LADDER]
+    for wins, expected in (((False, True, False, True), flops[3]), ((False, False, True, True), flops[2]),
+                           ((True,) * 4, flops[0]), ((False,) * 4, None)):
+        monkeypatch.setattr(kernels, "_linear_seconds", fake(wins))
+        assert kernels.gemm_crossover_flops(torch.bfloat16) == expected, wins

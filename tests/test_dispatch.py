@@ -151,14 +151,23 @@ def test_the_gemm_choice_follows_the_device_and_a_measurement_made_once(monkeypa
         calls.append(dtype)
         return timings[dtype]
 
+    def fake_crossover(dtype):
+        calls.append(("crossover", dtype))
+        return 10_000  # FLOPs: from 2·M·K·N = 10k the upcast kernels pay
+
     monkeypatch.setattr(upcast, "matmul_seconds", fake_seconds)
+    monkeypatch.setattr(upcast, "gemm_crossover_flops", fake_crossover)
     monkeypatch.setattr(upcast, "_cpu_choice", {})
+    monkeypatch.setattr(upcast, "_cpu_min_flops", {})
     monkeypatch.delenv("MPCONVERT_NO_DEVICE_ADVICE", raising=False)
-    x, w = torch.randn(4, 64), torch.randn(32, 64)
+    x, w = torch.randn(4, 64), torch.randn(32, 64)  # 2·4·64·32 = 16k FLOPs
     upcast_name = upcast.UpcastLinear.__name__
     for _ in range(2):
         assert dispatch_linear(x.bfloat16(), w.bfloat16().requires_grad_()).grad_fn.name().startswith(upcast_name)
-    assert calls == [torch.bfloat16, torch.float32], calls  # measured once per dtype and process
+    assert calls == [torch.bfloat16, torch.float32, ("crossover", torch.bfloat16)], calls  # once per dtype and process
+    # below the measured crossover (2·1·64·32 = 4k FLOPs): the native GEMM, whose fixed cost is lower
+    assert not dispatch_linear(x[:1].bfloat16(), w.bfloat16().requires_grad_()).grad_fn.name().startswith(upcast_name)
+    del calls[2]
     assert not dispatch_linear(x.half(), w.half().requires_grad_()).grad_fn.name().startswith(upcast_name)  # 1.1x: native
     assert torch.equal(dispatch_linear(x, w), F.linear(x, w)) and len(calls) == 4  # fp32: plain, nothing measured
     a = torch.randn(3, 8, 64).bfloat16().requires_grad_()

@@ -62,7 +62,8 @@ import torch
 import torch.utils.checkpoint
 
 __all__ = ["UPCAST_DTYPES", "MIN_SLOWDOWN", "UPCAST_ON_CPU", "UpcastLinear", "UpcastMatmul", "upcast_linear",
-           "upcast_matmul", "dispatch_linear", "dispatch_matmul", "matmul_seconds", "cpu_upcast_wanted", "MAX_UNFUSED_SCORES_BYTES",
+           "upcast_matmul", "dispatch_linear", "dispatch_matmul", "matmul_seconds", "cpu_upcast_wanted",
+           "GEMM_LADDER", "DEFAULT_MIN_GEMM_FLOPS", "gemm_crossover_flops", "cpu_upcast_min_flops", "MAX_UNFUSED_SCORES_BYTES",
            "UpcastAttention", "dispatch_attention", "upcast_attention", "GRAPH_KERNELS"]
 
 #: the operand dtypes these functions upcast (anything else runs the plain op)
@@ -74,6 +75,16 @@ UPCAST_ON_CPU: Optional[bool] = None
 _PROBE_SIDE = 128
 _PROBE_REPEATS = 5
 _cpu_choice: dict = {}  # dtype -> bool, measured once per process
+#: the GEMM size (2·M·K·N per matrix product) from which the upcast kernels pay where nothing was measured: the
+#: crossover measured on a 2-core Xeon with AVX512-BF16 (forward + backward of one linear, upcast / native: 1.72 at
+#: 1 MFLOP, 1.00 at 17 MFLOP, 0.77 at 34 MFLOP). The fixed cost (an autograd Function, the casts) is the same
+#: everywhere; how slow the native half GEMM is differs by CPU, so the crossover is measured where it can be
+#: (:func:`gemm_crossover_flops`)
+DEFAULT_MIN_GEMM_FLOPS = 32 * 10**6
+#: the (M, K, N) linears :func:`gemm_crossover_flops` times, smallest first: 0.26 to 8.4 MFLOP per matrix
+#: product (past the largest, the fixed cost only shrinks against the GEMM's)
+GEMM_LADDER = ((64, 32, 64), (64, 64, 64), (64, 128, 128), (128, 128, 256))
+_cpu_min_flops: dict = {}  # dtype -> int, measured once per process
 #: an attention call whose fp32 (…, L, S) scores would exceed this many bytes runs the fused kernel (it streams
 #: them in blocks; unfused, one call holds them at once: 1 GiB at B8 H8 and 2k tokens)
 MAX_UNFUSED_SCORES_BYTES = 256 * 2 ** 20
@@ -200,6 +211,51 @@ def matmul_seconds(dtype: torch.dtype) -> float:
     return best
 
 
+def _linear_seconds(kernel, m: int, k: int, n: int, dtype: torch.dtype) -> float:
+    """Best-of-3 seconds of one forward + backward of ``kernel(x, weight, bias)`` at (M, K, N) in ``dtype``."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=g).to(dtype).requires_grad_()
+    w = torch.randn(n, k, generator=g).to(dtype).requires_grad_()
+    b = torch.randn(n, generator=g).to(dtype).requires_grad_()
+    dy = torch.randn(m, n, generator=g).to(dtype)
+    kernel(x, w, b).backward(dy)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        kernel(x, w, b).backward(dy)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def gemm_crossover_flops(dtype: torch.dtype) -> Optional[int]:
+    """The smallest GEMM size of :data:`GEMM_LADDER` (2·M·K·N) from which :func:`upcast_linear` (forward and
+    backward) is faster than the native half linear on this CPU at that size and every larger one, measured now
+    on one thread; None where it is faster at none of them (the native half GEMM is the fast one)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:  # measured the same wherever it is first asked for: under no_grad, inference mode or autocast too
+        with torch.inference_mode(False), torch.enable_grad(), torch.autocast("cpu", enabled=False):
+            wins = [(2 * m * k * n, _linear_seconds(UpcastLinear.apply, m, k, n, dtype)
+                     < _linear_seconds(torch.nn.functional.linear, m, k, n, dtype)) for m, k, n in GEMM_LADDER]
+    finally:
+        torch.set_num_threads(threads)
+    crossover = None
+    for flops, upcast_wins in reversed(wins):
+        if not upcast_wins:
+            break
+        crossover = flops
+    return crossover
+
+
+def cpu_upcast_min_flops(dtype: torch.dtype) -> int:
+    """The GEMM size from which :func:`dispatch_linear`/:func:`dispatch_matmul` run the upcast kernels on this CPU:
+    :func:`gemm_crossover_flops` measured once per process (:data:`DEFAULT_MIN_GEMM_FLOPS` where it found none)."""
+    if dtype not in _cpu_min_flops:
+        found = gemm_crossover_flops(dtype)
+        _cpu_min_flops[dtype] = DEFAULT_MIN_GEMM_FLOPS if found is None else found
+    return _cpu_min_flops[dtype]
+
+
 def cpu_upcast_wanted(dtype: torch.dtype) -> bool:
     """Whether half GEMMs of ``dtype`` run faster as the upcast kernels on this CPU (:data:`UPCAST_ON_CPU`, else
     the run-time switch ``MPCONVERT_NO_DEVICE_ADVICE=1`` (no), else measured once per process)."""
@@ -212,9 +268,15 @@ def cpu_upcast_wanted(dtype: torch.dtype) -> bool:
     return _cpu_choice[dtype]
 
 
-def _upcast_here(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.device.type == "cpu"
-            and _half_pair(a, b) and cpu_upcast_wanted(a.dtype))
+def _upcast_here(a: torch.Tensor, b: torch.Tensor, linear: bool) -> bool:
+    """Whether this call (``a``: the input; ``b``: the weight of a linear, else the matmul's other operand) runs the
+    upcast kernel: half operands on a CPU whose half GEMM is the slower one, with a product (2·M·K·N) at least this
+    CPU's measured crossover (any size where :data:`UPCAST_ON_CPU` forces the kernels)."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.device.type == "cpu"
+            and _half_pair(a, b) and b.dim() >= 1 and cpu_upcast_wanted(a.dtype)):
+        return False
+    n = b.shape[0] if linear else b.shape[-1]
+    return UPCAST_ON_CPU is True or 2 * a.numel() * n >= cpu_upcast_min_flops(a.dtype)
 
 
 def dispatch_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -223,7 +285,7 @@ def dispatch_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     if torch.jit.is_scripting():
         return torch.nn.functional.linear(x, weight, bias)
     else:
-        if _upcast_here(x, weight):
+        if _upcast_here(x, weight, True):
             return upcast_linear(x, weight, bias)
         return torch.nn.functional.linear(x, weight, bias)
 
@@ -234,7 +296,7 @@ def dispatch_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if torch.jit.is_scripting():
         return torch.matmul(a, b)
     else:
-        if _upcast_here(a, b):
+        if _upcast_here(a, b, False):
             return upcast_matmul(a, b)
         return torch.matmul(a, b)
 

@@ -38,7 +38,10 @@ __all__ = ["DeviceProfile", "DeviceProfileError", "PROFILE_FORMAT", "DTYPES", "m
 PROFILE_FORMAT = 1
 #: the dtypes a profile times, by name
 DTYPES = FLOAT_PRECISIONS
-_KEYS = frozenset({"format", "cpu", "cores", "torch_version", "matmul_seconds", "cuda_device", "cuda_capability"})
+_KEYS = frozenset({"format", "cpu", "cores", "torch_version", "matmul_seconds", "cuda_device", "cuda_capability",
+                   "gemm_crossover_flops"})
+#: keys a saved profile may lack (profiles saved before the crossover was measured have no gemm_crossover_flops)
+_OPTIONAL_KEYS = frozenset({"cuda_device", "cuda_capability", "gemm_crossover_flops"})
 
 
 class DeviceProfileError(MpconvertError, ValueError):
@@ -50,7 +53,10 @@ class DeviceProfile:
     """The figures a conversion's kernel choices and device advice read (module docstring).
 
     ``matmul_seconds``: (dtype name, seconds of one 128x128 matmul on the CPU, one thread) for each of
-    :data:`DTYPES`; ``cuda_device``/``cuda_capability``: the CUDA device the model would train on, or None."""
+    :data:`DTYPES`; ``cuda_device``/``cuda_capability``: the CUDA device the model would train on, or None;
+    ``gemm_crossover_flops``: (half dtype name, the GEMM size from which the upcast kernels beat the native half
+    linear, forward and backward, or None where they never do: :func:`converter.kernels.upcast.gemm_crossover_flops`);
+    empty in a profile saved without it (:data:`~converter.kernels.upcast.DEFAULT_MIN_GEMM_FLOPS` then applies)."""
 
     cpu: str
     cores: int
@@ -58,11 +64,15 @@ class DeviceProfile:
     matmul_seconds: tuple[tuple[str, float], ...]
     cuda_device: Optional[str] = None
     cuda_capability: Optional[tuple[int, int]] = None
+    gemm_crossover_flops: tuple[tuple[str, Optional[int]], ...] = ()
 
     def __post_init__(self) -> None:  # one order (DTYPES'), whatever order the figures were given in
         order: dict[str, int] = {name: index for index, name in enumerate(DTYPES)}
         ordered = tuple(sorted(self.matmul_seconds, key=lambda pair: order.get(pair[0], len(order))))
         object.__setattr__(self, "matmul_seconds", ordered)
+        halves: dict[str, int] = {name: index for index, name in enumerate(HALF_PRECISIONS)}
+        crossover = tuple(sorted(self.gemm_crossover_flops, key=lambda pair: halves.get(pair[0], len(halves))))
+        object.__setattr__(self, "gemm_crossover_flops", crossover)
 
     def seconds(self, dtype: str) -> float:
         """The measured seconds of the matmul in ``dtype`` (``fp32``, ``bf16``, ``fp16``)."""
@@ -74,28 +84,41 @@ class DeviceProfile:
             return None
         return self.seconds(precision) / self.seconds("fp32")
 
+    def min_gemm_flops(self, precision: str) -> Optional[int]:
+        """The measured GEMM size from which ``precision``'s upcast kernels pay on this CPU; None where the profile
+        does not say (saved without it) or they never do."""
+        return dict(self.gemm_crossover_flops).get(precision)
+
     @classmethod
     def measure(cls) -> "DeviceProfile":
-        """This machine's profile, measured now in this process (no cache; a few milliseconds)."""
+        """This machine's profile, measured now in this process (no cache; a few milliseconds, and up to a second
+        where the half GEMM is the slow one and the upcast kernels' crossover is measured)."""
         import torch
 
         from converter.ir.meta import DTYPES as TORCH_DTYPES
-        from converter.kernels.upcast import matmul_seconds
+        from converter.kernels.upcast import MIN_SLOWDOWN, gemm_crossover_flops, matmul_seconds
 
         seconds = tuple((name, float(matmul_seconds(TORCH_DTYPES[name]))) for name in DTYPES)
+        # the crossover only matters where the half GEMM is the slower one: measured there, None (never) elsewhere
+        fp32 = dict(seconds)["fp32"]
+        slow = {name: value >= MIN_SLOWDOWN * fp32 for name, value in seconds if name in HALF_PRECISIONS}
+        crossover = tuple((name, gemm_crossover_flops(TORCH_DTYPES[name]) if slow[name] else None)
+                          for name in HALF_PRECISIONS)
         device = capability = None
         if torch.cuda.is_available():
             device = torch.cuda.get_device_name()
             major, minor = torch.cuda.get_device_capability()
             capability = (int(major), int(minor))
         return cls(cpu=_cpu_model(), cores=os.cpu_count() or 1, torch_version=str(torch.__version__),
-                   matmul_seconds=seconds, cuda_device=device, cuda_capability=capability)
+                   matmul_seconds=seconds, cuda_device=device, cuda_capability=capability,
+                   gemm_crossover_flops=crossover)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (a saved profile, report.json's ``device_profile``)."""
         return {"format": PROFILE_FORMAT, "cpu": self.cpu, "cores": self.cores, "torch_version": self.torch_version,
                 "matmul_seconds": dict(self.matmul_seconds), "cuda_device": self.cuda_device,
-                "cuda_capability": list(self.cuda_capability) if self.cuda_capability is not None else None}
+                "cuda_capability": list(self.cuda_capability) if self.cuda_capability is not None else None,
+                "gemm_crossover_flops": dict(self.gemm_crossover_flops)}
 
     @classmethod
     def from_dict(cls, data: Any, *, source: str = "the device profile") -> "DeviceProfile":
@@ -106,7 +129,7 @@ class DeviceProfile:
 
         if not isinstance(data, Mapping):
             raise bad(f"expected a JSON object, got {type(data).__name__}")
-        unknown, missing = sorted(set(data) - _KEYS), sorted(_KEYS - {"cuda_device", "cuda_capability"} - set(data))
+        unknown, missing = sorted(set(data) - _KEYS), sorted(_KEYS - _OPTIONAL_KEYS - set(data))
         if unknown or missing:
             raise bad(f"unknown key(s) {unknown}" if unknown else f"missing key(s) {missing}")
         if data["format"] != PROFILE_FORMAT:
@@ -118,7 +141,8 @@ class DeviceProfile:
             raise bad(f"cores must be a positive integer, got {data['cores']!r}")
         return cls(cpu=data["cpu"], cores=data["cores"], torch_version=data["torch_version"],
                    matmul_seconds=_seconds(data["matmul_seconds"], bad), cuda_device=_cuda_device(data, bad),
-                   cuda_capability=_capability(data.get("cuda_capability"), bad))
+                   cuda_capability=_capability(data.get("cuda_capability"), bad),
+                   gemm_crossover_flops=_crossover(data.get("gemm_crossover_flops", {}), bad))
 
     def save(self, path: Union[str, "os.PathLike[str]"]) -> Path:
         """Write the profile as JSON to ``path``; returns the path."""
@@ -151,6 +175,15 @@ def _seconds(value: Any, bad: Any) -> tuple[tuple[str, float], ...]:
                 or not 0 < number < 60):
             raise bad(f"matmul_seconds[{name!r}] must be seconds in (0, 60), got {number!r}")
     return tuple((name, float(value[name])) for name in DTYPES)
+
+
+def _crossover(value: Any, bad: Any) -> tuple[tuple[str, Optional[int]], ...]:
+    if not isinstance(value, Mapping) or not set(value) <= set(HALF_PRECISIONS):
+        raise bad(f"gemm_crossover_flops must map {list(HALF_PRECISIONS)} to FLOPs or null, got {value!r}")
+    for name, flops in value.items():
+        if flops is not None and (not isinstance(flops, int) or isinstance(flops, bool) or flops < 1):
+            raise bad(f"gemm_crossover_flops[{name!r}] must be a positive integer or null, got {flops!r}")
+    return tuple((name, value[name]) for name in HALF_PRECISIONS if name in value)
 
 
 def _cuda_device(data: Mapping[str, Any], bad: Any) -> Optional[str]:

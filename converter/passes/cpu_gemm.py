@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from converter.ir.graphmodule import retarget_calls
 from converter.ir.meta import META_DECISION, META_VALUE, Decision, TensorSpec
 from converter.kernels.upcast import (
+    DEFAULT_MIN_GEMM_FLOPS,
     MIN_SLOWDOWN,
     dispatch_attention,
     dispatch_linear,
@@ -47,13 +48,13 @@ from converter.passes.lower import LoweringChoice
 from converter.vocab import HALF_PRECISIONS
 
 __all__ = ["MIN_SLOWDOWN", "MIN_GEMM_FLOPS", "UPCAST_TARGETS", "DISPATCH_TARGETS", "upcast_wanted",
-           "gemm_flops", "upcast_gemms", "gemm_choice", "native_gemms"]
+           "gemm_flops", "profile_gate", "upcast_gemms", "gemm_choice", "native_gemms"]
 #: a GEMM call whose one matrix product (2·M·K·N at the example's shapes) is below this stays native: the
 #: kernel's fixed cost (an autograd Function, the upcasts) outweighs the faster fp32 GEMM. Measured on the 2-core
 #: Xeon, forward + backward of one linear, upcast / native: 1.72 at 1 MFLOP (32x128x128), 1.49 at 4 MFLOP,
 #: 1.00 at 17 MFLOP (128x128x512), 0.77 at 34 MFLOP, 0.60-0.67 from 268 MFLOP; a batched attention matmul
 #: (64 x 128x64x128, 2 MFLOP per matrix) 1.30
-MIN_GEMM_FLOPS = 32 * 10**6
+MIN_GEMM_FLOPS = DEFAULT_MIN_GEMM_FLOPS
 _aten = torch.ops.aten
 #: the call targets the stage replaces, and by what
 UPCAST_TARGETS = {
@@ -115,12 +116,21 @@ def gemm_flops(node: torch.fx.Node, args: tuple) -> Optional[int]:
     return 2 * out.shape[-2] * out.shape[-1] * k
 
 
-def upcast_gemms(gm: torch.fx.GraphModule, precision: str, why: str, targets: Optional[dict] = None) -> tuple[list[str], int]:
+def profile_gate(profile, precision: str) -> Optional[int]:
+    """The smallest GEMM (2·M·K·N) the stage rewrites: the device profile's measured crossover for ``precision``
+    (:meth:`~converter.numerics.profile.DeviceProfile.min_gemm_flops`); None (:data:`MIN_GEMM_FLOPS`) without a
+    profile, or where it measured none."""
+    return None if profile is None else profile.min_gemm_flops(precision)
+
+
+def upcast_gemms(gm: torch.fx.GraphModule, precision: str, why: str, targets: Optional[dict] = None,
+                 min_flops: Optional[int] = None) -> tuple[list[str], int]:
     """Replace each linear/matmul call decided ``precision`` (fp16 or bf16) whose one matrix product is at least
-    :data:`MIN_GEMM_FLOPS` by its upcast kernel (``targets``: by its kernel there, e.g. :data:`DISPATCH_TARGETS`).
+    ``min_flops`` (the device profile's measured crossover; None: :data:`MIN_GEMM_FLOPS`) by its upcast kernel (``targets``: by its kernel there, e.g. :data:`DISPATCH_TARGETS`).
     Returns the names of the nodes replaced and how many GEMM calls stayed native for their size. ``why``: the
     reason (:func:`upcast_wanted`), for each node's note."""
     targets = UPCAST_TARGETS if targets is None else targets
+    min_flops = MIN_GEMM_FLOPS if min_flops is None else min_flops
     if precision not in _HALF:
         raise ValueError(f"upcast_gemms: precision must be fp16 or bf16, got {precision!r}")
     done: list[str] = []
@@ -136,12 +146,12 @@ def upcast_gemms(gm: torch.fx.GraphModule, precision: str, why: str, targets: Op
         if args is None:
             continue
         flops = gemm_flops(node, args)
-        if flops is None or flops < MIN_GEMM_FLOPS:
+        if flops is None or flops < min_flops:
             small += 1
             continue
         node.target, node.args, node.kwargs = kernel, tuple(args), {}
         node.meta[META_DECISION] = decision.noted(
-            "lower", f"runs {kernel.__name__} ({flops / 1e6:.0f} MFLOP per matrix product >= {MIN_GEMM_FLOPS / 1e6:.0f}; {why})")
+            "lower", f"runs {kernel.__name__} ({flops / 1e6:.3g} MFLOP per matrix product >= {min_flops / 1e6:.3g}; {why})")
         done.append(node.name)
     if done:
         gm.graph.lint()
@@ -149,12 +159,14 @@ def upcast_gemms(gm: torch.fx.GraphModule, precision: str, why: str, targets: Op
     return done, small
 
 
-def gemm_choice(lowering: str, precision: str, nodes: list[str], small: int, why: str) -> dict:
+def gemm_choice(lowering: str, precision: str, nodes: list[str], small: int, why: str,
+                min_flops: Optional[int] = None) -> dict:
     """The ``report.json["lowering"]`` entry of one graph's GEMM kernels (``upcast_gemm`` for ``device="cpu"``,
     ``dispatch_gemm`` for a portable graph): how many calls :func:`upcast_gemms` rewrote, why, and how many stayed
     native for their size."""
     if small:
-        why += f"; {small} smaller GEMM call(s) (< {MIN_GEMM_FLOPS / 1e6:g} MFLOP per matrix product) stay native"
+        gate = MIN_GEMM_FLOPS if min_flops is None else min_flops
+        why += f"; {small} smaller GEMM call(s) (< {gate / 1e6:g} MFLOP per matrix product) stay native"
     return LoweringChoice(node=f"{len(nodes)} {precision} GEMM call(s)", lowering=lowering, chosen=bool(nodes),
                           why=why).to_dict()
 

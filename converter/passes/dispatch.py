@@ -23,7 +23,7 @@ its decision gains a ``lower`` note, and each choice is one entry of ``report.js
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.fx
@@ -49,17 +49,20 @@ _GEMM_WHY = ("a portable graph: on a CPU whose half GEMM measures slower than it
              "GEMMs on upcast operands, half results, half operands saved; on CUDA and fast-half CPUs the native GEMM")
 
 
-def dispatch_kernels(gm: torch.fx.GraphModule, precision: str) -> tuple[list[str], list[dict[str, Any]]]:
+def dispatch_kernels(gm: torch.fx.GraphModule, precision: str,
+                     min_flops: Optional[int] = None) -> tuple[list[str], list[dict[str, Any]]]:
     """Point the device-dependent calls of a portable graph at the dispatching kernels (module docstring).
     Returns the names of the nodes changed and the choices for ``report.json["lowering"]``. Not run when
-    ``ConvertOptions.dispatch_kernels`` is False (the plain calls stay: benchmarks' ablation)."""
+    ``ConvertOptions.dispatch_kernels`` is False (the plain calls stay: benchmarks' ablation). ``min_flops``: the
+    smallest GEMM that gets a dispatching kernel (the device profile's measured crossover; None:
+    :data:`~converter.passes.cpu_gemm.MIN_GEMM_FLOPS`); at run time each call also checks the running CPU's own."""
     changed: list[str] = []
     choices: list[dict[str, Any]] = []
     if precision in HALF_PRECISIONS:
         changed, choices = dispatch_attention_calls(gm, precision)
-        gemms, small = upcast_gemms(gm, precision, _GEMM_WHY, targets=DISPATCH_TARGETS)
+        gemms, small = upcast_gemms(gm, precision, _GEMM_WHY, targets=DISPATCH_TARGETS, min_flops=min_flops)
         changed += gemms
-        choices.append(gemm_choice("dispatch_gemm", precision, gemms, small, _GEMM_WHY))
+        choices.append(gemm_choice("dispatch_gemm", precision, gemms, small, _GEMM_WHY, min_flops))
     return changed, choices
 
 
