@@ -16,14 +16,18 @@ Interleaved (A B C … A B C …) after warm-up, median of ``--rounds`` samples,
 (:func:`benchmarks.common.interleaved`). Printed and written (``--json``): median ms per variant, each variant's
 ratio to autocast, and the conversion's graph breaks and captured FLOP share.
 
-Run: ``python benchmarks/partial.py [--rounds 40] [--json benchmarks/results/partial_cpu.json]``.
+With ``--table`` (any of the 13 models, ``--models all``) each model's entry also gets its numerics, measured as
+``tests/test_partial.py`` checks them (:mod:`tests.research`): the median over five training batches of the output and
+parameter-gradient SQNR against fp32, of the conversion and of torch.autocast, in bf16 and fp16.
+
+Run: ``python benchmarks/partial.py [--rounds 40] [--json benchmarks/results/partial_cpu.json]``;
+``python benchmarks/partial.py --table --models all --rounds 15 --json benchmarks/results/partial_table_cpu.json``.
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import dataclasses
-import importlib.util
 import json
 import sys
 import warnings
@@ -33,6 +37,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from research import NAMES, load, median_sqnr, outputs_and_grads  # noqa: E402
 
 import converter  # noqa: E402
 from benchmarks.common import interleaved, machine_info, summarize  # noqa: E402
@@ -42,11 +49,23 @@ MODELS = ("moe_dispatch", "pabee")
 VARIANTS = ("fp32", "autocast", "partial", "partial_cpu", "partial_fixed_gate")
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"research_{name}", ROOT / "tests" / "research" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def numerics(name: str) -> dict:
+    """Output and gradient SQNR (dB, medians over the batches) against fp32: the conversion's and autocast's, each
+    on freshly built weights (the timed modules have taken optimizer steps)."""
+    mf = load(name)
+    found = {}
+    ref = outputs_and_grads(mf.build_model(), mf)
+    for precision in ("bf16", "fp16"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            conv = converter.convert(mf.build_model(), mf.example_inputs(), precision=precision)
+        ours = outputs_and_grads(conv.module, mf)
+        auto = outputs_and_grads(mf.build_model(), mf, autocast=precision)
+        found[precision] = {"output_db": round(median_sqnr(ref, ours, 0), 2),
+                            "autocast_output_db": round(median_sqnr(ref, auto, 0), 2),
+                            "grad_db": round(median_sqnr(ref, ours, 1), 2),
+                            "autocast_grad_db": round(median_sqnr(ref, auto, 1), 2)}
+    return found
 
 
 def _step(module: torch.nn.Module, mf, batches: list, *, autocast: bool):
@@ -71,8 +90,8 @@ def _step(module: torch.nn.Module, mf, batches: list, *, autocast: bool):
     return step
 
 
-def run(name: str, rounds: int) -> dict:
-    mf = _load(name)
+def run(name: str, rounds: int, table: bool = False) -> dict:
+    mf = load(name)
     example = mf.example_inputs()
     batches = [b for _, b in zip(range(8), mf.train_batches())]
     base = mf.build_model()
@@ -92,27 +111,35 @@ def run(name: str, rounds: int) -> dict:
         samples = interleaved(steps, rounds=rounds, warmup=5, clock="cpu")
     figures = {variant: summarize(s) for variant, s in samples.items()}
     auto = figures["autocast"]["total_ms"]
+    found = numerics(name) if table else None
     summary = portable.report.summary
+    extra = {"numerics": found} if found is not None else {}
     return {"model": name, "ms": {v: round(f["total_ms"], 3) for v, f in figures.items()},
             "vs_autocast": {v: round(f["total_ms"] / auto, 3) for v, f in figures.items()},
             "break_count": summary["break_count"], "captured_flop_fraction": summary["captured_flop_fraction"],
-            "regions": len(portable.partition.regions), "phases": figures}
+            "regions": len(portable.partition.regions) if portable.partition is not None else 0, **extra,
+            "phases": figures}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=40)
-    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=(*NAMES, "all"))
+    parser.add_argument("--table", action="store_true", help="also measure each model's output and gradient SQNR")
     parser.add_argument("--json", type=Path, default=None)
     ns = parser.parse_args()
+    names = list(NAMES) if "all" in ns.models else ns.models
     torch.set_num_threads(1)
     results = {"machine": machine_info("cpu"), "torch": torch.__version__, "rounds": ns.rounds, "clock": "cpu",
-               "device_profile": measured_once().to_dict(), "models": [run(name, ns.rounds) for name in ns.models]}
+               "device_profile": measured_once().to_dict(), "models": [run(name, ns.rounds, ns.table) for name in names]}
     print(f"{'model':14s} {'breaks':>6s} {'FLOPs in graphs':>16s} " + " ".join(f"{v:>14s}" for v in
                                                                             VARIANTS))
     for r in results["models"]:
         cells = " ".join(f"{r['ms'][v]:7.2f} ({r['vs_autocast'][v]:.2f}x)" for v in VARIANTS)
         print(f"{r['model']:14s} {r['break_count']:6d} {100 * r['captured_flop_fraction']:15.1f}% {cells}")
+        for precision, n in r.get("numerics", {}).items():
+            print(f"    {precision}: output {n['output_db']:.1f} dB (autocast {n['autocast_output_db']:.1f}), "
+                  f"gradients {n['grad_db']:.1f} dB (autocast {n['autocast_grad_db']:.1f})")
     if ns.json is not None:
         ns.json.write_text(json.dumps(results, indent=2))
 

@@ -204,3 +204,22 @@ def test_run_quick_tiniest_model_writes_valid_json(tmp_path):
     md = out.with_suffix(".md").read_text()
     assert "| model | variant | step ms |" in md and "| cnn | O2 |" in md and torch.__version__ in md
     assert "| cnn | O2g |" in md
+
+
+def test_partial_table_of_one_research_model_writes_its_breaks_and_numerics(tmp_path):
+    """``benchmarks/partial.py --table`` (the source of docs/partial.md's table) on the tiniest research model: the
+    figures the table reads are there, and the numerics prove half precision ran (finite, and under fp32's)."""
+    out = tmp_path / "partial.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "partial.py"), "--table", "--models", "gnn_pool", "--rounds", "1",
+           "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (entry,) = _strict_json(out.read_text())["models"]
+    assert entry["model"] == "gnn_pool" and entry["break_count"] == 1 and entry["captured_flop_fraction"] == 1.0
+    assert set(entry["vs_autocast"]) == {"fp32", "autocast", "partial", "partial_cpu", "partial_fixed_gate"}
+    assert entry["vs_autocast"]["autocast"] == 1.0 and all(v > 0 for v in entry["ms"].values())
+    for precision, n in entry["numerics"].items():
+        for kind in ("output", "grad"):
+            ours, auto = n[f"{kind}_db"], n[f"autocast_{kind}_db"]
+            assert 20.0 < ours < 120.0 and ours >= auto - 1.0, (precision, kind, ours, auto)
+    assert "gnn_pool" in proc.stdout and "bf16: output" in proc.stdout
