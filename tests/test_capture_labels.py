@@ -58,13 +58,13 @@ def test_labels_keep_batch_and_length_dynamic(make, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # SlowHalfWarning on CPUs without bf16 math
         converter.apply(model, _batch(2, 16, 4, seed=0), precision="bf16")
-    extra = converter.conversion_of(model).report.extra
-    assert "static shapes" not in extra["shapes"] and "labels dims 0, 1 exported as input_ids dims 0, 1" in extra["shapes"], (
-        extra["shapes"])
-    assert extra["dynamic_dims"] == {"input_ids": [0, 1], "attention_mask": [0, 1], "labels": [0, 1]}, (
-        extra["dynamic_dims"], extra["narrowed_dims"])
-    assert extra["narrowed_dims"] == {}, extra["narrowed_dims"]
-    assert extra["tied_dims"] == {"labels": {0: ["input_ids", 0], 1: ["input_ids", 1]}}, extra["tied_dims"]
+    capture = converter.conversion_of(model).report.records.capture
+    assert "static shapes" not in capture.shapes and "labels dims 0, 1 exported as input_ids dims 0, 1" in capture.shapes, (
+        capture.shapes)
+    assert capture.dynamic_dims == {"input_ids": [0, 1], "attention_mask": [0, 1], "labels": [0, 1]}, (
+        capture.dynamic_dims, capture.narrowed_dims)
+    assert capture.narrowed_dims == {}, capture.narrowed_dims
+    assert capture.tied_dims == {"labels": {0: ["input_ids", 0], 1: ["input_ids", 1]}}, capture.tied_dims
     forward = converted_forward(model)
     # labels of another length than input_ids break the tie: a shape mismatch, never a guard failure in the graph
     odd = _batch(3, 24, 5, seed=9)

@@ -95,8 +95,8 @@ def test_convert_shares_weights_and_leaves_the_model_as_it_was(tracer, mode):
     x = torch.randn(4, 8)
     before = _snapshot(model)
     conv = converter.convert(model, (x,), tracer=tracer)
-    assert "LayerDrop is off in the train graph" in conv.report.extra["modes"], conv.report.extra["modes"]
-    assert "two graphs" in conv.report.extra["modes"], conv.report.extra["modes"]
+    assert "LayerDrop is off in the train graph" in conv.report.records.capture.modes, conv.report.records.capture.modes
+    assert "two graphs" in conv.report.records.capture.modes, conv.report.records.capture.modes
     _assert_unchanged(model, before)
     _assert_shares(conv, model)
     # the converted module's modes are its own: switching them leaves the original's as they were
@@ -137,7 +137,7 @@ def test_a_failing_train_trace_leaves_the_model_as_it_was():
     before = _snapshot(model)
     # partial=False: the whole-graph capture, frozen (converter.convert converts it region by region)
     conv = converter.convert(model, (torch.randn(4, 8),), tracer="export", partial=False)
-    assert conv.report.extra["modes"].startswith("frozen in eval mode"), conv.report.extra["modes"]
+    assert conv.report.records.capture.modes.startswith("frozen in eval mode"), conv.report.records.capture.modes
     _assert_unchanged(model, before)
     _assert_shares(conv, model)
 
@@ -229,7 +229,7 @@ def test_hf_model_goes_straight_to_export_shares_weights_and_is_unchanged(monkey
     before = _snapshot(model)
     conv = converter.convert(model, ((), {"input_ids": ids}))
     assert conv.tracer == "export" and tried == [], tried
-    assert "not tried" in conv.report.extra["capture_errors"]["fx"], conv.report.extra["capture_errors"]
+    assert "not tried" in conv.report.records.run.capture_errors["fx"], conv.report.records.run.capture_errors
     _assert_unchanged(model, before)
     _assert_shares(conv, model)
 

@@ -85,7 +85,7 @@ def test_rotary_decoder_is_dynamic_and_emits(family, tmp_path):
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
     conv = converter.convert(model, ((ids,), {}))
     assert conv.tracer == "export"
-    assert conv.report.extra["dynamic_dims"] == {"input_ids": [0, 1]}, conv.report.extra["shapes"]
+    assert conv.report.records.capture.dynamic_dims == {"input_ids": [0, 1]}, conv.report.records.capture.shapes
     gm = conv.module
     nested = [path for path, sub in gm.named_modules() if path and isinstance(sub, torch.fx.GraphModule)]
     assert nested == [], f"regions left as nested graphs: {nested}"
@@ -153,7 +153,7 @@ def test_no_grad_rotary_region_is_inlined_with_decisions(tmp_path):
     model = _RotaryDecoder().eval()
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
     conv = converter.convert(model, (ids,), tracer="export")
-    assert conv.report.extra["dynamic_dims"] == {"ids": [0, 1]}, conv.report.extra["shapes"]
+    assert conv.report.records.capture.dynamic_dims == {"ids": [0, 1]}, conv.report.records.capture.shapes
     gm = conv.module
     nested = [path for path, sub in gm.named_modules() if path and isinstance(sub, torch.fx.GraphModule)]
     assert nested == [], f"regions left as nested graphs: {nested}"
@@ -328,8 +328,8 @@ def test_block_runs_at_new_sizes(tracer, example):
     torch.manual_seed(0)
     model = _Block().eval()
     conv = converter.convert(model, (torch.randn(*example, 32),), tracer=tracer)
-    dims = conv.report.extra["dynamic_dims"]
-    assert dims == {"x": [0, 1]} if tracer == "export" else {"x": [0, 1, 2]}, (dims, conv.report.extra["shapes"])
+    dims = conv.report.records.capture.dynamic_dims
+    assert dims == {"x": [0, 1]} if tracer == "export" else {"x": [0, 1, 2]}, (dims, conv.report.records.capture.shapes)
     assert_half_ran(conv, label=f"{tracer} example {example}")
     for shape in [(3, 5, 32), (1, 9, 32), (5, 1, 32)]:
         x = torch.randn(*shape)
@@ -354,7 +354,7 @@ def test_broadcast_mask_dim_stays_static_and_batch_one_is_dynamic(batch):
     must not pin the batch to 1."""
     model = _Masked()
     conv = converter.convert(model, (torch.randn(batch, 5, 16), torch.zeros(batch, 1, 5)), tracer="export")
-    assert conv.report.extra["dynamic_dims"] == {"x": [0, 1], "mask": [0, 2]}, conv.report.extra["shapes"]
+    assert conv.report.records.capture.dynamic_dims == {"x": [0, 1], "mask": [0, 2]}, conv.report.records.capture.shapes
     assert_half_ran(conv)
     x, mask = torch.randn(3, 7, 16), torch.randn(3, 1, 7)
     with torch.no_grad():
@@ -365,8 +365,8 @@ def test_broadcast_mask_dim_stays_static_and_batch_one_is_dynamic(batch):
 def test_static_freezes_export_shapes():
     model = _Block().eval()
     conv = converter.convert(model, (torch.randn(2, 6, 32),), tracer="export", dynamic=False)
-    assert conv.report.extra["dynamic_dims"] == {}
-    assert "static" in conv.report.extra["shapes"]
+    assert conv.report.records.capture.dynamic_dims == {}
+    assert "static" in conv.report.records.capture.shapes
     with pytest.raises(ShapeNotServedError, match=r"x of shape \(3, 6, 32\)"):  # the graph serves the example's sizes only
         copy.deepcopy(conv.module)(torch.randn(3, 6, 32))
     with pytest.warns(RecaptureWarning):  # conv.module converts such a call again
@@ -386,7 +386,7 @@ def test_user_dynamic_shapes_are_used():
     batch = torch.export.Dim("batch")
     conv = converter.convert(_Block().eval(), (torch.randn(2, 6, 32),), tracer="export",
                              dynamic_shapes={"x": {0: batch}})
-    assert conv.report.extra["dynamic_dims"] == {"x": [0]}
+    assert conv.report.records.capture.dynamic_dims == {"x": [0]}
     assert conv.module(torch.randn(4, 6, 32)).shape == (4, 6, 32)
 
 
@@ -423,7 +423,7 @@ class _BNNet(nn.Module):
 
 def _check_modes(conv, model, x, *, varies: bool) -> None:
     gm = conv.module
-    assert conv.report.extra["modes"].startswith("follows"), conv.report.extra["modes"]
+    assert conv.report.records.capture.modes.startswith("follows"), conv.report.records.capture.modes
     model.eval()
     gm.eval()
     with torch.no_grad():
@@ -535,7 +535,7 @@ def test_python_mode_branch_gets_two_graphs_and_is_reported(tracer):
     x = torch.randn(4, 8)
     conv = converter.convert(model, (x,), tracer=tracer)
     assert_half_ran(conv, label=tracer)
-    modes = conv.report.extra["modes"]
+    modes = conv.report.records.capture.modes
     assert modes.startswith("follows train()/eval() with two graphs") and "self.training" in modes, modes
     with torch.no_grad():
         db_eval = _sqnr(model.eval()(x), conv.module.eval()(x))
@@ -579,7 +579,7 @@ def test_hf_layerdrop_is_switched_off_in_the_train_graph_and_reported(tracer):
     x = torch.randn(4, 8)
     conv = converter.convert(model, (x,), tracer=tracer)
     assert_half_ran(conv, label=tracer)
-    modes = conv.report.extra["modes"]
+    modes = conv.report.records.capture.modes
     assert modes.startswith("follows train()/eval()") and "LayerDrop is off in the train graph (config.layerdrop=0.5" in modes, modes
     assert model.config.layerdrop == 0.5, "the user's config was changed"
     with torch.no_grad():
@@ -598,7 +598,7 @@ def test_train_only_data_dependent_branch_is_frozen_and_reported(tracer):
     x = torch.randn(4, 8)
     conv = converter.convert(model, (x,), tracer=tracer, partial=False)  # whole: frozen (partial capture follows modes)
     assert_half_ran(conv, label=tracer)
-    modes = conv.report.extra["modes"]
+    modes = conv.report.records.capture.modes
     assert modes.startswith("frozen in eval mode") and "train mode failed" in modes, modes
     if tracer == "fx":
         line = inspect.getsourcelines(_LayerDrop.forward)[1] + 1
@@ -761,7 +761,7 @@ def test_frozen_mode_is_loud_and_strict_modes_refuses_it(tmp_path):
     model = _LayerDrop().eval()
     x = torch.randn(4, 8)
     conv = converter.convert(model, (x,), tracer="export", partial=False)
-    modes = conv.report.extra["modes"]
+    modes = conv.report.records.capture.modes
     assert modes.startswith("frozen in eval mode"), modes
     md = conv.report.to_markdown()
     assert f"> **Warning:** {modes}"[:60] in md, md[:800]
@@ -773,7 +773,7 @@ def test_frozen_mode_is_loud_and_strict_modes_refuses_it(tmp_path):
     with pytest.raises(converter.FrozenModeError, match="frozen in eval mode.*train mode failed.*strict_modes"):
         converter.convert(model, (x,), tracer="export", strict_modes=True, partial=False)
     # a model whose modes work is not refused
-    assert converter.convert(_RegionModel(), (torch.randn(4, 16),), strict_modes=True).report.extra["modes"].startswith("follows")
+    assert converter.convert(_RegionModel(), (torch.randn(4, 16),), strict_modes=True).report.records.capture.modes.startswith("follows")
     # the CLI: one warning line on stderr; --strict-modes: one error line, exit 2, nothing written
     model_file = tmp_path / "frozen.py"
     model_file.write_text(_FROZEN_FILE)

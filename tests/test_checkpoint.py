@@ -140,14 +140,14 @@ def test_regions_are_tagged_and_reported(converted):
     tracer, _, conv, flat = converted
     tags = {n.meta[META_CHECKPOINT].region for n in conv.module.graph.nodes if META_CHECKPOINT in n.meta}
     assert tags == set(range(LAYERS)), tags
-    found = conv.report.extra["checkpoint"]
+    found = conv.report.records.lowering.checkpoint
     assert found["count"] == LAYERS and found["notes"] == [], found
     assert [r["module"] for r in found["regions"]] == [f"blocks.{i}" for i in range(LAYERS)], found
     assert all(r["casts_inside"] > 0 and r["preserve_rng_state"] for r in found["regions"]), found
     # the casts a region's ops need run inside the region (recomputed with it)
     inside = [n for n in conv.module.graph.nodes if META_CAST in n.meta and META_CHECKPOINT in n.meta]
     assert len(inside) >= 4 * LAYERS, len(inside)
-    assert flat.report.extra["checkpoint"]["count"] == 0
+    assert flat.report.records.lowering.checkpoint["count"] == 0
     assert "checkpoint" in conv.report.to_dict()
 
 
@@ -289,7 +289,7 @@ def test_eval_mode_matches_the_original(converted):
 def test_a_model_without_checkpoint_generates_the_same_code():
     conv = converter.convert(_stack(checkpointing=False), (_x(),), precision="bf16", tracer="fx")
     assert "checkpoint" not in conv.module.code
-    assert conv.report.extra["checkpoint"] == {"regions": [], "count": 0, "notes": []}
+    assert conv.report.records.lowering.checkpoint == {"regions": [], "count": 0, "notes": []}
 
 
 def test_hf_gradient_checkpointing_is_kept(tmp_path):
@@ -317,7 +317,7 @@ def test_hf_gradient_checkpointing_is_kept(tmp_path):
     conv = converter.convert(model, example, precision="bf16")
     flat = converter.convert(build(False), example, precision="bf16")
     assert conv.tracer == "export"
-    assert conv.report.extra["checkpoint"]["count"] == 2, conv.report.extra["checkpoint"]
+    assert conv.report.records.lowering.checkpoint["count"] == 2, conv.report.records.lowering.checkpoint
     with _Counter() as original:
         model(input_ids=ids).logits.sum().backward()
     with _Counter() as ours:

@@ -233,4 +233,4 @@ def test_audit_honours_opt_level(work, capfd):
     code, out, err, torch_imported, _ = _explain_in_subprocess(work, "explain", MLP, "head", "--opt-level", "O2")
     assert code == 0 and "explained from" in err and not torch_imported, err
     api = converter.audit(sample.build_model(), sample.example_inputs(), opt_level="O2")
-    assert api.summary["opt_level"] == "O2" and api.extra["opt_level"] == "O2"
+    assert api.summary["opt_level"] == "O2" and api.records.run.opt_level == "O2"

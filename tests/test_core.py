@@ -328,7 +328,7 @@ def test_auto_prefers_export_over_opaque_fx_leaves():
     opaque = [r for r in fx.report.nodes if r["module_type"] == "MultiheadAttention"]
     assert opaque and {r["precision"] for r in opaque} == {"fp32"} and "opaque leaf module" in opaque[0]["reason"]
     auto = converter.convert(WithMHA(), (x,))
-    assert auto.tracer == "export" and "opaque leaf modules MultiheadAttention" in auto.report.extra["capture_errors"]["fx"]
+    assert auto.tracer == "export" and "opaque leaf modules MultiheadAttention" in auto.report.records.run.capture_errors["fx"]
     linears = [r for r in auto.report.nodes if r["op"] == "linear"]
     assert len(linears) >= 2 and {r["precision"] for r in linears} == {"bf16"}, linears
     model = WithMHA().eval()

@@ -118,7 +118,7 @@ def test_device_cpu_reads_the_profile_not_the_machine(monkeypatch):
         [choice] = [c for c in conv.report.to_dict()["lowering"] if c["lowering"] == "upcast_gemm"]
         assert f"measured {bf16:.1f}x" in choice["why"] or f"measured {bf16:.2f}x" in choice["why"], choice
         assert ("upcast_attention" in _targets(conv.module)) is upcast, _targets(conv.module)
-        assert ("upcast_linear" in _targets(conv.module)) is upcast and conv.report.extra["device_advice"] is None
+        assert ("upcast_linear" in _targets(conv.module)) is upcast and conv.report.records.advice.text is None
         assert conv.report.to_dict()["device_profile"]["matmul_seconds"]["bf16"] == bf16 * 1e-4
 
 

@@ -2,7 +2,7 @@
 
 A stock decoder or encoder-decoder has ``config.use_cache=True`` and returns a ``DynamicCache``,
 which no graph can return: capture traces it with ``use_cache=False`` (the training graph) and says
-so in ``report.extra["cache"]``; in place, calls that ask for a cache (``generate()``) run the
+so in ``report.records.capture.cache``; in place, calls that ask for a cache (``generate()``) run the
 original forward under autocast; ``conv.module`` refuses them in one line. Before this, every one of
 these models failed to convert with ``CaptureError ... DynamicCache in output``.
 """
@@ -84,7 +84,7 @@ def test_stock_llama_converts_as_a_training_graph_without_the_cache():
     conv = converter.convert(model, example, precision="bf16")
     from converter.passes.capture import CacheCallError
 
-    assert conv.report.extra["cache"].startswith(NO_CACHE), conv.report.extra["cache"]
+    assert conv.report.records.capture.cache.startswith(NO_CACHE), conv.report.records.capture.cache
     assert model.config.use_cache is True  # the user's config is left as it was
     assert "| key/value cache | captured without the key/value cache (use_cache=False" in conv.report.to_markdown()
     out = conv.module(**example)
@@ -95,7 +95,7 @@ def test_stock_llama_converts_as_a_training_graph_without_the_cache():
                                              r"cannot take or return one; decode with converter.apply"):
         conv.module(**example, use_cache=True)
     report = converter.audit(model, example, precision="bf16")
-    assert report.extra["cache"].startswith(NO_CACHE)
+    assert report.records.capture.cache.startswith(NO_CACHE)
     assert report.summary["half_flop_fraction"] > 0.9, report.summary
 
 
@@ -107,7 +107,7 @@ def test_stock_llama_without_weights_converts():
         model = transformers.AutoModelForCausalLM.from_config(config)
     assert all(p.is_meta for p in model.parameters())
     conv = converter.convert(model, {"input_ids": _ids()}, precision="bf16")
-    assert conv.report.extra["cache"].startswith(NO_CACHE)
+    assert conv.report.records.capture.cache.startswith(NO_CACHE)
     assert conv.report.summary["by_precision"]["bf16"] > 0, conv.report.summary
 
 
@@ -118,8 +118,8 @@ def test_an_example_with_use_cache_false_is_served_with_and_without_the_keyword(
     ids = _ids()
     converter.apply(model, {"input_ids": ids, "use_cache": False}, precision="bf16")
     conv = converter.conversion_of(model)
-    assert conv.report.extra.get("cache", "").startswith(
-        "captured without the key/value cache (use_cache=False in the example"), conv.report.extra
+    assert conv.report.records.capture.cache.startswith(
+        "captured without the key/value cache (use_cache=False in the example"), conv.report.records.capture
     with warnings.catch_warnings():
         warnings.simplefilter("error", FallbackWarning)
         without = model(input_ids=ids).logits
@@ -161,7 +161,7 @@ def test_stock_model_applied_in_bf16_matches_autocast_in_outputs_and_gradients(n
     example = _example(name, _ids())
     converter.apply(model, example, precision="bf16")
     conv = converter.conversion_of(model)
-    cache = conv.report.extra["cache"]
+    cache = conv.report.records.capture.cache
     assert cache.startswith(NO_CACHE) if STOCK[name][1] else cache == "", (name, cache)
     assert conv.report.summary["half_flop_fraction"] > 0.9, conv.report.summary
     model.eval()

@@ -65,14 +65,14 @@ def test_convert_warns_and_reports():
     slow = _profile(1.0, 0.6, 15.0)
     with pytest.warns(converter.SlowHalfWarning, match="precision='bf16'"):
         conv = converter.convert(model, (x,), precision="fp16", device_profile=slow)
-    assert conv.report.extra["device_advice"].startswith("fp16 matmuls on this CPU are 15x slower")
+    assert conv.report.records.advice.text.startswith("fp16 matmuls on this CPU are 15x slower")
     assert "> **Warning:** fp16 matmuls on this CPU are 15x slower" in conv.report.to_markdown()
     assert "15x slower than fp32" in conv.report.to_html()
     assert conv.report.to_dict()["device_profile"] == slow.to_dict()
     with warnings.catch_warnings():
         warnings.simplefilter("error", converter.SlowHalfWarning)
-        assert converter.convert(model, (x,), precision="bf16", device_profile=slow).report.extra["device_advice"] is None
-        assert converter.convert(model, (x,), precision="fp16").report.extra["device_advice"] is None  # the suite: none
+        assert converter.convert(model, (x,), precision="bf16", device_profile=slow).report.records.advice.text is None
+        assert converter.convert(model, (x,), precision="fp16").report.records.advice.text is None  # the suite: none
 
 
 def test_cli_says_it_once(tmp_path, capfd):

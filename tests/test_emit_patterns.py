@@ -428,7 +428,7 @@ def test_spectral_norm_buffers_stay_put_in_eval_like_the_original():
     model = nn.Sequential(parametrizations.spectral_norm(nn.Linear(8, 8)), nn.ReLU(), nn.Linear(8, 4)).eval()
     x = torch.randn(3, 8)
     conv = converter.convert(model, (x,), precision="bf16")
-    assert "updates buffer(s)" in conv.report.extra["modes"], conv.report.extra["modes"]
+    assert "updates buffer(s)" in conv.report.records.capture.modes, conv.report.records.capture.modes
     conv.module.eval()
     before = {n: b.clone() for n, b in conv.module.named_buffers()}
     for _ in range(3):

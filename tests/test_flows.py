@@ -159,7 +159,7 @@ def test_conv_module_keeps_the_optional_arguments_with_their_defaults():
     types = (torch.arange(16) >= 8).long().expand(2, 16) * mask
     conv = converter.convert(original, ((), {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}))
     assert str(inspect.signature(conv.module.forward)) == "(input_ids, attention_mask=None, token_type_ids=None)"
-    facts = conv.report.extra["optional_inputs"]
+    facts = conv.report.records.optional_inputs.to_dict()
     assert [(o["name"], o["fill"]) for o in facts["optional"]] == [("attention_mask", 1), ("token_type_ids", 0)], facts
     ids2, mask2 = _padded(3, 10, 2)
     with torch.no_grad():
@@ -187,7 +187,7 @@ def test_an_optional_argument_the_original_fills_from_the_data_stays_required():
     ids = torch.randint(0, 32, (2, 8))
     ids[1, 5:] = 0
     conv = converter.convert(Tagger(), ((), {"ids": ids, "mask": torch.ones_like(ids, dtype=torch.bool)}), tracer="export")
-    facts = conv.report.extra["optional_inputs"]
+    facts = conv.report.records.optional_inputs.to_dict()
     assert facts["optional"] == [] and "something else than a constant" in facts["required"]["mask"], facts
     assert str(inspect.signature(conv.module.forward)) == "(ids, mask)"
 
@@ -259,7 +259,7 @@ def test_fp8_conversion_trains_with_the_trainer_and_train_py_and_reloads(tmp_pat
     wide = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(wide)
     conv = converter.convert(wide.build_model(), wide.example_inputs(), precision="fp8")
-    assert conv.report.extra["fp8"]["layers"] == ["mid"], conv.report.extra["fp8"]["layers"]
+    assert conv.report.records.fp8.layers == ["mid"], conv.report.records.fp8.layers
     for o2 in (False, True):
         module = converter.convert(wide.build_model(), wide.example_inputs(), precision="fp8").module
         opt = torch.optim.SGD(module.parameters(), lr=0.5)

@@ -71,7 +71,7 @@ def test_one_layer_matches_an_independent_computation(tmp_path):
     model = nn.Linear(32, 64)
     x = _crafted_input(tiny=40)
     conv = _convert(model, (x,), [_rules(tmp_path, ALL_FP8)])
-    assert conv.report.extra["fp8"]["layers"] == ["linear"]
+    assert conv.report.records.fp8.layers == ["linear"]
     with torch.backends.mkldnn.flags(enabled=False):  # _scaled_mm then equals the emulation bit for bit
         got = measure_fp8_layers(conv.module, [(x,)], "tensorwise", seed=7)
         # independently: the layer's operands are the bf16 casts; its grad_output is the seed's projection v
@@ -178,7 +178,7 @@ def test_a_users_rule_file_moves_the_floors(tmp_path):
     assert seen.calls == []
     never = _rules(tmp_path, ALL_FP8 + "fp8_min_sqnr_output = -inf\nfp8_min_sqnr_grad_input = -inf\n", "never.toml")
     conv = _convert(_mlp(broken=True), (x,), [never], calibration=_batches(1))
-    assert conv.report.extra["fp8"]["fallback"] == [] and conv.report.extra["fp8"]["count"] == 3
+    assert conv.report.records.fp8.fallback == [] and conv.report.records.fp8.count == 3
     for bad in ('"18"', "nan", "inf", "true"):
         with pytest.raises(RulesError, match=r"fp8_min_sqnr_output: must be a number of dB"):
             load_rules([_rules(tmp_path, f"[settings]\nfp8_min_sqnr_output = {bad}\n", "bad.toml")])

@@ -94,7 +94,7 @@ def mlp_export(request, tmp_path_factory):
 
 def test_every_fp8_linear_becomes_float8_qdq(mlp_export):
     recipe, conv, result = mlp_export
-    assert conv.report.extra["fp8"]["layers"] == ["a", "b", "c"]
+    assert conv.report.records.fp8.layers == ["a", "b", "c"]
     assert result.ok and result.checks["fp8_qdq"] and result.checks["reference_match"], result.notes
     assert {k: result.fp8[k] for k in ("recipe", "layers", "inputs", "QuantizeLinear", "DequantizeLinear", "float8e4m3fn")} \
         == {"recipe": recipe, "layers": 3, "inputs": 3, "QuantizeLinear": 3, "DequantizeLinear": 6, "float8e4m3fn": 9}
@@ -145,7 +145,7 @@ def decoder_export(tmp_path_factory):
 
 def test_a_decoder_exports_qdq_for_exactly_its_fp8_linears(decoder_export):
     conv, result = decoder_export
-    assert set(conv.report.extra["fp8"]["layers"]) == FP8_LAYERS and len(FP8_LAYERS) == 9
+    assert set(conv.report.records.fp8.layers) == FP8_LAYERS and len(FP8_LAYERS) == 9
     assert result.ok, result.summary
     # q/k/v (block 1) and k/v (block 0, q is gated) read one tensor: they share its quantisation
     assert (result.fp8["QuantizeLinear"], result.fp8["DequantizeLinear"], result.fp8["inputs"]) == (6, 15, 6), result.fp8

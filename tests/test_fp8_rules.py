@@ -117,7 +117,7 @@ def convert_fp8_graph(model, example_inputs, *, rules=None, recipe=None):
     """``converter.convert(precision="fp8")`` and the facts these tests read (the module, the fp8 layers)."""
     conv = converter.convert(model, example_inputs, precision="fp8", rules=rules, fp8_recipe=recipe)
     assert conv.options.precision == "bf16" and conv.options.fp8_recipe == (recipe or "auto")
-    fp8 = conv.report.extra["fp8"]
+    fp8 = conv.report.records.fp8.to_dict()
     assert fp8["count"] == len(fp8["layers"]), fp8
     return SimpleNamespace(module=conv.module, fp8_nodes=fp8["layers"], conv=conv, recipe=fp8["recipe"])
 

@@ -80,7 +80,7 @@ def test_the_search_keeps_the_planted_layers_in_fewer_evaluations_than_bisection
     assert search["met"] and kept == llama.planted, search
     assert search["candidates"] == 13 and search["fp8_layers"] == 11, search
     assert search["initial_sqnr_db"] < 10 and search["sqnr_db"] >= TOL, search
-    fp8 = searched.report.extra["fp8"]
+    fp8 = searched.report.records.fp8.to_dict()
     assert fp8["count"] == 11 and not kept & set(fp8["layers"]), fp8
     # the converted module itself (not the evaluator) meets the target
     with torch.no_grad():
@@ -117,7 +117,7 @@ def test_kept_layers_are_decisions_with_their_rule_and_run_no_scaled_gemm(llama,
         assert row["precision"] == "bf16" and row["rule"] == RULE == str(FP8_SEARCH_REF), row
         assert f"to meet SQNR >= {TOL:g} dB against fp32" in row["reason"] and "dB with this one back in fp8" in row["reason"], row
         assert "was fp8 by fp8.toml:[op].linear" in row["reason"], row["reason"]
-    others = set(searched.report.extra["fp8"]["layers"])
+    others = set(searched.report.records.fp8.layers)
     assert all("runs fp8_linear" in rows[n]["reason"] for n in others)
     report = json.loads(searched.report.to_json())
     assert set(report["calibration"]["fp8_search"]["kept_bf16"]) == llama.planted
@@ -267,7 +267,7 @@ def test_the_search_starts_where_the_per_layer_floors_leave_off(llama):
     then needs one more layer, which the search keeps with its own rule, minimal by evaluation."""
     conv = converter.convert(llama.model, llama.example, precision="fp8", rules=[llama.rules], calibration=llama.items,
                              calibration_options=CalibrationOptions(tolerance=30, progress=False))
-    fp8 = conv.report.extra["fp8"]
+    fp8 = conv.report.records.fp8.to_dict()
     fallback = {row["node"]: row["rule"] for row in fp8["fallback"]}
     assert set(fallback) == llama.planted and set(fallback.values()) == {"fp8.toml:[settings].fp8_min_sqnr_output"}, fallback
     search = conv.module.meta["mp_calibration"]["fp8_search"]

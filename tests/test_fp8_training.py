@@ -163,7 +163,7 @@ def llama(tmp_path_factory):
         warnings.simplefilter("ignore", converter.SlowHalfWarning)
         reference = converter.convert(copy.deepcopy(model), ((), example), precision="bf16").module
         converter.apply(model, example, precision="fp8", rules=[_rules(tmp_path_factory.mktemp("rules"), 1024)])
-    fp8 = converter.conversion_of(model).report.extra["fp8"]
+    fp8 = converter.conversion_of(model).report.records.fp8.to_dict()
     assert fp8["recipe"] == "tensorwise" and fp8["count"] == LLAMA_FP8, fp8
     return SimpleNamespace(model=model, reference=reference, layers=set(fp8["layers"]), stored=stored)
 
@@ -252,7 +252,7 @@ def _mlp_conversion(rules: str, opt_level: str = "O1"):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", converter.SlowHalfWarning)
         conv = converter.convert(Mlp(), (torch.randn(2, 7, 32),), precision="fp8", rules=[rules], opt_level=opt_level)
-    assert conv.report.extra["fp8"]["layers"] == ["a", "b"], conv.report.extra["fp8"]
+    assert conv.report.records.fp8.layers == ["a", "b"], conv.report.records.fp8.to_dict()
     return conv
 
 
@@ -489,7 +489,7 @@ def test_lightning_plugin_trains_fp8_and_checkpoints_stored_dtypes(tmp_path):
                          callbacks=[count, pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)])
     trainer.fit(model, data)
     assert plugin.options.fp8_recipe == "auto" and trainer.precision == "bf16-mixed"
-    assert converter.conversion_of(model).report.extra["fp8"]["layers"] == ["net_a", "net_b"]
+    assert converter.conversion_of(model).report.records.fp8.layers == ["net_a", "net_b"]
     assert count.calls == [6] * 6, count.calls
     assert model.losses[-1] < model.losses[0], model.losses
     ckpt = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)

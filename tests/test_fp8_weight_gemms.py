@@ -78,7 +78,7 @@ def _weight_params(gm: torch.fx.GraphModule, names: list[str]) -> dict:
 
 def test_the_weight_gemms_are_fp8_layers_with_their_rule(zoo):
     op, first, layers = MODELS[zoo.name]
-    section = zoo.fp8.report.extra["fp8"]
+    section = zoo.fp8.report.records.fp8.to_dict()
     assert section["layers"] == layers and section["count"] == 7, section["layers"]
     decisions = _decisions(zoo.fp8.module)
     for name in layers:
@@ -108,7 +108,7 @@ def test_each_fp8_layer_runs_three_scaled_mm_per_training_step(zoo):
 def test_gradients_land_in_the_parameter_shapes_within_the_floors(zoo):
     layers = MODELS[zoo.name][2]
     fp8_params, ref_params = _weight_params(zoo.fp8.module, layers), _weight_params(zoo.bf16.module, layers)
-    assert zoo.fp8.report.extra["fp8"]["layers"] == layers, zoo.fp8.report.extra["fp8"]["layers"]  # fp8 ran on them
+    assert zoo.fp8.report.records.fp8.layers == layers, zoo.fp8.report.records.fp8.layers  # fp8 ran on them
     assert_half_ran(zoo.bf16, min_share=0.9, label=f"{zoo.name} bf16 reference")
     out = _train_step(zoo.fp8.module, zoo.tokens)
     got = {n: p.grad.clone() for n, p in fp8_params.items()}
@@ -129,7 +129,7 @@ def test_the_report_and_the_per_layer_numerics_count_them(zoo):
     layers = MODELS[zoo.name][2]
     tokens = zoo.tokens.numel()
     expected = {n: 2 * tokens * p.numel() for n, p in _weight_params(zoo.fp8.module, layers).items()}
-    section = zoo.fp8.report.extra["fp8"]
+    section = zoo.fp8.report.records.fp8.to_dict()
     assert section["flops"] == sum(expected.values()), (section["flops"], expected)
     assert 0.5 < section["flops_share"] < 1 and section["flops_share"] == section["flops"] / section["gemm_flops"], section
     numerics = measure_fp8_layers(zoo.fp8.module, [zoo.inputs], "tensorwise")
@@ -184,7 +184,7 @@ def test_fx_weight_gemms_and_a_user_override(tmp_path):
     rules.write_text("[settings]\nfp8_min_flops_per_token = 1024\n", encoding="utf-8")
     conv = _convert(model, (x,), precision="fp8", rules=[str(rules)], tracer="fx")
     decisions = _decisions(conv.module)
-    layers = conv.report.extra["fp8"]["layers"]
+    layers = conv.report.records.fp8.layers
     assert len(layers) == 3 and all(str(decisions[n].rule) == FP8_RULE for n in layers), layers
     assert sorted(decisions[n].reason.rsplit("in place of its ", 1)[1].split()[0] for n in layers) == ["addmm", "matmul", "matmul"]
     ops = {n.name: n.meta[META_INFO].op for n in conv.module.graph.nodes if META_DECISION in n.meta}
@@ -203,4 +203,4 @@ def test_fx_weight_gemms_and_a_user_override(tmp_path):
     user.write_text('[op]\nmatmul = { precision = "bf16", reason = "mine" }\n', encoding="utf-8")
     kept = _convert(model, (x.detach(),), precision="fp8", rules=[str(rules), str(user)], tracer="fx")
     assert [d for n, d in _decisions(kept.module).items() if str(d.rule) == f"{user}:[op].matmul"
-            and n in layers] and len(kept.report.extra["fp8"]["layers"]) == 1
+            and n in layers] and len(kept.report.records.fp8.layers) == 1

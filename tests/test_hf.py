@@ -40,7 +40,7 @@ def hf_case(request):
 def test_falls_back_to_export_and_matches_autocast(hf_case):
     name, model, (args, kwargs), conv = hf_case
     assert conv.tracer == "export", f"{name} was captured by {conv.tracer}"
-    assert "fx" in conv.report.extra["capture_errors"], conv.report.extra
+    assert "fx" in conv.report.records.run.capture_errors, conv.report.records.run.capture_errors
     with torch.no_grad():
         ref = first_tensor(model(*args, **kwargs))
         out = first_tensor(conv.module(*args, **kwargs))

@@ -44,7 +44,7 @@ def test_hf_moe_experts_run_in_half_and_are_counted():
     assert flops == [2 * 48 * 192 * 64, 2 * 48 * 64 * 96] * 2, flops
     summary = conv.report.summary
     assert "grouped_mm_fallback" not in summary["unmatched_ops"] and summary["half_flop_fraction"] == 1.0, summary
-    assert conv.report.extra["library_ops"] == [{"op": "transformers::grouped_mm_fallback", "module": "transformers.integrations.moe",
+    assert conv.report.records.lowering.library_ops == [{"op": "transformers::grouped_mm_fallback", "module": "transformers.integrations.moe",
                                                  "package": "transformers", "nodes": 4}]
     with torch.no_grad():
         ref = model(ids).logits

@@ -197,8 +197,8 @@ def test_not_lowered(why, kwargs, opts):
         # Attn passes dropout_p in eval mode too, so the original drops in eval: the literal is a constant,
         # not the mode (issue 30), and one graph keeps it; a literal non-zero dropout_p keeps the fused op
         # (a mode-aware dropout is lowered with an explicit dropout, see test_mode_aware_attention_dropout_is_lowered)
-        assert not isinstance(conv.module, TwoModeGraphModule), conv.report.extra["modes"]
-        assert "1 train-mode literal(s) kept" in conv.report.extra["modes"], conv.report.extra["modes"]
+        assert not isinstance(conv.module, TwoModeGraphModule), conv.report.records.capture.modes
+        assert "1 train-mode literal(s) kept" in conv.report.records.capture.modes, conv.report.records.capture.modes
     assert len(_sdpa_nodes(conv.module)) == 1, why
     assert conv.report.to_dict()["lowered"] == [], why
 
@@ -219,7 +219,7 @@ def test_mode_aware_attention_dropout_is_lowered():
     x = torch.randn(2, 12, 32)
     conv = converter.convert(copy.deepcopy(model), (x,), device="cpu", tracer="export")
     assert_half_ran(conv, min_share=0.9)
-    assert not isinstance(conv.module, TwoModeGraphModule), conv.report.extra["modes"]
+    assert not isinstance(conv.module, TwoModeGraphModule), conv.report.records.capture.modes
     assert _sdpa_nodes(conv.module) == [] and len(conv.report.to_dict()["lowered"]) == 1
     drops = [n for n in conv.module.graph.nodes if n.target is torch.dropout]
     assert len(drops) == 1, [str(n.target) for n in conv.module.graph.nodes]
@@ -416,7 +416,7 @@ def test_lowered_causal_attention_is_recomputed_and_saves_no_more_than_autocast(
     ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
     recomputed = converter.convert(model, (ids,), device="cpu")
     kept = converter.convert(model, (ids,), device="cpu", recompute_attention=False)
-    assert recomputed.report.extra["checkpoint"]["count"] == 2 and kept.report.extra["checkpoint"]["count"] == 0
+    assert recomputed.report.records.lowering.checkpoint["count"] == 2 and kept.report.records.lowering.checkpoint["count"] == 0
     assert recomputed.module.code.count("torch.utils.checkpoint.checkpoint(") == 2
 
     def saved(module, autocast=False):
@@ -490,7 +490,7 @@ def test_cost_model_keeps_small_probabilities_under_o2_and_recomputes_under_o1(m
     kept, recomputed = _choices(o2), _choices(o1)
     assert [c["chosen"] for c in kept] == [False, False], kept
     assert [c["chosen"] for c in recomputed] == [True, True], recomputed
-    assert o2.report.extra["checkpoint"]["count"] == 0 and o1.report.extra["checkpoint"]["count"] == 2
+    assert o2.report.records.lowering.checkpoint["count"] == 0 and o1.report.records.lowering.checkpoint["count"] == 2
     assert "kept: its probabilities (4.0 KiB) fit the budget" in kept[0]["why"], kept[0]["why"]
     assert "(kept so far 8.0 KiB of 0.38 MiB, half the 0.75 MiB of half weight copies" in kept[1]["why"], kept[1]["why"]
     assert "under O1 the graph saves the half weight copies autocast saves" in recomputed[0]["why"], recomputed[0]["why"]
@@ -507,7 +507,7 @@ def test_cost_model_keeps_small_probabilities_under_o2_and_recomputes_under_o1(m
     assert ours <= 0.5 * theirs, f"O2 with kept probabilities saves {ours} B, autocast {theirs} B"
 
     forced = converter.convert(copy.deepcopy(model), (x,), opt_level="O2", device="cpu", recompute_attention=True)
-    assert forced.report.extra["checkpoint"]["count"] == 2
+    assert forced.report.records.lowering.checkpoint["count"] == 2
     assert [c["why"] for c in _choices(forced)] == ["recomputed: forced by ConvertOptions.recompute_attention=True"] * 2
     MixedPrecisionTrainer(forced.module, torch.optim.SGD(forced.module.parameters(), lr=1e-3), precision="bf16",
                           master_weights=True)
@@ -528,7 +528,7 @@ def test_cost_model_recomputes_probabilities_larger_than_the_budget():
     assert [c["chosen"] for c in choices] == [True, True], choices
     assert "keeping its probabilities would save 4.00 MiB more than the fused kernel, over the budget (kept 0.0 KiB of 96.0 KiB)" \
         in choices[0]["why"], choices[0]["why"]
-    assert conv.report.extra["checkpoint"]["count"] == 2
+    assert conv.report.records.lowering.checkpoint["count"] == 2
     from converter.train.trainer import MixedPrecisionTrainer
 
     MixedPrecisionTrainer(conv.module, torch.optim.SGD(conv.module.parameters(), lr=1e-3), precision="bf16", master_weights=True)

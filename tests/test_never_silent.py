@@ -359,7 +359,7 @@ def test_weight_standardised_conv_keeps_batch_statistics_in_both_modes(tracer, t
     (x,) = mod.example_inputs()
     conv = converter.convert(model, (x,), precision="bf16", tracer=tracer)
     assert_half_ran(conv, label=tracer)
-    modes = conv.report.extra["modes"]
+    modes = conv.report.records.capture.modes
     assert not isinstance(conv.module, TwoModeGraphModule) and "branches on" not in modes, modes
     assert modes.startswith("follows train()/eval(): traced in train mode, 0 mode-dependent ops"), modes
     for training in (True, False):
@@ -390,7 +390,7 @@ def test_batch_norm_without_running_stats_keeps_batch_statistics_in_eval():
     x = torch.randn(4, 3, 10, 10)
     conv = converter.convert(model, (x,), precision="bf16", tracer="export")
     assert_half_ran(conv)
-    modes = conv.report.extra["modes"]
+    modes = conv.report.records.capture.modes
     assert not isinstance(conv.module, TwoModeGraphModule) and "branches on" not in modes, modes
     for training in (True, False):
         model.train(training), conv.module.train(training)
@@ -418,7 +418,7 @@ def test_mc_dropout_stays_stochastic_in_eval(tracer):
     x = torch.randn(16, 8)
     conv = converter.convert(model, (x,), precision="bf16", tracer=tracer)
     assert_half_ran(conv, label=tracer)
-    modes = conv.report.extra["modes"]
+    modes = conv.report.records.capture.modes
     assert not isinstance(conv.module, TwoModeGraphModule) and "branches on" not in modes, modes
     # export: nn.Dropout's aten.dropout reads self.training (FX keeps nn.Dropout a module, which follows it)
     assert f"{int(tracer == 'export')} mode-dependent ops" in modes and "1 train-mode literal(s) kept" in modes, modes
@@ -445,6 +445,6 @@ def test_empty_weights_llama_has_no_branches_on_training_note():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         conv = converter.convert(model, ((), {"input_ids": ids}), precision="bf16")
-    modes = conv.report.extra["modes"]
+    modes = conv.report.records.capture.modes
     assert "branches on" not in modes and not isinstance(conv.module, TwoModeGraphModule), modes
     assert "not compared by value (the model has no weights)" in modes, modes

@@ -225,7 +225,7 @@ def test_audit_reports_what_convert_would_do_without_codegen():
     decided = [(r["name"], r["precision"], r["rule"], r["reason"]) for r in report.nodes]
     assert decided == [(r["name"], r["precision"], r["rule"], r["reason"]) for r in conv.report.nodes]
     assert report.casts == conv.report.casts and report.summary["casts"] > 0
-    assert "codegen_s" not in report.extra["timings"] and "codegen_s" in conv.report.extra["timings"]
+    assert "codegen_s" not in report.records.run.timings and "codegen_s" in conv.report.records.run.timings
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 

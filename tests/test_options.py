@@ -132,7 +132,7 @@ def _same_report(a, b) -> None:
     assert a.precision == b.precision and a.tracer == b.tracer
     assert a.nodes == b.nodes and a.casts == b.casts and a.summary == b.summary
     for key in ("opt_level", "device", "dynamic_dims", "modes", "lowered"):
-        assert a.extra[key] == b.extra[key], key
+        assert a.records.to_dict()[key] == b.records.to_dict()[key], key
 
 
 def test_convert_with_options_equals_the_keyword_form():
@@ -144,7 +144,7 @@ def test_convert_with_options_equals_the_keyword_form():
     assert by_record.options is options and by_keywords.options == options
     assert isinstance(by_keywords.options, ConvertOptions) and by_keywords.precision == "bf16"
     _same_report(by_record.report, by_keywords.report)
-    assert by_record.report.extra["opt_level"] == "O2" and by_record.report.extra["device"] == "cpu"
+    assert by_record.report.records.run.opt_level == "O2" and by_record.report.records.run.device == "cpu"
 
 
 def test_options_and_keywords_together_are_refused():
@@ -179,7 +179,7 @@ def test_variant_keeps_the_other_options():
                              dynamic=False, device="cpu")
     fp16 = conv.variant(torch.float16)
     assert fp16.options == dataclasses.replace(conv.options, precision="fp16", tracer=conv.tracer)
-    assert fp16.precision == "fp16" and fp16.report.extra["opt_level"] == "O2" and fp16.report.extra["device"] == "cpu"
+    assert fp16.precision == "fp16" and fp16.report.records.run.opt_level == "O2" and fp16.report.records.run.device == "cpu"
     assert conv.variant("bfloat16") is conv
 
 

@@ -76,13 +76,13 @@ def test_bert_dynamic_padding_runs_the_converted_forward_for_every_batch():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", converter.SlowHalfWarning)
         converter.apply(model, _padded(4, 12, seed=0), precision="bf16")
-    extra = converter.conversion_of(model).report.extra
-    assert extra["dynamic_dims"]["input_ids"] == [0, 1] and extra["dynamic_dims"]["attention_mask"] == [0, 1], (
-        extra["dynamic_dims"], extra["narrowed_dims"])
-    span = extra["dynamic_ranges"]["input_ids"][1]
+    capture = converter.conversion_of(model).report.records.capture
+    assert capture.dynamic_dims["input_ids"] == [0, 1] and capture.dynamic_dims["attention_mask"] == [0, 1], (
+        capture.dynamic_dims, capture.narrowed_dims)
+    span = capture.dynamic_ranges["input_ids"][1]
     assert (span["min"], span["max"]) == (2, 64), span
     assert "input_ids.size(1) <= 64" in span["why"] and "modeling_bert.py:" in span["why"], span
-    assert not extra["narrowed_dims"], extra["narrowed_dims"]
+    assert not capture.narrowed_dims, capture.narrowed_dims
     md = converter.conversion_of(model).report.to_markdown()
     line = next((ln for ln in md.splitlines() if ln.startswith("Input sizes:")), "")
     assert "input_ids dim 1: sizes 2..64 (guard input_ids.size(1) &lt;= 64 at modeling_bert.py:" in line, md[:1500]
@@ -137,10 +137,10 @@ def _load_model_py(out) -> nn.Module:
 def test_a_range_is_reported_dynamic_and_model_py_serves_it(tmp_path):
     torch.manual_seed(0)
     conv = converter.convert(_Positions().eval(), (torch.randn(2, 6, 8),), tracer="export")
-    extra = conv.report.extra
-    assert extra["dynamic_dims"] == {"x": [0, 1]}, (extra["dynamic_dims"], extra["narrowed_dims"])
-    assert extra["dynamic_ranges"] == {"x": {1: {"min": 2, "max": 16, "why": extra["dynamic_ranges"]["x"][1]["why"]}}}, extra
-    why = extra["dynamic_ranges"]["x"][1]["why"]
+    capture = conv.report.records.capture
+    assert capture.dynamic_dims == {"x": [0, 1]}, (capture.dynamic_dims, capture.narrowed_dims)
+    assert capture.dynamic_ranges == {"x": {1: {"min": 2, "max": 16, "why": capture.dynamic_ranges["x"][1]["why"]}}}, capture
+    why = capture.dynamic_ranges["x"][1]["why"]
     assert why == f"guard x.size(1) <= 16 at test_ranges.py:{_SLICE_LINE} in forward", why
     md = conv.report.to_markdown()
     assert f"x dim 1: sizes 2..16 (guard x.size(1) &lt;= 16 at test_ranges.py:{_SLICE_LINE} in forward)" in md, md[:800]
@@ -213,7 +213,7 @@ def test_a_static_dim_or_another_rank_is_converted_again_once_and_the_limit_hold
         warnings.simplefilter("ignore", converter.SlowHalfWarning)
         converter.apply(model, (torch.randn(2, 4, 8),), max_recaptures=2)
     forward = converted_forward(model)
-    assert converter.conversion_of(model).report.extra["dynamic_dims"] == {"x": [0]}
+    assert converter.conversion_of(model).report.records.capture.dynamic_dims == {"x": [0]}
     with warnings.catch_warnings():
         warnings.simplefilter("error", RecaptureWarning)
         model(torch.randn(3, 4, 8))  # the batch is dynamic

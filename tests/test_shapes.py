@@ -73,7 +73,7 @@ def test_rnn_sequence_length_stays_dynamic(case):
     conv = converter.convert(model, (_rnn_input(2, 12, first),), tracer="export", precision="bf16")
     assert_half_ran(conv, label=case)
     assert conv.tracer == "export"
-    assert conv.report.extra["dynamic_dims"] == {"x": [0, 1]}, conv.report.extra["shapes"]
+    assert conv.report.records.capture.dynamic_dims == {"x": [0, 1]}, conv.report.records.capture.shapes
     ops = _ops(conv.module)
     assert ops.count(f"aten.{kind}.input") == 1, ops
     assert not [op for op in ops if op.startswith("mpconvert.")], "a capture stand-in op is left in the graph"
@@ -110,7 +110,7 @@ def test_rnn_given_initial_state_is_dynamic():
     torch.manual_seed(0)
     model = _GivenState().eval()
     conv = converter.convert(model, (torch.randn(2, 12, 16), torch.randn(2, 2, 24)), tracer="export")
-    assert conv.report.extra["dynamic_dims"] == {"x": [0, 1], "h0": [1]}, conv.report.extra["shapes"]
+    assert conv.report.records.capture.dynamic_dims == {"x": [0, 1], "h0": [1]}, conv.report.records.capture.shapes
     assert conv.report.summary["unmatched_ops"] == ["gru"] and conv.report.summary["half_flop_fraction"] == 0, (
         conv.report.summary)
     x, h0 = torch.randn(5, 3, 16), torch.randn(2, 5, 24)
@@ -239,8 +239,8 @@ def test_blown_up_sizes_fall_back_to_dynamic_batch_dims(monkeypatch, tmp_path):
     model = _Windows().eval()
     conv = converter.convert(model, (torch.randn(2, 12, 16),), tracer="export")
     assert_half_ran(conv)
-    note = conv.report.extra["shapes"]
-    assert conv.report.extra["dynamic_dims"] == {"x": [0]}, note
+    note = conv.report.records.capture.shapes
+    assert conv.report.records.capture.dynamic_dims == {"x": [0]}, note
     assert note.startswith("Dim.AUTO on dim 0 of every input only") and "`view`" in note, note
     x = torch.randn(5, 12, 16)
     with torch.no_grad():
@@ -327,10 +327,10 @@ def test_a_pinned_dim_is_not_reported_dynamic_and_the_guard_line_is_named():
 
     model = _PatchPositions()
     conv = converter.convert(model, (torch.randn(2, 3, 16, 16),), tracer="export")
-    extra = conv.report.extra
-    assert extra["dynamic_dims"] == {"x": [0]}, (extra["dynamic_dims"], extra["narrowed_dims"])
+    capture = conv.report.records.capture
+    assert capture.dynamic_dims == {"x": [0]}, (capture.dynamic_dims, capture.narrowed_dims)
     line = inspect.getsourcelines(_PatchPositions.forward)[1] + 2
-    narrowed = extra["narrowed_dims"]["x"]
+    narrowed = capture.narrowed_dims["x"]
     assert sorted(narrowed) == [2, 3] and all(f"test_shapes.py:{line} in forward" in w for w in narrowed.values()), narrowed
     with torch.no_grad():
         conv.module(torch.randn(3, 3, 16, 16))  # the batch is served
@@ -361,9 +361,9 @@ def test_vision_models_report_only_the_image_dims_they_serve(family):
     torch.manual_seed(0)
     model = getattr(transformers, cls)(cfg()).eval()
     conv = converter.convert(model, ((), {"pixel_values": torch.randn(2, 3, 32, 32)}))
-    extra = conv.report.extra
-    assert extra["dynamic_dims"] == {"pixel_values": [0]}, (extra["dynamic_dims"], extra["narrowed_dims"])
-    narrowed = extra["narrowed_dims"]["pixel_values"]
+    capture = conv.report.records.capture
+    assert capture.dynamic_dims == {"pixel_values": [0]}, (capture.dynamic_dims, capture.narrowed_dims)
+    narrowed = capture.narrowed_dims["pixel_values"]
     assert sorted(narrowed) == [2, 3] and all(f"modeling_{family}.py:" in w and where in w for w in narrowed.values()), narrowed
     with torch.no_grad():
         conv.module(pixel_values=torch.randn(3, 3, 32, 32))  # the batch is served

@@ -57,7 +57,7 @@ def test_encoder_identity_dropouts_are_folded_and_nothing_else_changes(train, de
     # 3 dropouts per layer (attention, feed-forward, residual) × 2 layers; torch.export's input check
     # (validate_inputs off), then its three forward hooks, all idle (no nn.Module inputs)
     assert fold_counts(folds) == {"dropout": 6, "hook": 4}, folds
-    assert conv.report.extra["simplified"] == {"dropout": 6, "hook": 4}
+    assert conv.report.records.lowering.simplified == {"dropout": 6, "hook": 4}
     assert {f.why for f in folds if f.kind == "dropout"} == {"dropout with p=0"}
     assert _dropouts(raw) == 6 and _dropouts(conv.module) == 0
     assert len(raw.graph.nodes) - len(conv.module.graph.nodes) == 6

@@ -115,7 +115,7 @@ def test_convert_and_audit_run_the_table_in_order(tiny: Any, monkeypatch: pytest
                                                                              "optional_inputs", "report"])
     assert list(conv.timings) == ["capture_s", "pass_s", "codegen_s", "check_s"]
     assert all(type(v) is float and v >= 0 for v in conv.timings.values()), conv.timings
-    assert conv.report.extra["timings"] is conv.timings
+    assert conv.report.records.run.timings is conv.timings
     calls.clear()
     converter.audit(tiny.build_model(), tiny.example_inputs(), precision="bf16")
     assert [name for name, _ in calls] == ["rules", "capture"] + graph + ["combine", "report"]

@@ -87,7 +87,7 @@ def test_m2m100_with_layerdrop_trains_with_its_dropout():
     kwargs = {"input_ids": torch.randint(3, 96, (2, 10)), "decoder_input_ids": torch.randint(3, 96, (2, 7))}
     conv = converter.convert(model, ((), kwargs), precision="bf16")
     assert conv.partition is None, [b.reason for b in conv.partition.breaks]  # one graph: ONNX and model.py serve it
-    modes = conv.report.extra["modes"]
+    modes = conv.report.records.capture.modes
     assert modes.startswith("follows train()/eval()") and "LayerDrop is off" in modes, modes
     reference = copy.deepcopy(model)  # every layer runs, as in the train graph
     reference.model.encoder.layerdrop = reference.model.decoder.layerdrop = 0.0
@@ -109,7 +109,7 @@ def test_detr_with_resnet_backbone_trains_with_its_dropout():
     kwargs = {"pixel_values": torch.randn(1, 3, 64, 64)}
     conv = converter.convert(model, ((), kwargs), precision="bf16")
     # its train mode does not trace whole (a train-only data-dependent clamp): region by region, not frozen
-    assert conv.partition is not None and conv.partition.regions, conv.report.extra.get("modes")
+    assert conv.partition is not None and conv.partition.regions, conv.report.records.capture.modes
     located = [b.location for b in conv.partition.breaks if b.module == "model.encoder.layers.0"]
     assert located and located[0], [b.to_dict() for b in conv.partition.breaks]
     assert conv.partition.captured_flop_fraction > 0.9, conv.partition.captured_flop_fraction

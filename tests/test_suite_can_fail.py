@@ -5,7 +5,10 @@ the decide stage to fp32: conversions still run, report and emit, but compute ev
 against fp32 is +inf, which passes any SQNR floor. Each numeric test also proves that half precision ran (a
 half-FLOP share, an op-dtype or cast count, a float8 call count, or an SQNR ceiling that fp32 exceeds), so under
 the plant it must fail. ``PLANTED`` is a representative subset (the zoo's checks on one decoder, and one or two
-numeric tests of each other file); the normal run of the suite runs the same tests unplanted, where they pass.
+numeric tests of each other file), run planted here on every CI run; ``python tests/plant_all.py`` runs every
+numeric test planted and records the outcomes in ``tests/planted_fp32.json``, which this file checks is complete
+and passes only where ``tests/plant_all.py`` names the test. The normal run of the suite runs the same tests
+unplanted, where they pass.
 
 Under ``CI=true``, a test that would skip because a package of ``.[test]`` does not import fails instead.
 """
@@ -61,6 +64,30 @@ def test_numeric_tests_fail_on_a_conversion_left_in_fp32():
     assert proc.returncode == 1, out[-3000:]
     wrong = {t: failed[t] for t, why in PLANTED.items() if not re.search(why, failed[t] or "")}
     assert not wrong, f"failed, but not on a half-precision check: {wrong}"
+
+
+
+def test_every_numeric_test_was_run_planted_and_only_the_named_ones_pass():
+    """tests/planted_fp32.json (``python tests/plant_all.py``: every test that measures an SQNR, run under the
+    plant) covers a fresh scan of the suite, and the tests that passed under the plant are exactly the named ones:
+    EXEMPT (each measures no conversion's half precision, with its reason) and OPEN (not yet able to fail)."""
+    import json
+
+    import plant_all
+
+    record = json.loads(plant_all.RESULTS.read_text())["tests"]
+    scanned = {t for t in plant_all.numeric_tests() if t.split("::")[0] not in plant_all.EXEMPT_FILES}
+    assert set(record) == scanned, (f"run planted (python tests/plant_all.py --only ...): {sorted(scanned - set(record))}; "
+                                    f"no longer numeric tests: {sorted(set(record) - scanned)}")
+    ran = {t for t, items in record.items() if items}
+    assert len(ran) >= 0.9 * len(record), f"only {len(ran)} of {len(record)} numeric tests ran an item planted"
+    passed = plant_all.passed_planted(record)
+    named = set(plant_all.EXEMPT) | plant_all.OPEN
+    assert not passed - named, f"pass under a conversion left in fp32 (they cannot fail): {sorted(passed - named)}"
+    assert not named - passed, f"named as passing planted, but they fail there (remove them): {sorted(named - passed)}"
+    only_skipped = {t for t in ran - passed if all(r["outcome"] == "skipped" for r in record[t].values())}
+    assert all(t.startswith("tests/test_cuda") for t in only_skipped), (  # CUDA-only: skipped on the machine it ran on
+        f"skipped under the plant, not CUDA-only: {sorted(t for t in only_skipped if not t.startswith('tests/test_cuda'))}")
 
 
 def test_plant_leaves_every_op_in_fp32(monkeypatch):

@@ -79,7 +79,7 @@ def case(request):
 def test_two_graphs_are_captured_and_reported(case):
     _, _, conv = case
     assert isinstance(conv.module, TwoModeGraphModule), type(conv.module).__mro__
-    modes = conv.report.extra["modes"]
+    modes = conv.report.records.capture.modes
     assert modes.startswith("follows train()/eval() with two graphs"), modes
     assert "random op(s) run in train mode only" in modes or "differs" in modes, modes
     random = {"bernoulli_", "bernoulli"}
@@ -205,7 +205,7 @@ class Noisy(nn.Module):
 def test_random_ops_in_both_modes_keep_one_graph():
     conv = converter.convert(Noisy().eval(), (torch.randn(4, 8),), tracer="export")
     assert not isinstance(conv.module, TwoModeGraphModule)
-    assert conv.report.extra["modes"].startswith("follows train()/eval(): traced in train mode")
+    assert conv.report.records.capture.modes.startswith("follows train()/eval(): traced in train mode")
 
 
 def test_onnx_export_runs_the_eval_graph(case, tmp_path):

@@ -129,7 +129,7 @@ def test_capture_writes_typed_modes_and_the_prose_stays_in_the_report():
     sample = load_sample("mlp")
     conv = converter.convert(sample.build_model(), sample.example_inputs())
     assert conv.report.modes is not None and conv.report.modes.kind == "follows" and conv.report.modes.frozen is None
-    assert conv.report.extra["modes"] == conv.report.modes.text and conv.report.extra["modes"].startswith("follows train()/eval()")
+    assert conv.report.records.capture.modes == conv.report.modes.text and conv.report.records.capture.modes.startswith("follows train()/eval()")
     assert '"modes": "follows train()/eval()' in conv.report.to_json()
 
 
@@ -189,6 +189,6 @@ def test_graph_meta_is_declared_fields_set_by_each_stage():
     assert graph_meta.device == "cpu" and graph_meta.lowered and len(graph_meta.lowering) == len(graph_meta.lowered) + 1
     assert graph_meta.lowering[-1]["lowering"] == "upcast_gemm"  # the GEMM kernels' choice (not measured in tests: native)
     assert graph_meta.fp32_math is not None and graph_meta.checkpoint is not None
-    assert conv.report.extra["lowering"] == list(graph_meta.lowering)
+    assert conv.report.records.lowering.lowering == list(graph_meta.lowering)
     assert conv.report.fp32_math["setting"] == graph_meta.fp32_math
     assert isinstance(graph_meta.simplified, tuple)

@@ -65,7 +65,7 @@ NAMES = [n for n in ZOO if n in os.environ["MPCONVERT_ZOO_MODELS"].split(",")] i
 #: run as a real `python -m converter` subprocess (the others call cli.main in-process: same code, no start-up)
 SUBPROCESS_CLI = {"gpt2", "lstm_gru", "groupnorm_unet"}
 
-#: models whose emitted model.py needs the library that defines a custom op they call (report.extra
+#: models whose emitted model.py needs the library that defines a custom op they call (report.json's
 #: library_ops): in the torch-only venv it must fail with one clear line naming the package, and with
 #: the package installed it must run bit-identically (checked in this process)
 NEEDS = {"mixtral": "transformers", "deepseek_v3": "transformers"}
@@ -445,7 +445,7 @@ def test_emitted_model_runs_in_a_torch_only_venv(name, standalone, cli_runs):
     if name in NEEDS:
         package = NEEDS[name]
         assert isinstance(got, str) and f"which the package '{package}' defines: pip install {package}" in got, got
-        assert _case(name)["bf16"].report.extra["library_ops"], "the report lists no library op"
+        assert _case(name)["bf16"].report.records.lowering.library_ops, "the report lists no library op"
         got = _emitted_here(name, cli_runs, build_inputs(name))
     assert isinstance(got, torch.Tensor), f"{name}: {got}"
     want = _case(name)["out_bf16"]

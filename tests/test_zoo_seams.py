@@ -144,7 +144,7 @@ def test_cache_off_reaches_wrappers_and_kwargs_forwards(family, monkeypatch):
     kwargs = {"input_ids": _ids(), "attention_mask": torch.ones(2, 12, dtype=torch.long)}
     conv = converter.convert(model, ((), kwargs), precision="bf16", partial=False)
     assert conv.graph_breaks == []
-    assert "captured without the key/value cache" in conv.report.extra["cache"], conv.report.extra["cache"]
+    assert "captured without the key/value cache" in conv.report.records.capture.cache, conv.report.records.capture.cache
     assert model.config.use_cache is True  # the model's own config is left as it was
     _check_family(family, model, (), kwargs, conv)  # PEFT: the adapter's (trainable) parameters' gradients
 

@@ -122,17 +122,23 @@ def _open(kind: str) -> list:
             if (kind, name) in OPEN else name for name in FAMILIES]
 
 
+#: above what a bf16 conversion reaches (about 8 bits of mantissa: 40 to 60 dB), below what fp32 everywhere gives
+BF16_CEILING_DB = 90.0
+
+
 @pytest.mark.parametrize("name", _open("out"))
 def test_output_sqnr_against_autocast(name):
     ours, amp = _measured(name)["out"]
     margin = OUTPUT_MARGIN[name]
     assert ours >= amp - margin, f"{name}: output SQNR vs fp32 {ours:.1f} dB, autocast {amp:.1f} dB (margin {margin} dB)"
+    assert ours < BF16_CEILING_DB, f"{name}: output SQNR vs fp32 {ours:.1f} dB: did bf16 run? (autocast {amp:.1f} dB)"
 
 
 @pytest.mark.parametrize("name", _open("grad"))
 def test_parameter_gradient_sqnr_against_autocast(name):
     ours, amp = _measured(name)["grad"]
     assert ours >= amp - 1.0, f"{name}: parameter-gradient SQNR vs fp32 {ours:.1f} dB, autocast {amp:.1f} dB"
+    assert ours < BF16_CEILING_DB, f"{name}: parameter-gradient SQNR vs fp32 {ours:.1f} dB: did bf16 run?"
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
