@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from helpers import assert_half_ran
 from torch import nn
 
 import converter
@@ -207,6 +208,7 @@ def test_out_of_place_accumulation_promotes(tracer):
     ops = {n.meta[META_INFO].op: n for n in conv.module.graph.nodes if n.meta.get(META_INFO) is not None
            and n.meta[META_INFO].op in ("index_add", "scatter_reduce")}
     assert set(ops) == {"index_add", "scatter_reduce"}
+    assert_half_ran(conv, label="the linear feeding the accumulations")
     for op, node in ops.items():
         assert node.meta[META_DECISION].precision == "fp32" and node.meta[META_DECISION].requested == "promote", (op, node.meta[META_DECISION])
     with torch.no_grad():

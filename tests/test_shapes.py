@@ -342,7 +342,7 @@ def test_a_pinned_dim_is_not_reported_dynamic_and_the_guard_line_is_named():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             auto = model(other)
         db, auto_db = sqnr(model(other), got), sqnr(model(other), auto)
-        assert db >= auto_db - 1.0, f"at 24x24: {db:.1f} dB, autocast {auto_db:.1f} dB"
+        assert auto_db - 1.0 <= db < 100.0, f"at 24x24: {db:.1f} dB, autocast {auto_db:.1f} dB (fp32 gives > 100)"
     md = conv.report.to_markdown()
     assert "x dim 2, 3: guard" in md and f"test_shapes.py:{line}" in md, md[:1000]
 
@@ -361,6 +361,7 @@ def test_vision_models_report_only_the_image_dims_they_serve(family):
     torch.manual_seed(0)
     model = getattr(transformers, cls)(cfg()).eval()
     conv = converter.convert(model, ((), {"pixel_values": torch.randn(2, 3, 32, 32)}))
+    assert_half_ran(conv, min_share=0.3, label=family)
     capture = conv.report.records.capture
     assert capture.dynamic_dims == {"pixel_values": [0]}, (capture.dynamic_dims, capture.narrowed_dims)
     narrowed = capture.narrowed_dims["pixel_values"]

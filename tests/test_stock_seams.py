@@ -19,7 +19,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import first_tensor, sqnr
+from helpers import assert_half_ran, first_tensor, sqnr
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -252,6 +252,7 @@ def test_vqvae_ema_codebook_is_written_in_train_mode():
     measured_out = measured.pop("eval output")
     _assert_written(measured, floor=25.0)
     assert measured_out[0] >= 20.0 and measured_out[0] >= measured_out[1] - 6.0, f"eval output: {measured_out}"
+    assert measured_out[0] < 100.0, f"eval output {measured_out[0]:.1f} dB against fp32's: did bf16 run?"
 
 
 def test_hand_written_norm_running_statistics_are_written():
@@ -372,6 +373,7 @@ def test_fully_masked_rows_equal_the_original_in_module_model_py_and_onnx(tmp_pa
     padding[0, :5], padding[1, :2] = 1.0, 1.0  # left padding: queries 0-4 and 0-1 see no key
     rows = padding.bool()
     conv = converter.convert(model, (x, padding), precision="fp16")
+    assert_half_ran(conv, label="padded encoder")
     with torch.no_grad():
         want = model(x, padding)
         got = conv.module(x, padding).float()

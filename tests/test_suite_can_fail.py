@@ -14,6 +14,7 @@ Under ``CI=true``, a test that would skip because a package of ``.[test]`` does 
 """
 from __future__ import annotations
 
+import copy
 import os
 import re
 import subprocess
@@ -77,18 +78,13 @@ def test_every_numeric_test_was_run_planted_and_only_the_named_ones_pass():
 
     record = json.loads(plant_all.RESULTS.read_text())["tests"]
     scanned = {t for t in plant_all.numeric_tests() if t.split("::")[0] not in plant_all.EXEMPT_FILES}
-    assert set(record) == scanned, (f"run planted (python tests/plant_all.py --only ...): {sorted(scanned - set(record))}; "
-                                    f"no longer numeric tests: {sorted(set(record) - scanned)}")
-    ran = {t for t, items in record.items() if items}
-    assert len(ran) >= 0.9 * len(record), f"only {len(ran)} of {len(record)} numeric tests ran an item planted"
-    passed = plant_all.passed_planted(record)
-    named = set(plant_all.EXEMPT) | plant_all.OPEN
-    assert not passed - named, f"pass under a conversion left in fp32 (they cannot fail): {sorted(passed - named)}"
-    assert not named - passed, f"named as passing planted, but they fail there (remove them): {sorted(named - passed)}"
-    only_skipped = {t for t in ran - passed if all(r["outcome"] == "skipped" for r in record[t].values())}
-    assert all(t.startswith("tests/test_cuda") for t in only_skipped), (  # CUDA-only: skipped on the machine it ran on
-        f"skipped under the plant, not CUDA-only: {sorted(t for t in only_skipped if not t.startswith('tests/test_cuda'))}")
-
+    assert plant_all.problems(record, scanned) == []
+    planted = copy.deepcopy(record)  # the check can fail: one item of a numeric test passing under the plant
+    test = "tests/test_zoo_seams_numerics.py::test_output_sqnr_against_autocast"
+    next(iter(planted[test].values()))["outcome"] = "passed"
+    assert plant_all.problems(planted, scanned) == [f"pass under a conversion left in fp32 (they cannot fail): {[test]}"]
+    unrun = scanned | {"tests/test_new.py::test_sqnr_of_something"}
+    assert plant_all.problems(record, unrun)[0].startswith("not run planted"), plant_all.problems(record, unrun)
 
 def test_plant_leaves_every_op_in_fp32(monkeypatch):
     """The plant itself: with it installed a conversion reports no half node and its output equals fp32's."""
