@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from research import NAMES, load, median_sqnr, outputs_and_grads  # noqa: E402
+from research import NAMES, against_autocast, load  # noqa: E402
 
 import converter  # noqa: E402
 from benchmarks.common import interleaved, machine_info, summarize  # noqa: E402
@@ -54,17 +54,11 @@ def numerics(name: str) -> dict:
     on freshly built weights (the timed modules have taken optimizer steps)."""
     mf = load(name)
     found = {}
-    ref = outputs_and_grads(mf.build_model(), mf)
     for precision in ("bf16", "fp16"):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             conv = converter.convert(mf.build_model(), mf.example_inputs(), precision=precision)
-        ours = outputs_and_grads(conv.module, mf)
-        auto = outputs_and_grads(mf.build_model(), mf, autocast=precision)
-        found[precision] = {"output_db": round(median_sqnr(ref, ours, 0), 2),
-                            "autocast_output_db": round(median_sqnr(ref, auto, 0), 2),
-                            "grad_db": round(median_sqnr(ref, ours, 1), 2),
-                            "autocast_grad_db": round(median_sqnr(ref, auto, 1), 2)}
+        found[precision] = {k: round(v, 2) for k, v in against_autocast(mf, conv.module, precision).items()}
     return found
 
 
@@ -111,9 +105,8 @@ def run(name: str, rounds: int, table: bool = False) -> dict:
         samples = interleaved(steps, rounds=rounds, warmup=5, clock="cpu")
     figures = {variant: summarize(s) for variant, s in samples.items()}
     auto = figures["autocast"]["total_ms"]
-    found = numerics(name) if table else None
     summary = portable.report.summary
-    extra = {"numerics": found} if found is not None else {}
+    extra = {"numerics": numerics(name)} if table else {}
     return {"model": name, "ms": {v: round(f["total_ms"], 3) for v, f in figures.items()},
             "vs_autocast": {v: round(f["total_ms"] / auto, 3) for v, f in figures.items()},
             "break_count": summary["break_count"], "captured_flop_fraction": summary["captured_flop_fraction"],

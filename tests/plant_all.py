@@ -97,6 +97,11 @@ def numeric_tests() -> list[str]:
     return sorted(found)
 
 
+def planted_tests() -> list[str]:
+    """The numeric tests the record holds: the scan less the files of EXEMPT_FILES."""
+    return [t for t in numeric_tests() if t.split("::")[0] not in EXEMPT_FILES]
+
+
 def passed_planted(record: dict) -> set[str]:
     """The tests of a record (``tests/planted_fp32.json``'s ``tests``) with an item that passed under the plant."""
     return {t for t, items in record.items() if any(r["outcome"] == "passed" for r in items.values())}
@@ -112,7 +117,7 @@ def _outcomes(junit: Path) -> dict[str, dict]:
         for child in case:
             if child.tag in ("failure", "error", "skipped"):
                 outcome = "skipped" if child.tag == "skipped" else "failed"
-                message = (child.get("message") or "").strip().splitlines()[0][:300] if child.get("message") else ""
+                message = next(iter((child.get("message") or "").strip().splitlines()), "")[:300]
                 break
         found[item] = {"outcome": outcome, "message": message}
     return found
@@ -146,7 +151,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=None,
                         help="run these tests only and merge their outcomes into the existing record")
     ns = parser.parse_args()
-    tests = [t for t in numeric_tests() if t.split("::")[0] not in EXEMPT_FILES]
+    tests = planted_tests()
     if ns.only:
         tests = [t for t in tests if t in ns.only]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "CI")}

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import sqnr, torch_only_python
-from research import NAMES, RESEARCH, as_call, flat, floats, load, median_sqnr, outputs_and_grads
+from research import NAMES, RESEARCH, against_autocast, as_call, flat, floats, load
 
 import converter
 from converter.cli.main import main as cli_main
@@ -165,13 +165,11 @@ def test_outputs_and_gradients_match_autocast(name, precision):
         warnings.simplefilter("ignore")
         conv = converter.convert(mf.build_model(), (args, kwargs), precision=precision)
         assert bool(conv.graph_breaks) != (name in WHOLE), f"{name}: graph breaks {conv.graph_breaks}"
-        ref = outputs_and_grads(mf.build_model(), mf)
-        auto = outputs_and_grads(mf.build_model(), mf, autocast=precision)
-        ours = outputs_and_grads(conv.module, mf)  # a model captured whole converts the batches' other sizes again
+        found = against_autocast(mf, conv.module, precision)
     summary = conv.report.summary
     assert summary["by_precision"][precision] > 0 and summary["half_flop_fraction"] >= 0.5, (name, summary)
-    db, auto_db = median_sqnr(ref, ours, 0), median_sqnr(ref, auto, 0)
-    gdb, auto_gdb = median_sqnr(ref, ours, 1), median_sqnr(ref, auto, 1)
+    db, auto_db = found["output_db"], found["autocast_output_db"]
+    gdb, auto_gdb = found["grad_db"], found["autocast_grad_db"]
     assert db >= auto_db - 1.0, f"{name} {precision}: output SQNR {db:.1f} dB, autocast {auto_db:.1f} dB (medians)"
     assert gdb >= auto_gdb - 1.0, f"{name} {precision}: gradient SQNR {gdb:.1f} dB, autocast {auto_gdb:.1f} dB (medians)"
     assert db < HALF_CEILING_DB and gdb < HALF_CEILING_DB, f"{name}: SQNR {db:.1f}/{gdb:.1f} dB: did half precision run?"

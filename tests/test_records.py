@@ -206,6 +206,6 @@ def test_no_code_reads_report_extra(tree):
         if path.relative_to(ROOT).as_posix() in READS_EXTRA:
             continue
         for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            if re.search(r"(?<!self)\.extra\b(?!\s+is deprecated)", line):
+            if (tree == "converter" and "extra[" in line) or re.search(r"(?<!self)\.extra\b(?!\s+is deprecated)", line):
                 found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert found == [], "\n".join(found)

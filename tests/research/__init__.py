@@ -73,6 +73,17 @@ def outputs_and_grads(module: torch.nn.Module, mf, *, autocast: str = "") -> lis
     return found
 
 
+def against_autocast(mf, module: torch.nn.Module, precision: str) -> dict[str, float]:
+    """The medians over the batches of the output and parameter-gradient SQNR against fp32 (``mf.build_model()``), of
+    ``module`` and of torch.autocast in ``precision``: ``output_db``, ``autocast_output_db``, ``grad_db``,
+    ``autocast_grad_db``."""
+    ref = outputs_and_grads(mf.build_model(), mf)
+    auto = outputs_and_grads(mf.build_model(), mf, autocast=precision)
+    ours = outputs_and_grads(module, mf)  # a model captured whole converts the batches' other sizes again
+    return {"output_db": median_sqnr(ref, ours, 0), "autocast_output_db": median_sqnr(ref, auto, 0),
+            "grad_db": median_sqnr(ref, ours, 1), "autocast_grad_db": median_sqnr(ref, auto, 1)}
+
+
 def median_sqnr(ref: list, got: list, index: int) -> float:
     """The median over the batches of the SQNR of output (``index`` 0) or gradients (1); a batch whose output differs
     in size (NMS kept another box count) counts as -inf, a flip."""
