@@ -59,6 +59,7 @@ from converter.passes.decide import decide
 from converter.passes.dispatch import dispatch_attention_calls, dispatch_kernels
 from converter.passes.fp8 import apply_fp8, check_patterns, fp8_floors, fp8_rule_set, gate_fp8, resolved_recipe
 from converter.passes.fp32_math import DEFAULT_FP32_MATH, fp32_math
+from converter.passes.grouped_gemm import grouped_gemm_stage, half_wanted
 from converter.passes.lower import lower
 from converter.passes.rewrite import rewrite
 from converter.passes.simplify import fold_counts, simplify
@@ -397,9 +398,8 @@ def _gemm_choice(options: ConvertOptions) -> tuple[bool, str, Optional[int]]:
 
 def _dispatch(state: State) -> None:
     """A portable conversion: kernels that choose per device at run time (:mod:`converter.passes.dispatch`)."""
-    gm = state.gm
-    _, choices = dispatch_kernels(gm, state.options.precision, _gemm_choice(state.options)[2])  # the same ops
-    set_graph_facts(gm, lowering=gm.meta[GM_GRAPH].lowering + tuple(choices))
+    _, choices = dispatch_kernels(state.gm, state.options.precision, _gemm_choice(state.options)[2])  # the same ops
+    set_graph_facts(state.gm, lowering=state.gm.meta[GM_GRAPH].lowering + tuple(choices))
 
 
 def _cpu_gemm_kernels(state: State) -> None:
@@ -625,9 +625,7 @@ def audit(model: torch.nn.Module, example_inputs: Any, *, rules: Union[None, str
     return state.report
 
 
-# ---------------------------------------------------------------------------------------------
-# the stage table: what convert, audit and pipeline run (converter.stages.run_stages), in this order;
-# docs/architecture.md ("Stage table") lists the same rows (tests/test_stage_table.py)
+# the stage table, run in this order by convert, audit and pipeline (stages.run_stages); docs/architecture.md lists its rows
 
 
 def _converting(state: State) -> bool:
@@ -670,6 +668,8 @@ STAGES: tuple[Stage, ...] = declare(
           when=lambda s: s.fp8_recipe is not None and s.calibration is not None and bool(s.gm.meta[GM_GRAPH].fp8_layers)),
     Stage("fp8_search", ("fp8_layers", "fp8_reference"), ("fp8_layers",), "numerics/fp8_search.py", _fp8_search,
           when=lambda s: s.fp8_recipe is not None and s.fp8_search is not None, per_graph=True, timing="pass_s"),
+    Stage("grouped_gemm", ("casts", "options"), ("lowering",), "passes/grouped_gemm.py", grouped_gemm_stage, when=half_wanted,
+          per_graph=True, timing="pass_s"),
     Stage("dispatch", ("casts", "options"), ("lowering",), "passes/dispatch.py", _dispatch,
           when=lambda s: s.options.device is None and s.options.dispatch_kernels, per_graph=True, timing="pass_s"),
     Stage("cpu_gemm", ("casts", "lowered", "options"), ("lowered", "lowering"), "passes/cpu_gemm.py", _cpu_gemm_kernels,

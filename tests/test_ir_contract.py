@@ -91,12 +91,12 @@ def _stage(rel: str) -> str:
     if parts[0] in ("passes", "numerics"):
         # the calibrate stage is split over numerics/calibrate.py, stats.py (the statistics pass)
         # and redecide.py (re-deciding and re-placing); the search stage over search.py and
-        # sensitivity.py (its ranking); the lower stage's CPU GEMM kernels and a portable graph's dispatching
-        # kernels run after rewrite (cpu_gemm.py, dispatch.py);
+        # sensitivity.py (its ranking); the lower stage's CPU GEMM kernels, a portable graph's dispatching
+        # kernels and the fp32-result MoE expert GEMMs run after rewrite (cpu_gemm.py, dispatch.py, grouped_gemm.py);
         # the fp8 stage is split over passes/fp8.py, numerics/fp8_layers.py (its numerics) and
         # numerics/fp8_search.py (its accuracy target)
         return {"stats": "calibrate", "redecide": "calibrate", "sensitivity": "search",
-                "cpu_gemm": "lower", "dispatch": "lower", "fp8_layers": "fp8", "fp8_search": "fp8"}.get(parts[1], parts[1])
+                "cpu_gemm": "lower", "dispatch": "lower", "grouped_gemm": "lower", "fp8_layers": "fp8", "fp8_search": "fp8"}.get(parts[1], parts[1])
     return parts[0]
 
 

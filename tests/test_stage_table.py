@@ -43,7 +43,7 @@ def _doc_rows() -> list[tuple[str, tuple[str, ...], tuple[str, ...], str, str]]:
 
 def test_the_docs_table_is_the_stage_table() -> None:
     rows = _doc_rows()
-    assert len(rows) == len(api.STAGES) == 28, (len(rows), len(api.STAGES))
+    assert len(rows) == len(api.STAGES) == 29, (len(rows), len(api.STAGES))
     assert [r[0] for r in rows] == [s.name for s in api.STAGES]  # names, in order
     declared = [(s.name, s.reads, s.writes, s.module) for s in api.STAGES]
     assert [r[:4] for r in rows] == declared
@@ -110,7 +110,7 @@ def test_convert_and_audit_run_the_table_in_order(tiny: Any, monkeypatch: pytest
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", converter.SlowHalfWarning)
         conv = converter.convert(tiny.build_model(), tiny.example_inputs(), precision="bf16")
-    graph = ["graph_facts", "decide", "lower", "place", "rewrite", "dispatch", "simplify", "fp32_math", "checkpoint"]
+    graph = ["graph_facts", "decide", "lower", "place", "rewrite", "grouped_gemm", "dispatch", "simplify", "fp32_math", "checkpoint"]
     assert [name for name, _ in calls] == (["rules", "capture"] + graph + ["codegen", "check", "combine", "device_advice",
                                                                              "optional_inputs", "report"])
     assert list(conv.timings) == ["capture_s", "pass_s", "codegen_s", "check_s"]
@@ -144,7 +144,7 @@ def test_a_two_mode_capture_runs_the_graph_stages_graph_by_graph(monkeypatch: py
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", converter.SlowHalfWarning)
         conv = api.convert(_TwoModes(), (torch.randn(2, 8),), precision="bf16", device="cpu")
-    per_graph = ["graph_facts", "decide", "lower", "place", "rewrite", "cpu_gemm", "simplify", "fp32_math",
+    per_graph = ["graph_facts", "decide", "lower", "place", "rewrite", "grouped_gemm", "cpu_gemm", "simplify", "fp32_math",
                  "checkpoint", "codegen", "check"]
     assert calls == ([("rules", 0), ("capture", 0)] + [(n, 0) for n in per_graph] + [(n, 1) for n in per_graph]
                      + [("combine", 0), ("device_advice", 0), ("optional_inputs", 0), ("report", 0)])
@@ -159,7 +159,7 @@ def test_an_unexpected_failure_names_the_stage_and_those_before_it(tiny: Any, mo
     with pytest.raises(PassError) as err:
         api.audit(tiny.build_model(), tiny.example_inputs(), precision="bf16")
     assert str(err.value) == ("stage 'simplify' failed after [rules, capture, graph_facts, decide, lower, place, "
-                              "rewrite, dispatch]: RuntimeError: boom")
+                              "rewrite, grouped_gemm, dispatch]: RuntimeError: boom")
     assert isinstance(err.value.__cause__, RuntimeError)
 
 

@@ -163,8 +163,9 @@ CONTRACT: tuple[MetaKey, ...] = (
             "the node's precision and its provenance; later stages amend it with Decision.noted (fp8 replaces the "
             "rule of a linear one of its gates keeps bf16)"),
     MetaKey(META_CAST, "node", "CastRecord", ("rewrite",),
-            ("measure", "report", "export", "train", "overflow", "simplify", "checkpoint"),
-            "on every cast node: what it converts and which rule made it necessary"),
+            ("measure", "report", "export", "train", "overflow", "simplify", "checkpoint", "lower"),
+            "on every cast node: what it converts and which rule made it necessary (lower's grouped GEMMs drop the "
+            "fp32 casts of the results they keep fp32)"),
     MetaKey(META_VALUE, "node", "TensorSpec | tuple | torch.dtype | str", ("capture", "lower", "rewrite"),
             ("ir", "decide", "place", "calibrate", "report", "export", "simplify", "fp8"),
             "shape propagation: a TensorSpec per tensor (tuples for containers), a dtype, or a type name"),

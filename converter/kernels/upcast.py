@@ -50,6 +50,11 @@ the recomputed forward draws the same mask). Anything else (CUDA, a CPU
 with fast half GEMMs, fp32, ``enable_gqa``, broadcast batch dimensions, a mask that requires grad, a mask
 together with ``is_causal``, scores over :data:`MAX_UNFUSED_SCORES_BYTES`) runs the fused op with the same
 arguments.
+
+**Grouped GEMMs (MoE experts).** :func:`upcast_grouped_mm` computes transformers' ``grouped_mm_fallback(x, weight,
+offs)`` for half operands with an **fp32 result**: the exact products summed in fp32 and not rounded to half (on CUDA
+the native half GEMM per group, widened), half operands saved. :mod:`converter.passes.grouped_gemm` calls it where
+every reader of the result reads fp32.
 """
 from __future__ import annotations
 
@@ -64,7 +69,8 @@ import torch.utils.checkpoint
 __all__ = ["UPCAST_DTYPES", "MIN_SLOWDOWN", "UPCAST_ON_CPU", "UpcastLinear", "UpcastMatmul", "upcast_linear",
            "upcast_matmul", "dispatch_linear", "dispatch_matmul", "matmul_seconds", "cpu_upcast_wanted",
            "GEMM_LADDER", "DEFAULT_MIN_GEMM_FLOPS", "gemm_crossover_flops", "cpu_upcast_min_flops", "MAX_UNFUSED_SCORES_BYTES",
-           "UpcastAttention", "dispatch_attention", "upcast_attention", "GRAPH_KERNELS"]
+           "UpcastAttention", "dispatch_attention", "upcast_attention", "UpcastGroupedMM", "upcast_grouped_mm",
+           "GRAPH_KERNELS"]
 
 #: the operand dtypes these functions upcast (anything else runs the plain op)
 UPCAST_DTYPES = (torch.bfloat16, torch.float16)
@@ -437,5 +443,73 @@ def _attention(query, key, value, attn_mask, dropout_p: float, is_causal: bool, 
                                              use_reentrant=False, preserve_rng_state=True)
 
 
+def _groups(offs: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(expert, first row, end row) of each non-empty group of a grouped GEMM's cumulative row counts ``offs``."""
+    groups, start = [], 0
+    for i, end in enumerate(offs.tolist()):
+        if end > start:
+            groups.append((i, start, end))
+        start = end
+    return groups
+
+
+class UpcastGroupedMM(torch.autograd.Function):
+    """The grouped GEMM of mixture-of-experts layers with an **fp32 result**: rows ``start:end`` of ``x`` (S, K)
+    times ``weight[i]`` (K, N) for the cumulative row counts ``offs`` (E,), as transformers'
+    ``grouped_mm_fallback`` computes it, the rows past ``offs[-1]`` zero. Half ``x`` and ``weight`` in, fp32 out
+    (the exact products summed in fp32, not rounded to half: the consumers read fp32), half saved. On CUDA each
+    group is the native half GEMM (tensor cores), its result widened. Gradients: each GEMM in fp32 on upcast
+    operands (native half on CUDA), rounded once to its operand's dtype."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """The groups' products, fp32."""
+        out = torch.zeros(x.shape[0], weight.shape[2], dtype=torch.float32, device=x.device)
+        for i, start, end in _groups(offs):
+            if x.is_cuda:
+                out[start:end] = torch.mm(x[start:end], weight[i])
+            else:
+                torch.mm(x[start:end].to(torch.float32), weight[i].to(torch.float32), out=out[start:end])
+        return out
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        """Keep ``x`` and ``weight`` in their own (half) dtype, and the groups."""
+        x, weight, offs = inputs
+        ctx.save_for_backward(x, weight)
+        ctx.groups = _groups(offs)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        """grad_x ``dy @ W[i]^T`` and grad_weight ``x^T @ dy`` per group."""
+        x, weight = ctx.saved_tensors
+        wide = x.dtype if x.is_cuda else torch.float32
+        g = grad_output.to(wide)
+        grad_x = torch.zeros(x.shape, dtype=wide, device=x.device) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(weight.shape, dtype=wide, device=x.device) if ctx.needs_input_grad[1] else None
+        for i, start, end in ctx.groups:
+            if grad_x is not None:
+                torch.mm(g[start:end], weight[i].to(wide).t(), out=grad_x[start:end])
+            if grad_w is not None:
+                torch.mm(x[start:end].to(wide).t(), g[start:end], out=grad_w[i])
+        return (None if grad_x is None else grad_x.to(x.dtype), None if grad_w is None else grad_w.to(weight.dtype),
+                None)
+
+
+def upcast_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """transformers' ``grouped_mm_fallback(x, weight, offs)`` with an fp32 result (:class:`UpcastGroupedMM`) for
+    half ``x`` and ``weight`` of one dtype; other operands: the same loop in their promoted dtype (and under
+    TorchScript)."""
+    if torch.jit.is_scripting() or not _half_pair(x, weight):
+        dtype = torch.promote_types(x.dtype, weight.dtype)
+        out = torch.zeros(x.shape[0], weight.shape[2], dtype=torch.promote_types(dtype, torch.float32), device=x.device)
+        for i, start, end in _groups(offs):
+            out[start:end] = torch.mm(x[start:end].to(dtype), weight[i].to(dtype))
+        return out
+    else:
+        return UpcastGroupedMM.apply(x, weight, offs)
+
+
 #: the functions a converted graph calls from this module (model.py carries the module when it calls one)
-GRAPH_KERNELS = (upcast_linear, upcast_matmul, upcast_attention, dispatch_linear, dispatch_matmul, dispatch_attention)
+GRAPH_KERNELS = (upcast_linear, upcast_matmul, upcast_attention, dispatch_linear, dispatch_matmul, dispatch_attention,
+                 upcast_grouped_mm)
