@@ -116,6 +116,34 @@ def test_detr_with_resnet_backbone_trains_with_its_dropout():
     _assert_trains_like(conv, model, kwargs, copy.deepcopy(model))
 
 
+@pytest.mark.slow
+def test_wavlm_ctc_trains_with_its_specaugment_masks_and_dropout():
+    """WavLM for CTC as shipped draws its SpecAugment masks with numpy's RNG in train mode: converted region by
+    region (the draw is glue, with its reason), so training masks time steps (the learned mask embedding gets a
+    gradient) and keeps its dropout, where a graph frozen in eval mode would do neither."""
+    from transformers import WavLMConfig, WavLMForCTC
+
+    cfg = WavLMConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, conv_dim=(16, 16),
+                      conv_stride=(5, 4), conv_kernel=(10, 4), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
+                      vocab_size=12, mask_time_prob=0.5, mask_time_length=2, num_buckets=32, max_bucket_distance=64)
+    torch.manual_seed(0)
+    model = WavLMForCTC(cfg).train()
+    kwargs = {"input_values": torch.randn(2, 1600, generator=torch.Generator().manual_seed(1))}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        conv = converter.convert(model, ((), kwargs), precision="bf16")
+    assert conv.partition is not None and conv.partition.regions, conv.report.records.capture.modes
+    reasons = {b.module: b.reason for b in conv.partition.breaks}
+    assert "numpy.random" in reasons.get("wavlm", ""), reasons
+    assert_half_ran(conv, min_share=0.9, label="wavlm")
+    module = conv.module.train()
+    embed = dict(module.named_parameters())["wavlm.masked_spec_embed"]
+    embed.grad = None
+    first_tensor(module(**kwargs)).float().sum().backward()
+    assert embed.grad is not None and embed.grad.abs().sum() > 0, "no time step was masked in training"
+    _assert_trains_like(conv, model, kwargs, copy.deepcopy(model))
+
+
 # ---------------------------------------------------------------------------------------------
 # buffers that forward writes
 
