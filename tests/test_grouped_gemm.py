@@ -60,10 +60,12 @@ def test_the_kernel_keeps_the_exact_products_in_fp32_and_saves_half():
     assert torch.equal(wg.grad[1], torch.zeros(16, 8, dtype=torch.bfloat16)), "the empty expert gets no gradient"
 
 
-def test_fp32_operands_run_the_library_ops_math():
+def test_fp32_operands_and_torchscript_run_the_library_ops_math():
     x, w, offs = _operands()
     x, w = x.float(), w.float()
     assert torch.equal(upcast_grouped_mm(x, w, offs), _library_op()(x, w, offs))
+    scripted = torch.jit.script(upcast_grouped_mm)  # TorchScript compiles only the plain branch
+    assert torch.equal(scripted(x, w, offs), _library_op()(x, w, offs))
 
 
 @pytest.fixture(scope="module")

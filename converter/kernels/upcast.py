@@ -61,7 +61,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.utils.checkpoint
@@ -443,14 +443,26 @@ def _attention(query, key, value, attn_mask, dropout_p: float, is_causal: bool, 
                                              use_reentrant=False, preserve_rng_state=True)
 
 
-def _groups(offs: torch.Tensor) -> list[tuple[int, int, int]]:
+def _groups(offs: torch.Tensor) -> List[Tuple[int, int, int]]:
     """(expert, first row, end row) of each non-empty group of a grouped GEMM's cumulative row counts ``offs``."""
-    groups, start = [], 0
-    for i, end in enumerate(offs.tolist()):
-        if end > start:
-            groups.append((i, start, end))
-        start = end
+    ends: List[int] = offs.tolist()
+    groups: List[Tuple[int, int, int]] = []
+    start = 0
+    for i in range(len(ends)):
+        if ends[i] > start:
+            groups.append((i, start, ends[i]))
+        start = ends[i]
     return groups
+
+
+def _grouped_mm_plain(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """The grouped GEMM in the operands' promoted dtype (fp32 at least), through autograd."""
+    dtype = torch.promote_types(x.dtype, weight.dtype)
+    out = torch.zeros([x.shape[0], weight.shape[2]], dtype=torch.promote_types(dtype, torch.float32), device=x.device)
+    for group in _groups(offs):
+        i, start, end = group
+        out[start:end] = torch.mm(x[start:end].to(dtype), weight[i].to(dtype))
+    return out
 
 
 class UpcastGroupedMM(torch.autograd.Function):
@@ -498,15 +510,13 @@ class UpcastGroupedMM(torch.autograd.Function):
 
 def upcast_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """transformers' ``grouped_mm_fallback(x, weight, offs)`` with an fp32 result (:class:`UpcastGroupedMM`) for
-    half ``x`` and ``weight`` of one dtype; other operands: the same loop in their promoted dtype (and under
-    TorchScript)."""
-    if torch.jit.is_scripting() or not _half_pair(x, weight):
-        dtype = torch.promote_types(x.dtype, weight.dtype)
-        out = torch.zeros(x.shape[0], weight.shape[2], dtype=torch.promote_types(dtype, torch.float32), device=x.device)
-        for i, start, end in _groups(offs):
-            out[start:end] = torch.mm(x[start:end].to(dtype), weight[i].to(dtype))
-        return out
+    half ``x`` and ``weight`` of one dtype; other operands (and TorchScript, which compiles only that branch): the
+    same products in their promoted dtype, fp32 at least."""
+    if torch.jit.is_scripting():
+        return _grouped_mm_plain(x, weight, offs)
     else:
+        if not _half_pair(x, weight):
+            return _grouped_mm_plain(x, weight, offs)
         return UpcastGroupedMM.apply(x, weight, offs)
 
 
