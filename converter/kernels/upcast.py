@@ -474,22 +474,19 @@ class UpcastGroupedMM(torch.autograd.Function):
     operands (native half on CUDA), rounded once to its operand's dtype."""
 
     @staticmethod
-    def forward(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        """The groups' products, fp32."""
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """The groups' products, fp32; keeps ``x`` and ``weight`` in their own (half) dtype, and the groups (read
+        from ``offs`` once: on CUDA each read is a host sync)."""
+        groups = _groups(offs)
         out = torch.zeros(x.shape[0], weight.shape[2], dtype=torch.float32, device=x.device)
-        for i, start, end in _groups(offs):
+        for i, start, end in groups:
             if x.is_cuda:
                 out[start:end] = torch.mm(x[start:end], weight[i])
             else:
                 torch.mm(x[start:end].to(torch.float32), weight[i].to(torch.float32), out=out[start:end])
-        return out
-
-    @staticmethod
-    def setup_context(ctx, inputs, output) -> None:
-        """Keep ``x`` and ``weight`` in their own (half) dtype, and the groups."""
-        x, weight, offs = inputs
         ctx.save_for_backward(x, weight)
-        ctx.groups = _groups(offs)
+        ctx.groups = groups
+        return out
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):

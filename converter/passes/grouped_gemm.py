@@ -30,24 +30,25 @@ from typing import Any, Optional
 import torch
 import torch.fx
 
-from converter.ir.meta import GM_GRAPH, META_CAST, META_DECISION, set_graph_facts
+from converter.ir.meta import GM_GRAPH, META_CAST, META_DECISION, META_INFO, set_graph_facts
+from converter.ir.ops import library_op
 from converter.kernels.upcast import upcast_grouped_mm
 from converter.passes.lower import LoweringChoice
 from converter.vocab import HALF_PRECISIONS
 
-__all__ = ["widen_grouped_gemms", "grouped_gemm_stage", "half_wanted", "LIBRARY_GROUPED_MM"]
+__all__ = ["widen_grouped_gemms", "grouped_gemm_stage", "half_wanted"]
 
-#: the library op's qualified name (transformers.integrations.moe registers it)
-LIBRARY_GROUPED_MM = "transformers::grouped_mm_fallback"
 _WHY = ("runs upcast_grouped_mm: the same half operands, the products summed in fp32 and kept fp32 (every reader "
         "reads fp32: no rounding to half and back; on CUDA the native half GEMM, widened); half operands saved")
 _INPLACE_WHY = "writes in place the fp32 result of {node} (upcast_grouped_mm): runs in fp32"
 
 
 def _is_library_grouped_mm(node: torch.fx.Node) -> bool:
-    target = node.target
-    return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
-            and target._schema.name == LIBRARY_GROUPED_MM and len(node.args) == 3 and not node.kwargs)
+    """A call of another library's grouped GEMM (``converter.ir.ops.LIBRARY_OPS``: transformers' fallback) with its
+    three positional arguments."""
+    info = node.meta.get(META_INFO)
+    return (info is not None and info.op == "grouped_mm" and library_op(node) is not None and len(node.args) == 3
+            and not node.kwargs)
 
 
 def _writes_first_argument(node: torch.fx.Node) -> bool:
